@@ -1,0 +1,1 @@
+"""kvindex indexer: wire decoding, residency model, stores and the event subscriber."""

@@ -1,0 +1,306 @@
+"""The residency model: what a batch of KV events does to an engine's counts.
+
+Pure logic, no I/O. Every store (in-process, Redis, Redis Cluster) turns a
+batch into the same :class:`TierOp` list with :func:`plan_batch` and combines
+per-tier lookups into a :class:`PrefixMatch` with :func:`match_prefix`, so the
+rules of DESIGN §3 live in exactly one place.
+
+Counts are keyed by ``(engine, dp_rank, medium, ownership, group_idx, hash)``.
+A *tier* is the ``(medium, ownership, group_idx)`` part: one refcount table
+per tier per engine rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from indexer.wire import AllBlocksCleared, BlockHash, BlockStored, EventBatch, normalise_medium
+
+GPU, CPU, STORAGE = "GPU", "CPU", "STORAGE"
+MEDIA = (GPU, CPU, STORAGE)
+LOWER_TIERS = (CPU, STORAGE)
+
+#: Attention kinds whose blocks make a prefix reusable (DESIGN §3). A group
+#: never classified (kind None) counts too; any other kind is tracked only.
+SCORED_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+def is_scored(kind: str | None) -> bool:
+    """Whether a KV group of this kind counts for prefix matching."""
+    return kind is None or kind in SCORED_KINDS
+
+
+class RankId(NamedTuple):
+    """One data-parallel rank of one engine: the unit that owns a seq stream."""
+
+    engine: str
+    dp_rank: int
+
+
+class Tier(NamedTuple):
+    """The part of a residency key that is not the engine rank or the hash."""
+
+    medium: str
+    ownership: str | None
+    group_idx: int
+
+
+class ResidencyKey(NamedTuple):
+    engine: str
+    dp_rank: int
+    medium: str
+    ownership: str | None
+    group_idx: int
+    block_hash: BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class TierOp:
+    """+1 (``delta=1``) or -1 for each hash of one tier, as one event says.
+
+    ``kind`` and ``chunk_blocks`` carry what a store event teaches about the
+    group (its attention kind) and the engine (blocks per offloaded chunk).
+    """
+
+    tier: Tier
+    delta: int
+    hashes: Sequence[BlockHash]
+    locality: str | None = None
+    kind: str | None = None
+    chunk_blocks: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClearMedium:
+    """Drop every count of one medium for the rank (``AllBlocksCleared`` → GPU)."""
+
+    medium: str
+
+
+Op = TierOp | ClearMedium
+
+
+def plan_batch(batch: EventBatch) -> list[Op]:
+    """Translate a decoded batch into store operations, in event order."""
+    ops: list[Op] = []
+    for event in batch.events:
+        if type(event) is AllBlocksCleared:
+            ops.append(ClearMedium(GPU))
+            continue
+        tier = Tier(normalise_medium(event.medium), event.ownership, event.group_idx or 0)
+        if type(event) is BlockStored:
+            ops.append(
+                TierOp(
+                    tier,
+                    1,
+                    event.block_hashes,
+                    event.locality,
+                    event.kv_cache_spec_kind,
+                    _chunk_blocks(tier, event),
+                )
+            )
+        else:
+            ops.append(TierOp(tier, -1, event.block_hashes, event.locality))
+    return ops
+
+
+def _chunk_blocks(tier: Tier, event: BlockStored) -> int | None:
+    """Blocks per offloaded chunk, if this store is a self-describing chunk.
+
+    Only full-attention groups publish whole chunks; recurrent groups may
+    publish partial tails, which say nothing about the chunk size.
+    """
+    if tier.medium == GPU or event.block_size <= 0 or not is_scored(event.kv_cache_spec_kind):
+        return None
+    return len(event.block_hashes)
+
+
+@dataclass(slots=True)
+class TierTable:
+    """Refcounts of one tier of one engine rank; a hash is resident while > 0."""
+
+    counts: dict[BlockHash, int] = field(default_factory=dict)
+    locality: str | None = None
+
+
+@dataclass
+class RankResidency:
+    """All counts of one engine rank, with what its events taught about it.
+
+    This is the embedded store's state and the reference every other store is
+    checked against by the conformance suite.
+    """
+
+    tables: dict[Tier, TierTable] = field(default_factory=dict)
+    group_kinds: dict[int, str | None] = field(default_factory=dict)
+    chunk_blocks: int | None = None
+    unknown_removals: int = 0
+
+    def apply(self, ops: Iterable[Op]) -> int:
+        """Apply operations in order; returns the number of block operations."""
+        applied = 0
+        for op in ops:
+            if type(op) is ClearMedium:
+                self.clear((op.medium,))
+                continue
+            table = self.tables.get(op.tier)
+            if table is None:
+                table = self.tables[op.tier] = TierTable()
+            if op.locality is not None:
+                table.locality = op.locality
+            if op.delta > 0:
+                self._learn(op)
+                _increment(table.counts, op.hashes)
+            else:
+                self.unknown_removals += _decrement(table.counts, op.hashes)
+            applied += len(op.hashes)
+        return applied
+
+    def _learn(self, op: TierOp) -> None:
+        if op.kind is not None or op.tier.group_idx not in self.group_kinds:
+            self.group_kinds[op.tier.group_idx] = op.kind
+        if op.chunk_blocks and self.chunk_blocks is None:
+            self.chunk_blocks = op.chunk_blocks
+
+    def clear(self, media: Iterable[str]) -> None:
+        for medium in media:
+            for tier in [t for t in self.tables if t.medium == medium]:
+                del self.tables[tier]
+
+    def scored_tables(self, medium: str) -> list[dict[BlockHash, int]]:
+        """Count tables of a medium that prefix matching looks at."""
+        return [
+            table.counts
+            for tier, table in self.tables.items()
+            if tier.medium == medium and is_scored(self.group_kinds.get(tier.group_idx))
+        ]
+
+    def distinct_blocks(self, medium: str) -> int:
+        """Distinct resident hashes of a medium, across ownerships and groups."""
+        tables = [t.counts for tier, t in self.tables.items() if tier.medium == medium]
+        if len(tables) == 1:
+            return len(tables[0])
+        return len(set().union(*tables))
+
+
+def _increment(counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
+    get = counts.get
+    for h in hashes:
+        counts[h] = get(h, 0) + 1
+
+
+def _decrement(counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> int:
+    """Remove one reference per hash, never below zero; returns unknown removals."""
+    unknown = 0
+    for h in hashes:
+        n = counts.get(h, 0)
+        if n > 1:
+            counts[h] = n - 1
+        elif n == 1:
+            del counts[h]
+        else:
+            unknown += 1
+    return unknown
+
+
+# --- prefix matching ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TierWeights:
+    """Score per prefix block by the tier it would be served from."""
+
+    gpu: float = 1.0
+    cpu: float = 0.8
+    storage: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """How much of a block-hash chain one engine rank can serve, tier by tier.
+
+    ``gpu_blocks``: leading blocks on GPU. ``cpu_blocks``/``storage_blocks``:
+    leading blocks loadable from that tier alone, in whole chunks.
+    ``prefix_blocks``: the GPU run extended by whole chunks from any lower
+    tier; ``from_cpu``/``from_storage`` count the prefix blocks that extension
+    takes from each.
+    """
+
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+    storage_blocks: int = 0
+    prefix_blocks: int = 0
+    from_cpu: int = 0
+    from_storage: int = 0
+
+    def score(self, weights: TierWeights) -> float:
+        from_gpu = self.prefix_blocks - self.from_cpu - self.from_storage
+        return (
+            from_gpu * weights.gpu
+            + self.from_cpu * weights.cpu
+            + self.from_storage * weights.storage
+        )
+
+
+#: ``chunk_in(medium, j)``: is chunk ``j`` of the chain resident on that lower medium?
+ChunkLookup = Callable[[str, int], bool]
+
+
+def match_prefix(
+    num_blocks: int, gpu_blocks: int, chunk_blocks: int | None, chunk_in: ChunkLookup
+) -> PrefixMatch:
+    """Combine a GPU run and lower-tier chunk residency into a prefix match.
+
+    Lower tiers load whole chunks, aligned to the start of the prompt, and a
+    chunk is resident exactly when its end hash is (the chain hash of the end
+    block fixes the whole chunk). After the GPU run, the engine loads the
+    chunk holding the first missing block and the ones after it, CPU first.
+    """
+    if not chunk_blocks:
+        return PrefixMatch(gpu_blocks, prefix_blocks=gpu_blocks)
+    chunks = num_blocks // chunk_blocks
+    runs = {m: _leading_chunks(chunks, lambda j, m=m: chunk_in(m, j)) for m in LOWER_TIERS}
+    prefix, taken = gpu_blocks, {CPU: 0, STORAGE: 0}
+    for j in range(gpu_blocks // chunk_blocks, chunks):
+        medium = next((m for m in LOWER_TIERS if j < runs[m] or chunk_in(m, j)), None)
+        if medium is None:
+            break
+        end = (j + 1) * chunk_blocks
+        taken[medium] += end - prefix
+        prefix = end
+    return PrefixMatch(
+        gpu_blocks,
+        runs[CPU] * chunk_blocks,
+        runs[STORAGE] * chunk_blocks,
+        prefix,
+        taken[CPU],
+        taken[STORAGE],
+    )
+
+
+def _leading_chunks(chunks: int, present: Callable[[int], bool]) -> int:
+    for j in range(chunks):
+        if not present(j):
+            return j
+    return chunks
+
+
+def chunk_end(chain: Sequence[BlockHash], chunk_blocks: int, j: int) -> BlockHash:
+    """The hash that identifies chunk ``j`` of a chain: its last block's."""
+    return chain[(j + 1) * chunk_blocks - 1]
+
+
+def leading_run(chain: Sequence[BlockHash], tables: Sequence[dict[BlockHash, int]]) -> int:
+    """Number of leading hashes of ``chain`` resident in any of ``tables``."""
+    if len(tables) == 1:
+        (table,) = tables
+        for i, h in enumerate(chain):
+            if h not in table:
+                return i
+        return len(chain)
+    for i, h in enumerate(chain):
+        if not any(h in t for t in tables):
+            return i
+    return len(chain)

@@ -1,0 +1,91 @@
+"""The one protocol every store implements, and the values it speaks in.
+
+The conformance suite (``tests/test_store_conformance.py``) runs the same
+tests against every implementation; a new backend is done when it passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from indexer.model import PrefixMatch, RankId
+from indexer.wire import BlockHash, EventBatch
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached; callers retry, the API answers 503."""
+
+
+@dataclass(frozen=True, slots=True)
+class Watermark:
+    """The last batch applied for a rank, with its ``ts``.
+
+    The ts tells a replayed duplicate (ts no newer) from a restarted engine's
+    new seq 0.. stream (newer ts) when an indexer restarts after the engine.
+    """
+
+    seq: int
+    ts: float
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    applied: bool  # False: seq at or below the watermark, nothing changed
+    block_ops: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """One residency of a block: whose, where, and how many references."""
+
+    engine: str
+    dp_rank: int
+    medium: str
+    ownership: str | None
+    group_idx: int
+    locality: str | None
+    count: int
+
+
+class Store(Protocol):
+    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
+        """Apply a batch once: a seq at or below the rank's watermark is a no-op."""
+
+    async def watermark(self, rank: RankId) -> Watermark | None:
+        """The last applied batch of the rank; None for a rank never seen."""
+
+    async def clear(self, rank: RankId, media: Collection[str], *, reset_seq: bool = False) -> None:
+        """Drop a rank's counts on these media; ``reset_seq`` forgets its watermark
+        too (the engine restarted and numbers batches from 0 again)."""
+
+    async def forget(self, rank: RankId) -> None:
+        """Drop everything about the rank (the engine was deregistered)."""
+
+    async def block_residency(self, block_hash: BlockHash) -> list[Residency]:
+        """Every residency of one block hash, across engines, media and groups."""
+
+    async def prefix_match(
+        self, chain: Sequence[BlockHash], chunk_blocks: Mapping[str, int | None]
+    ) -> dict[RankId, PrefixMatch]:
+        """Longest prefix of ``chain`` per rank and tier.
+
+        ``chunk_blocks`` maps each engine to consider to its declared blocks per
+        chunk (None: use what its events taught). Ranks of other engines are
+        not looked at; every rank of a listed engine the store knows is answered.
+        """
+
+    async def block_counts(self, rank: RankId) -> dict[str, int]:
+        """Distinct resident hashes per medium (all three media present)."""
+
+    async def anomalies(self, rank: RankId) -> dict[str, int]:
+        """Counted oddities of the rank's stream, e.g. ``unknown_removals``."""
+
+    async def ranks(self) -> list[RankId]:
+        """Every rank the store holds state for."""
+
+    async def ping(self) -> None:
+        """Raise :class:`StoreUnavailable` unless the store answers."""
+
+    async def close(self) -> None: ...

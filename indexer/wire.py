@@ -1,0 +1,207 @@
+"""Decoding of vLLM KV-cache event batches (the ZMQ wire of vLLM 0.33).
+
+vLLM 0.33 encodes events as msgpack maps tagged by ``"type"``; older releases
+sent positional arrays with the tag first. msgspec cannot mix both shapes in
+one union, so a batch is decoded as maps first and, only if that fails, as
+positional arrays (one release never mixes the two in one batch).
+
+Every way a payload can be wrong surfaces as one exception, :class:`WireError`,
+with a short machine-readable ``reason`` the consumer counts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+
+MEDIA = ("GPU", "CPU", "STORAGE")
+Medium = Literal["GPU", "CPU", "STORAGE"]
+
+#: A published block hash: the low 64 bits of the digest, or the raw digest.
+BlockHash = Annotated[int, msgspec.Meta(ge=0)] | bytes
+
+#: Events larger than this many hashes are rejected rather than applied.
+MAX_HASHES_PER_EVENT = 1 << 20
+
+_OPTIONS = {"frozen": True, "gc": False, "forbid_unknown_fields": False}
+
+
+class WireError(ValueError):
+    """A frame or payload that is not a valid vLLM KV event batch."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def normalise_medium(medium: str | None) -> str:
+    """Upper-case a medium name; nil means GPU (vLLM's default pool)."""
+    if medium is None:
+        return "GPU"
+    upper = medium.upper()
+    if upper not in MEDIA:
+        raise WireError("unknown_medium", repr(medium))
+    return upper
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", **_OPTIONS):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", **_OPTIONS):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", **_OPTIONS):
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One published batch: ``[ts, events, data_parallel_rank]``."""
+
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+def _default(field: msgspec.structs.FieldInfo) -> object:
+    if field.default_factory is not msgspec.NODEFAULT:
+        return msgspec.field(default_factory=field.default_factory)
+    return field.default
+
+
+def _variant(cls: type, *, required: int, **options) -> type:
+    """Derive another shape of an event struct from its one field list.
+
+    ``required`` leading fields lose their defaults, as in vLLM's own structs;
+    with ``omit_defaults`` that reproduces vLLM's encoding byte for byte.
+    """
+    fields = [
+        (f.name, f.type) if i < required else (f.name, f.type, _default(f))
+        for i, f in enumerate(msgspec.structs.fields(cls))
+    ]
+    return msgspec.defstruct(
+        cls.__name__, fields, tag=cls.__struct_config__.tag, tag_field="type", gc=False, **options
+    )
+
+
+# Positional (pre-0.33) events: the same fields in the same order, tag first,
+# possibly followed by fields this release does not know. Rare, so untyped.
+# Positional encoding predates session_id: that many leading fields, then extras.
+_POSITIONAL = {
+    "BlockStored": (BlockStored, 13),
+    "BlockRemoved": (BlockRemoved, 5),
+    "AllBlocksCleared": (AllBlocksCleared, 0),
+}
+_LegacyBatch = tuple[float, list[list], int | None]
+
+
+def _from_positional(values: list) -> Event:
+    if not values or values[0] not in _POSITIONAL:
+        raise WireError("unknown_event", repr(values[:1]))
+    cls, known = _POSITIONAL[values[0]]
+    named = dict(zip(cls.__struct_fields__[:known], values[1:], strict=False))
+    try:
+        return msgspec.convert(named, cls)
+    except msgspec.ValidationError as e:
+        raise WireError("bad_event", str(e)) from None
+
+
+# vLLM 0.33's exact encoding: required fields always present, nil optionals omitted.
+_VLLM_REQUIRED = {BlockStored: 7, BlockRemoved: 2, AllBlocksCleared: 0}
+_VLLM = {c: _variant(c, required=n, omit_defaults=True) for c, n in _VLLM_REQUIRED.items()}
+_VllmBatch = msgspec.defstruct(
+    "KVEventBatch",
+    [
+        ("ts", float),
+        ("events", list[Union[tuple(_VLLM.values())]]),  # noqa: UP007
+        ("data_parallel_rank", int | None, None),
+    ],
+    array_like=True,
+    omit_defaults=True,
+    gc=False,
+)
+
+_decode_map = msgspec.msgpack.Decoder(EventBatch).decode
+_decode_legacy = msgspec.msgpack.Decoder(list).decode
+
+
+def _convert(event: msgspec.Struct, to: type) -> msgspec.Struct:
+    return to(**msgspec.structs.asdict(event))
+
+
+def _check(batch: EventBatch) -> EventBatch:
+    """Reject what msgspec's types cannot express: media and sizes."""
+    for event in batch.events:
+        if type(event) is AllBlocksCleared:
+            continue
+        if len(event.block_hashes) > MAX_HASHES_PER_EVENT:
+            raise WireError("too_many_hashes", str(len(event.block_hashes)))
+        normalise_medium(event.medium)
+    return batch
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """Decode one batch payload (the third frame) into typed events.
+
+    Media are validated here but left as sent; use :func:`normalise_medium`.
+    """
+    try:
+        return _check(_decode_map(payload))
+    except msgspec.DecodeError as map_error:
+        legacy = _legacy_batch(payload, map_error)
+    events = [_from_positional(e) for e in legacy[1]]
+    return _check(EventBatch(legacy[0], events, legacy[2]))
+
+
+def _legacy_batch(payload: bytes, map_error: Exception) -> tuple:
+    """Decode a batch whose events are positional arrays, or report the map error."""
+    try:
+        values = _decode_legacy(payload)
+        return msgspec.convert(values + [None] * (len(values) == 2), _LegacyBatch)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise WireError("bad_payload", str(map_error)) from None
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    """Encode a batch exactly as vLLM 0.33 does (maps, nil fields omitted)."""
+    events = [_convert(e, _VLLM[type(e)]) for e in batch.events]
+    return _encoder.encode(_VllmBatch(batch.ts, events, batch.data_parallel_rank))
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+SEQ_BYTES = 8
+
+
+def decode_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:
+    """Split a multipart ``[topic, seq, payload]`` message; seq is 8-byte big-endian."""
+    if len(frames) != 3:
+        raise WireError("frame_count", str(len(frames)))
+    topic, seq, payload = frames
+    if len(seq) != SEQ_BYTES:
+        raise WireError("bad_seq", f"{len(seq)} bytes")
+    return topic, int.from_bytes(seq, "big"), payload
