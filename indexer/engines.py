@@ -1,0 +1,153 @@
+"""Engines kvindex follows: their declared configuration and the registry.
+
+The registry is the one place engines are added and removed: the config
+file and CLI flags seed it, the operator API (``POST``/``DELETE /engines``)
+changes it at runtime, and the subscriber watches it to start and stop
+consumers. ``RankStatus`` is what operators see of each rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Literal, Protocol
+
+import msgspec
+
+from indexer.hashing import HASH_ALGOS
+
+Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
+Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp://[^\s:]+:\d{1,5}|ipc://\S+|inproc://\S+)$")]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+_TCP_PORT = re.compile(r"^(tcp://.+):(\d+)$")
+
+
+class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One engine as declared by an operator (vLLM's ``--kv-events-config``).
+
+    Data-parallel rank r publishes on the endpoint's port + r, for both the
+    PUB and the replay socket, exactly as vLLM offsets them.
+    """
+
+    name: Name
+    endpoint: Endpoint
+    model: str = ""
+    replay_endpoint: Endpoint | None = None
+    dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    topic: str = ""
+    block_size: Positive = 16
+    hash_algo: Literal[HASH_ALGOS] | None = "sha256"  # None: not reproducible here
+    hash_seed: str | None = None
+    blocks_per_chunk: Positive | None = None
+    bind: bool = False  # True: kvindex binds and the engine connects
+
+    def rank_endpoint(self, dp_rank: int, replay: bool = False) -> str | None:
+        """The endpoint of one rank: vLLM adds the rank to a tcp port."""
+        base = self.replay_endpoint if replay else self.endpoint
+        if base is None or dp_rank == 0:
+            return base
+        if base.startswith("inproc://"):
+            return f"{base}_dp{dp_rank}"
+        match = _TCP_PORT.match(base)
+        if match is None:
+            return base
+        return f"{match.group(1)}:{int(match.group(2)) + dp_rank}"
+
+
+class EngineExists(KeyError):
+    """An engine of that name is already registered."""
+
+
+class UnknownEngine(KeyError):
+    """No engine of that name is registered."""
+
+
+Change = Literal["added", "removed"]
+Listener = Callable[[Change, EngineSpec], Awaitable[None]]
+
+
+class EngineRegistry:
+    """Registered engines, kept in process, with change listeners.
+
+    Listeners run in registration order and are awaited, so when
+    :meth:`add` returns the subscriber is already consuming the engine.
+    """
+
+    def __init__(self) -> None:
+        self._engines: dict[str, EngineSpec] = {}
+        self._listeners: list[Listener] = []
+        self._lock = asyncio.Lock()
+
+    def listen(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    async def add(self, spec: EngineSpec) -> EngineSpec:
+        async with self._lock:
+            if spec.name in self._engines:
+                raise EngineExists(spec.name)
+            self._engines[spec.name] = spec
+            await self._notify("added", spec)
+        return spec
+
+    async def remove(self, name: str) -> EngineSpec:
+        async with self._lock:
+            spec = self._engines.pop(name, None)
+            if spec is None:
+                raise UnknownEngine(name)
+            await self._notify("removed", spec)
+        return spec
+
+    def get(self, name: str) -> EngineSpec:
+        try:
+            return self._engines[name]
+        except KeyError:
+            raise UnknownEngine(name) from None
+
+    def all(self) -> list[EngineSpec]:
+        return sorted(self._engines.values(), key=lambda s: s.name)
+
+    async def _notify(self, change: Change, spec: EngineSpec) -> None:
+        for listener in self._listeners:
+            await listener(change, spec)
+
+
+class Gap(msgspec.Struct):
+    """A range of seqs a rank missed: ``first..last`` inclusive."""
+
+    first: int
+    last: int
+    seen_at: float
+    filled: bool = False
+
+
+class RankStatus(msgspec.Struct):
+    """What an operator sees of one (engine, dp_rank) consumer."""
+
+    dp_rank: int
+    connected: bool = False
+    last_seq: int | None = None  # newest seq received (live or replay)
+    applied_seq: int | None = None
+    degraded: bool = False
+    missing: list[Gap] = []  # unfilled gaps, newest last
+    gaps: int = 0
+    gaps_filled: int = 0
+    gaps_unfilled: int = 0
+    replays: int = 0
+    restarts: int = 0
+    rejected: dict[str, int] = {}  # bad frames by reason
+    lag_batches: int = 0
+    lag_seconds: float = 0.0
+    last_event_ts: float | None = None
+
+
+class ConsumerView(Protocol):
+    """What the API reads of the running subscriber (or of the shared store
+    when the API runs as its own process)."""
+
+    def rank_status(self, engine: str) -> list[RankStatus]:
+        """One status per declared dp rank of the engine, in rank order."""
+
+    def running(self) -> bool:
+        """Whether event consumption is up (for ``/readyz``)."""

@@ -1,0 +1,303 @@
+"""vLLM 0.33.0 prefix-cache block hashing, reproduced bit for bit.
+
+Routers may send token ids instead of block hashes. To look those up in an
+index keyed by what engines publish, kvindex must compute exactly the hashes
+the engine computed: the same serialisation (pickle protocol 5 or canonical
+CBOR), the same digest, the same chain seed (``NONE_HASH``) and the same
+per-block extra keys. The golden vectors in
+``shared/fixtures/vllm-0.33.0/hash_vectors.json`` pin all of it.
+
+Each full block ``i`` hashes ``(parent, tokens_i, extra_keys_i)`` where
+``parent`` is block ``i-1``'s digest, or ``NONE_HASH`` for the first block.
+Partial trailing blocks are never hashed because vLLM never caches them.
+
+The xxhash variants are only reproducible when the engine ran with
+``PYTHONHASHSEED``: otherwise vLLM seeds the chain with per-process random
+bytes. Such a spec can still be described (``reproducible`` is False) so
+callers can fall back to matching by tokens, but hashing with it raises
+:class:`NotReproducible` rather than producing hashes no engine publishes.
+
+``xxhash`` and ``cbor2`` are imported only when a spec needs them: the
+``producer`` package imports this module and must run with the stdlib alone
+for the default ``sha256``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any, Literal, overload
+
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+#: The chain seed vLLM uses for the cryptographic algorithms when PYTHONHASHSEED is unset.
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+_PICKLE_PROTOCOL = 5
+_INT64_MASK = (1 << 64) - 1
+
+HashFn = Callable[[Any], bytes]
+
+
+class UnknownHashAlgo(ValueError):
+    """An algorithm name vLLM 0.33 would not accept for ``--prefix-caching-hash-algo``."""
+
+    def __init__(self, algo: str) -> None:
+        super().__init__(
+            f"unknown prefix-caching hash algorithm {algo!r}; expected one of {HASH_ALGOS}"
+        )
+
+
+class NotReproducible(ValueError):
+    """The engine's hashes depend on a random per-process seed kvindex cannot know."""
+
+
+# Factories rather than functions: each binds its serialiser and digest once per
+# spec, so the per-block call does no attribute lookups and no import statement.
+def _sha256_pickle() -> HashFn:
+    sha256, dumps = hashlib.sha256, pickle.dumps
+    return lambda obj: sha256(dumps(obj, protocol=_PICKLE_PROTOCOL)).digest()
+
+
+def _sha256_cbor() -> HashFn:
+    import cbor2
+
+    sha256, dumps = hashlib.sha256, cbor2.dumps
+    return lambda obj: sha256(dumps(obj, canonical=True)).digest()
+
+
+def _xxhash_pickle() -> HashFn:
+    import xxhash
+
+    xxh3_128, dumps = xxhash.xxh3_128_digest, pickle.dumps
+    return lambda obj: xxh3_128(dumps(obj, protocol=_PICKLE_PROTOCOL))
+
+
+def _xxhash_cbor() -> HashFn:
+    import cbor2
+    import xxhash
+
+    xxh3_128, dumps = xxhash.xxh3_128_digest, cbor2.dumps
+    return lambda obj: xxh3_128(dumps(obj, canonical=True))
+
+
+_HASH_FNS: dict[str, Callable[[], HashFn]] = {
+    "sha256": _sha256_pickle,
+    "sha256_cbor": _sha256_cbor,
+    "xxhash": _xxhash_pickle,
+    "xxhash_cbor": _xxhash_cbor,
+}
+_RANDOM_SEED_WITHOUT_ENV = frozenset({"xxhash", "xxhash_cbor"})
+
+
+@dataclass(frozen=True, slots=True)
+class MMFeature:
+    """A multimodal item's placeholder span in the prompt, keyed by its content hash.
+
+    vLLM requires items sorted by ``offset``; the hashes depend on that order.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class HashSpec:
+    """How one engine hashes blocks: its algorithm, PYTHONHASHSEED and block size.
+
+    ``seed`` is the engine's PYTHONHASHSEED exactly as set (None when unset).
+    Invalid specs fail at construction so misconfiguration surfaces at startup.
+    """
+
+    algo: str
+    seed: str | None
+    block_size: int
+    _fn: HashFn = field(init=False, repr=False, compare=False)
+    _none_hash: bytes | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.algo not in _HASH_FNS:
+            raise UnknownHashAlgo(self.algo)
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise TypeError(f"block_size must be an int, not {type(self.block_size).__name__}")
+        if self.seed is not None and not isinstance(self.seed, str):
+            # vLLM hashes the environment string; hashing an int 0 would differ from "0".
+            raise TypeError(f"seed must be the PYTHONHASHSEED string, not {self.seed!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        fn = _HASH_FNS[self.algo]()
+        object.__setattr__(self, "_fn", fn)
+        none_hash = None
+        if self.reproducible:
+            none_hash = fn(DEFAULT_NONE_HASH_SEED if self.seed is None else self.seed)
+        object.__setattr__(self, "_none_hash", none_hash)
+
+    @property
+    def reproducible(self) -> bool:
+        """False when the engine seeds its chain with random bytes (xxhash, no PYTHONHASHSEED)."""
+        return self.seed is not None or self.algo not in _RANDOM_SEED_WITHOUT_ENV
+
+    @property
+    def none_hash(self) -> bytes:
+        """The digest the first block of every chain uses as its parent."""
+        if self._none_hash is None:
+            raise NotReproducible(
+                f"{self.algo} without PYTHONHASHSEED uses a random per-process seed in vLLM; "
+                "its block hashes cannot be reproduced (set PYTHONHASHSEED on the engine, "
+                "or match by tokens instead)"
+            )
+        return self._none_hash
+
+
+def published_int(digest: bytes) -> int:
+    """The form vLLM publishes with int block hashes: the digest's low 64 bits, unsigned."""
+    return int.from_bytes(digest, "big") & _INT64_MASK
+
+
+def chain_extend(
+    spec: HashSpec,
+    parent: bytes | None,
+    block_tokens: Sequence[int],
+    extra_keys: tuple[Any, ...] | None = None,
+) -> bytes:
+    """Digest of one full block given its parent's digest (None/empty: chain start).
+
+    Lets callers that learn chains block by block reuse the engine's hash.
+    ``extra_keys`` is the tagged tuple vLLM hashes (``("lora", name, path)``,
+    ``("mm", identifier, offset_in_block)``, ``("cache_salt", salt)``), not
+    the untagged form events publish. Token ids must be plain ``int`` (not
+    numpy scalars or bools): pickle and CBOR encode other types differently,
+    so the digest would silently differ.
+    """
+    return spec._fn((parent or spec.none_hash, tuple(block_tokens), extra_keys))
+
+
+@overload
+def block_hashes(
+    spec: HashSpec,
+    tokens: Sequence[int],
+    *,
+    lora_name: str | None = ...,
+    lora_path: str | None = ...,
+    cache_salt: str | None = ...,
+    mm_features: Sequence[MMFeature] = ...,
+    as_bytes: Literal[False] = ...,
+) -> list[int]: ...
+
+
+@overload
+def block_hashes(
+    spec: HashSpec,
+    tokens: Sequence[int],
+    *,
+    lora_name: str | None = ...,
+    lora_path: str | None = ...,
+    cache_salt: str | None = ...,
+    mm_features: Sequence[MMFeature] = ...,
+    as_bytes: Literal[True],
+) -> list[bytes]: ...
+
+
+@overload
+def block_hashes(
+    spec: HashSpec,
+    tokens: Sequence[int],
+    *,
+    lora_name: str | None = ...,
+    lora_path: str | None = ...,
+    cache_salt: str | None = ...,
+    mm_features: Sequence[MMFeature] = ...,
+    as_bytes: bool,
+) -> list[int] | list[bytes]: ...
+
+
+def block_hashes(
+    spec: HashSpec,
+    tokens: Sequence[int],
+    *,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    cache_salt: str | None = None,
+    mm_features: Sequence[MMFeature] = (),
+    as_bytes: bool = False,
+) -> list[int] | list[bytes]:
+    """The hashes an engine publishes for a prompt's full blocks, in order.
+
+    Token ids must be plain ``int`` (see :func:`chain_extend`). A LoRA needs
+    both name and path because vLLM keys blocks by both.
+    """
+    if (lora_name is None) != (lora_path is None):
+        raise ValueError("lora_name and lora_path must be given together")
+    parent = spec.none_hash
+    fn = spec._fn
+    size = spec.block_size
+    # Slices of a tuple are tuples: one allocation per block instead of list slice + tuple().
+    toks = tokens if type(tokens) is tuple else tuple(tokens)
+    end = len(toks) - len(toks) % size
+    n_blocks = end // size
+    if lora_name is None and not cache_salt and not mm_features:
+        extras: Iterator[tuple[Any, ...] | None] = repeat(None, n_blocks)
+    else:
+        lora = ("lora", lora_name, lora_path) if lora_name is not None else None
+        extras = _extra_keys(n_blocks, size, lora, cache_salt, mm_features)
+    digests: list[bytes] = []
+    append = digests.append
+    for start, extra in zip(range(0, end, size), extras, strict=True):
+        parent = fn((parent, toks[start : start + size], extra))
+        append(parent)
+    if as_bytes:
+        return digests
+    return list(map(published_int, digests))
+
+
+def _extra_keys(
+    n_blocks: int,
+    size: int,
+    lora: tuple[str, str | None, str | None] | None,
+    cache_salt: str | None,
+    mm: Sequence[MMFeature],
+) -> Iterator[tuple[Any, ...] | None]:
+    """Per-block extra keys in vLLM's order: LoRA, multimodal items, cache salt.
+
+    vLLM drops an empty salt (it tests truthiness), so this does too.
+    """
+    # Most blocks carry only the LoRA key: share one tuple instead of building one per block.
+    common = (lora,) if lora is not None else ()
+    mm_idx = 0
+    for start in range(0, n_blocks * size, size):
+        keys: list[Any] = []
+        if mm:
+            mm_idx = _mm_keys(mm, start, start + size, mm_idx, keys)
+        if start == 0 and cache_salt:
+            keys.append(("cache_salt", cache_salt))
+        yield common + tuple(keys) if keys else common or None
+
+
+def _mm_keys(mm: Sequence[MMFeature], start: int, end: int, idx: int, keys: list[Any]) -> int:
+    """Append the keys of items overlapping ``[start, end)``; return the next item to check.
+
+    Mirrors vLLM's walk step for step (including its early exit and its stop
+    at an item the block does not finish), so even unsorted or overlapping
+    items give the engine's keys. The offset is relative to the block start
+    and negative when the item began in an earlier block.
+    """
+    last = mm[-1]
+    if last.offset + last.length <= start:
+        return idx
+    while idx < len(mm):
+        item = mm[idx]
+        if end <= item.offset:
+            break
+        item_end = item.offset + item.length
+        if start >= item_end:
+            idx += 1
+            continue
+        keys.append(("mm", item.identifier, item.offset - start))
+        if end < item_end:
+            break
+        idx += 1
+    return idx

@@ -1,0 +1,166 @@
+"""The residency model alone: refcount rules, group scoring, prefix combining."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.model import (
+    CPU,
+    GPU,
+    STORAGE,
+    PrefixMatch,
+    RankResidency,
+    Tier,
+    TierWeights,
+    leading_run,
+    match_prefix,
+    plan_batch,
+)
+from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+
+def stored(hashes, medium="GPU", group=0, kind="full_attention", block_size=16, owner=None):
+    return BlockStored(
+        list(hashes),
+        None,
+        [0] * block_size * len(hashes),
+        block_size,
+        medium=medium,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        ownership=owner,
+    )
+
+
+def removed(hashes, medium="GPU", group=0, owner=None):
+    return BlockRemoved(list(hashes), medium, group, ownership=owner)
+
+
+def apply(state: RankResidency, *events) -> int:
+    return state.apply(plan_batch(EventBatch(1.0, list(events))))
+
+
+def counts(state: RankResidency, medium=GPU, owner=None, group=0) -> dict:
+    table = state.tables.get(Tier(medium, owner, group))
+    return dict(table.counts) if table else {}
+
+
+# One (medium, ownership, group) tier, a hash from a small pool, store or remove.
+_ops = st.lists(
+    st.tuples(
+        st.booleans(),
+        st.sampled_from([GPU, CPU, STORAGE]),
+        st.sampled_from([None, "kvcr"]),
+        st.integers(0, 1),
+        st.lists(st.integers(0, 7), min_size=1, max_size=4),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ops)
+def test_random_interleavings_match_a_naive_reference(ops) -> None:
+    state, naive, unknown = RankResidency(), Counter(), 0
+    for is_store, medium, owner, group, hashes in ops:
+        event = (
+            stored(hashes, medium, group, owner=owner)
+            if is_store
+            else removed(hashes, medium, group, owner)
+        )
+        apply(state, event)
+        for h in hashes:
+            key = (medium, owner, group, h)
+            if is_store:
+                naive[key] += 1
+            elif naive[key] > 0:
+                naive[key] -= 1
+            else:
+                unknown += 1
+    got = {(*tier, h): n for tier, t in state.tables.items() for h, n in t.counts.items()}
+    assert all(n > 0 for n in got.values())
+    assert got == {k: n for k, n in naive.items() if n > 0}
+    assert state.unknown_removals == unknown
+
+
+def test_all_blocks_cleared_clears_gpu_only() -> None:
+    state = RankResidency()
+    apply(
+        state,
+        stored([1, 2]),
+        stored([1, 2, 3, 4], CPU),
+        stored([9], STORAGE, owner="kvcr"),
+        AllBlocksCleared(),
+        stored([5]),
+    )
+    assert counts(state) == {5: 1}
+    assert counts(state, CPU) == {1: 1, 2: 1, 3: 1, 4: 1}
+    assert counts(state, STORAGE, "kvcr") == {9: 1}
+
+
+def test_repeated_announcements_are_reference_counted() -> None:
+    state = RankResidency()
+    apply(state, stored([1, 2]), stored([1]), removed([1]), removed([2]), removed([2]))
+    assert counts(state) == {1: 1}
+    assert state.unknown_removals == 1
+
+
+def test_chunk_size_learned_from_self_describing_lower_tier_stores_only() -> None:
+    state = RankResidency()
+    apply(state, stored([1, 2, 3]), stored([7], CPU, block_size=0))
+    assert state.chunk_blocks is None  # GPU stores and placeholders teach nothing
+    apply(state, stored([1, 2, 3, 4], CPU, group=1, kind="mamba"))
+    assert state.chunk_blocks is None  # recurrent groups may publish partial tails
+    apply(state, stored([1, 2, 3, 4], CPU))
+    assert state.chunk_blocks == 4
+
+
+def test_sliding_window_groups_are_tracked_but_not_scored() -> None:
+    state = RankResidency()
+    apply(state, stored([1, 2], group=1, kind="sliding_window"), stored([1], group=0))
+    assert counts(state, group=1) == {1: 1, 2: 1}
+    assert state.distinct_blocks(GPU) == 2
+    assert leading_run([1, 2], state.scored_tables(GPU)) == 1
+
+
+def test_unclassified_group_is_scored_and_removal_keeps_its_kind() -> None:
+    state = RankResidency()
+    apply(state, stored([1], group=2, kind=None), removed([1], group=2))
+    apply(state, stored([3], group=2, kind=None))
+    assert state.group_kinds == {2: None}
+    assert leading_run([3], state.scored_tables(GPU)) == 1
+
+
+def _chunks(present: dict[str, set[int]]):
+    return lambda medium, j: j in present.get(medium, set())
+
+
+@pytest.mark.parametrize(
+    ("gpu", "present", "want"),
+    [
+        # The issue's example: 12 GPU blocks, 24 CPU blocks in chunks of 4.
+        (12, {CPU: set(range(6))}, PrefixMatch(12, 24, 0, 24, 12, 0)),
+        # GPU ends mid-chunk: the engine loads that whole chunk from CPU.
+        (5, {CPU: {1}}, PrefixMatch(5, 0, 0, 8, 3, 0)),
+        # CPU preferred over STORAGE chunk by chunk; STORAGE fills a CPU hole.
+        (0, {CPU: {0, 2}, STORAGE: {0, 1, 2, 3}}, PrefixMatch(0, 4, 16, 16, 8, 8)),
+        # Nothing past the GPU run.
+        (7, {}, PrefixMatch(7, 0, 0, 7, 0, 0)),
+    ],
+)
+def test_match_prefix_combines_tiers(gpu, present, want) -> None:
+    assert match_prefix(37, gpu, 4, _chunks(present)) == want
+
+
+def test_match_prefix_without_chunk_size_is_gpu_only() -> None:
+    assert match_prefix(8, 3, None, _chunks({CPU: {0, 1}})) == PrefixMatch(3, prefix_blocks=3)
+
+
+def test_score_weights_each_prefix_block_by_its_tier() -> None:
+    match = PrefixMatch(12, 24, 0, 24, 12, 0)
+    assert match.score(TierWeights()) == pytest.approx(21.6)
+    assert match.score(TierWeights(gpu=2, cpu=0)) == 24
