@@ -120,9 +120,10 @@ _LegacyBatch = tuple[float, list[list], int | None]
 
 
 def _from_positional(values: list) -> Event:
-    if not values or values[0] not in _POSITIONAL:
+    spec = _POSITIONAL.get(values[0]) if values and isinstance(values[0], str) else None
+    if spec is None:
         raise WireError("unknown_event", repr(values[:1]))
-    cls, known = _POSITIONAL[values[0]]
+    cls, known = spec
     named = dict(zip(cls.__struct_fields__[:known], values[1:], strict=False))
     try:
         return msgspec.convert(named, cls)

@@ -122,6 +122,7 @@ def test_positional_event_with_trailing_unknown_fields() -> None:
             "unknown_medium",
         ),
         (msgspec.msgpack.encode([1.0, [["Bogus", [1]]]]), "unknown_event"),
+        (msgspec.msgpack.encode([1.0, [[[1], [1]]]]), "unknown_event"),
         (msgspec.msgpack.encode([1.0, [["BlockRemoved", "x"]]]), "bad_event"),
         (msgspec.msgpack.encode({"ts": 1.0}), "bad_payload"),
     ],

@@ -1,0 +1,40 @@
+# kvindex: every command the README names. `make help` lists them.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+TRACES := ../shared/fixtures/vllm-0.33.0/traces
+
+.PHONY: help setup demo replay test lint bench
+
+help:
+	@echo "make demo    set up, then run the service with 4 simulated engines"
+	@echo "make test    set up (Python deps, redis-server), then lint and run the tests"
+	@echo "make replay  apply a vLLM fixture trace and print the JSON report"
+	@echo "make bench   run the benchmark suite (see bench/README.md)"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(STAMP)
+	@scripts/ensure-redis.sh
+
+demo: setup
+	scripts/demo.sh
+
+replay: setup
+	$(BIN)/kvindex replay $(TRACES)/chat-sha256.frames.msgpack \
+		--probe $(TRACES)/chat-sha256.expected.json
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: setup
+	$(BIN)/python -m bench
