@@ -5,13 +5,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TRACES := ../shared/fixtures/vllm-0.33.0/traces
 
-.PHONY: help setup demo replay test lint bench
+.PHONY: help setup demo replay test lint
 
 help:
 	@echo "make demo    set up, then run the service with 4 simulated engines"
 	@echo "make test    set up (Python deps, redis-server), then lint and run the tests"
 	@echo "make replay  apply a vLLM fixture trace and print the JSON report"
-	@echo "make bench   run the benchmark suite (see bench/README.md)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,5 +35,3 @@ lint: setup
 test: lint
 	$(BIN)/pytest -q
 
-bench: setup
-	$(BIN)/python -m bench

@@ -1,0 +1,1 @@
+"""kvindex benchmarks: figures as ratios to baselines measured in the same run."""
