@@ -56,9 +56,8 @@ class ResidencyKey(NamedTuple):
     block_hash: BlockHash
 
 
-@dataclass(frozen=True, slots=True)
-class TierOp:
-    """+1 (``delta=1``) or -1 for each hash of one tier, as one event says.
+class TierOp(NamedTuple):
+    """+1 (``delta=1``) or -1 for each hash of one tier, in order.
 
     ``kind`` and ``chunk_blocks`` carry what a store event teaches about the
     group (its attention kind) and the engine (blocks per offloaded chunk).
@@ -72,8 +71,7 @@ class TierOp:
     chunk_blocks: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ClearMedium:
+class ClearMedium(NamedTuple):
     """Drop every count of one medium for the rank (``AllBlocksCleared`` → GPU)."""
 
     medium: str
@@ -83,26 +81,32 @@ Op = TierOp | ClearMedium
 
 
 def plan_batch(batch: EventBatch) -> list[Op]:
-    """Translate a decoded batch into store operations, in event order."""
+    """Translate a decoded batch into store operations, in event order.
+
+    Consecutive events that do the same thing to the same tier become one
+    operation (engines often remove blocks one event at a time); order is kept.
+    """
     ops: list[Op] = []
+    merged: list[BlockHash] | None = None  # the hash list of ops[-1], once we own it
     for event in batch.events:
         if type(event) is AllBlocksCleared:
             ops.append(ClearMedium(GPU))
             continue
         tier = Tier(normalise_medium(event.medium), event.ownership, event.group_idx or 0)
         if type(event) is BlockStored:
-            ops.append(
-                TierOp(
-                    tier,
-                    1,
-                    event.block_hashes,
-                    event.locality,
-                    event.kv_cache_spec_kind,
-                    _chunk_blocks(tier, event),
-                )
-            )
+            kind, chunk = event.kv_cache_spec_kind, _chunk_blocks(tier, event)
+            op = TierOp(tier, 1, event.block_hashes, event.locality, kind, chunk)
         else:
-            ops.append(TierOp(tier, -1, event.block_hashes, event.locality))
+            op = TierOp(tier, -1, event.block_hashes, event.locality)
+        last = ops[-1] if ops else None
+        if type(last) is TierOp and last[:2] == op[:2] and last[3:] == op[3:]:
+            if merged is None:
+                merged = list(last.hashes)
+                ops[-1] = last._replace(hashes=merged)
+            merged.extend(op.hashes)
+        else:
+            ops.append(op)
+            merged = None
     return ops
 
 

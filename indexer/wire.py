@@ -36,14 +36,18 @@ class WireError(ValueError):
         self.detail = detail
 
 
+_CANONICAL: dict[str | None, str] = {None: "GPU", **{m: m for m in MEDIA}}
+
+
 def normalise_medium(medium: str | None) -> str:
     """Upper-case a medium name; nil means GPU (vLLM's default pool)."""
-    if medium is None:
-        return "GPU"
-    upper = medium.upper()
-    if upper not in MEDIA:
-        raise WireError("unknown_medium", repr(medium))
-    return upper
+    canonical = _CANONICAL.get(medium)
+    if canonical is None:
+        canonical = medium.upper()
+        if canonical not in MEDIA:
+            raise WireError("unknown_medium", repr(medium))
+        _CANONICAL[medium] = canonical  # bounded: only case variants of three names
+    return canonical
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", **_OPTIONS):
@@ -156,12 +160,14 @@ def _convert(event: msgspec.Struct, to: type) -> msgspec.Struct:
 
 def _check(batch: EventBatch) -> EventBatch:
     """Reject what msgspec's types cannot express: media and sizes."""
+    media = set()
     for event in batch.events:
-        if type(event) is AllBlocksCleared:
-            continue
-        if len(event.block_hashes) > MAX_HASHES_PER_EVENT:
-            raise WireError("too_many_hashes", str(len(event.block_hashes)))
-        normalise_medium(event.medium)
+        if type(event) is not AllBlocksCleared:
+            media.add(event.medium)
+            if len(event.block_hashes) > MAX_HASHES_PER_EVENT:
+                raise WireError("too_many_hashes", str(len(event.block_hashes)))
+    for medium in media:
+        normalise_medium(medium)
     return batch
 
 

@@ -164,3 +164,29 @@ def test_score_weights_each_prefix_block_by_its_tier() -> None:
     match = PrefixMatch(12, 24, 0, 24, 12, 0)
     assert match.score(TierWeights()) == pytest.approx(21.6)
     assert match.score(TierWeights(gpu=2, cpu=0)) == 24
+
+
+def test_plan_batch_merges_runs_on_one_tier_and_keeps_order() -> None:
+    batch = EventBatch(
+        1.0,
+        [
+            removed([1]),
+            removed([2]),
+            stored([3]),
+            removed([4]),
+            removed([5], CPU),
+            AllBlocksCleared(),
+            removed([6]),
+            removed([7]),
+        ],
+    )
+    ops = plan_batch(batch)
+    assert [(getattr(op, "delta", None), list(getattr(op, "hashes", []))) for op in ops] == [
+        (-1, [1, 2]),
+        (1, [3]),
+        (-1, [4]),
+        (-1, [5]),
+        (None, []),
+        (-1, [6, 7]),
+    ]
+    assert batch.events[0].block_hashes == [1]  # the decoded events are left as they were
