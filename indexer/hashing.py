@@ -243,7 +243,7 @@ def block_hashes(
         extras: Iterator[tuple[Any, ...] | None] = repeat(None, n_blocks)
     else:
         lora = ("lora", lora_name, lora_path) if lora_name is not None else None
-        extras = _extra_keys(n_blocks, size, lora, cache_salt, mm_features)
+        extras = block_extra_keys(n_blocks, size, lora, cache_salt, mm_features)
     digests: list[bytes] = []
     append = digests.append
     for start, extra in zip(range(0, end, size), extras, strict=True):
@@ -254,7 +254,7 @@ def block_hashes(
     return list(map(published_int, digests))
 
 
-def _extra_keys(
+def block_extra_keys(
     n_blocks: int,
     size: int,
     lora: tuple[str, str | None, str | None] | None,

@@ -4,6 +4,7 @@ Imports only msgspec, pyzmq, the standard library and :mod:`indexer.wire`, so
 an engine process never pulls in the server's dependencies (FastAPI, redis).
 """
 
+from producer.sim import SimConfig, SimEngine
 from producer.tracker import (
     GroupSpec,
     OffloadEvent,
@@ -11,5 +12,17 @@ from producer.tracker import (
     RequestView,
     Tracker,
 )
+from producer.workload import Request, Workload, WorkloadConfig
 
-__all__ = ["GroupSpec", "OffloadEvent", "OffloadKey", "RequestView", "Tracker"]
+__all__ = [
+    "GroupSpec",
+    "OffloadEvent",
+    "OffloadKey",
+    "Request",
+    "RequestView",
+    "SimConfig",
+    "SimEngine",
+    "Tracker",
+    "Workload",
+    "WorkloadConfig",
+]

@@ -1,0 +1,81 @@
+"""Build the kvindex HTTP API over a store, a registry and the subscriber.
+
+``kvindex serve`` calls :func:`create_app` and runs the result with uvicorn
+(bind 127.0.0.1 unless told otherwise); tests call it with a memory store
+and a fake consumer view. Everything the routes need is passed in here, so
+several apps (tests, benchmarks) can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from fastapi import FastAPI
+
+from api import health, operators, prefix
+from api.chains import learned
+from api.context import ApiContext
+from api.errors import install_error_handlers
+from api.limits import BodyLimit
+from api.openapi import install_openapi
+from api.settings import ApiSettings
+from api.store_guard import GuardedStore
+from indexer.engines import ConsumerView, EngineRegistry, UnknownEngine
+from indexer.model import RankId
+from indexer.stores.base import Store
+from indexer.token_index import TokenIndex
+from indexer.wire import EventBatch
+
+DESCRIPTION = """\
+Which engine holds how much of a prompt's KV cache, per tier, from the KV
+cache events of vLLM engines. Routers call `/prefix-match`; operators use
+`/engines`, `/blocks/{hash}`, `/stats`, `/metrics`, `/healthz`, `/readyz`.
+Every error is `{"error": "<what was wrong>"}`.
+"""
+
+
+@runtime_checkable
+class Observable(Protocol):
+    """A consumer view that also reports each applied batch (the subscriber)."""
+
+    def add_observer(self, observer: Callable[[RankId, EventBatch], None]) -> None: ...
+
+
+def _learns_from(registry: EngineRegistry) -> Callable[[str], bool]:
+    """Learn tokens only for registered engines whose hashes cannot be recomputed."""
+
+    def learns(engine: str) -> bool:
+        try:
+            return learned(registry.get(engine))
+        except UnknownEngine:
+            return False
+
+    return learns
+
+
+def create_app(
+    store: Store,
+    registry: EngineRegistry,
+    consumers: ConsumerView,
+    settings: ApiSettings,
+    *,
+    token_index: TokenIndex | None = None,
+) -> FastAPI:
+    """The API app. ``token_index`` defaults to a new one fed by ``consumers``
+    when it can report applied batches (``add_observer``)."""
+    if token_index is None:
+        token_index = TokenIndex(settings.token_index_capacity, _learns_from(registry))
+        if isinstance(consumers, Observable):
+            consumers.add_observer(token_index.observe)
+    ctx = ApiContext(GuardedStore(store), registry, consumers, token_index, settings)
+
+    app = FastAPI(title="kvindex", version="0.1.0", description=DESCRIPTION)
+    app.state.token_index = token_index
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.include_router(prefix.router(ctx))
+    app.include_router(operators.router(ctx))
+    app.include_router(health.router(ctx))
+    install_openapi(app)
+    return app

@@ -1,0 +1,22 @@
+"""What every route works with, gathered once by :func:`api.app.create_app`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from api.settings import ApiSettings
+from indexer.engines import ConsumerView, EngineRegistry
+from indexer.stores.base import Store
+from indexer.token_index import TokenIndex
+
+
+@dataclass(frozen=True, slots=True)
+class ApiContext:
+    """The store (guarded: failures are 503s), the registry, the subscriber's
+    view, the learned token index and the settings."""
+
+    store: Store
+    registry: EngineRegistry
+    consumers: ConsumerView
+    token_index: TokenIndex
+    settings: ApiSettings

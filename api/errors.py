@@ -1,0 +1,112 @@
+"""One error shape for every failure: ``{"error": "<what was wrong>"}``.
+
+Routers and operators read the message, so every handler here turns its
+exception into a sentence that names the offending input. FastAPI's own
+``{"detail": ...}`` shapes are replaced; a store that cannot be reached is a
+503, never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+from starlette.routing import Match
+
+from api.metrics import STORE_ERRORS
+from indexer.stores.base import StoreUnavailable
+
+log = logging.getLogger("kvindex.api")
+
+
+class ErrorBody(msgspec.Struct):
+    error: str
+
+
+class ApiError(Exception):
+    """A request the API refuses, with the status and message to answer."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+class StoreError(Exception):
+    """The store failed while answering; wraps the cause for the 503 handler."""
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        _encode(ErrorBody(message)), status, headers=headers, media_type="application/json"
+    )
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """``query.block_size: Input should be a valid integer`` for each problem."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+async def _api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status, exc.message, exc.headers)
+
+
+async def _validation_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(422, _validation_message(exc))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    headers = exc.headers
+    if exc.status_code == 405:
+        headers = {"Allow": ", ".join(_allowed_methods(request))}
+    return error_response(exc.status_code, str(exc.detail), headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path.
+
+    Starlette lists only the first matching route's methods, but FastAPI
+    makes one route per method: GET and POST /prefix-match are two routes.
+    """
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match != Match.NONE and getattr(route, "methods", None):
+            methods |= route.methods
+    return sorted(methods)
+
+
+_logged_store_errors: set[str] = set()
+
+
+async def _store_error(_: Request, exc: Exception) -> Response:
+    cause = exc.__cause__ or exc
+    kind = type(cause).__name__
+    STORE_ERRORS.labels(kind).inc()
+    if kind not in _logged_store_errors:  # once per kind: an outage fails every request
+        _logged_store_errors.add(kind)
+        log.warning("store unreachable", extra={"error": repr(cause)})
+    return error_response(503, f"store unreachable: {cause}")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(StoreUnavailable, _store_error)
+    app.add_exception_handler(StoreError, _store_error)

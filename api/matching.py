@@ -1,0 +1,171 @@
+"""Answering a prefix-match query: pick engines, look chains up, rank ranks.
+
+A query costs one store round trip per distinct chain: all engines that
+share a hash spec (the common case: every engine of a fleet) are looked up
+together, and only engines matched through the learned token index need a
+chain, and a lookup, per rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from api.chains import ChainComputer, Overrides, Prompt
+from api.context import ApiContext
+from api.errors import ApiError
+from api.schemas import EngineMatch, PrefixMatchResponse
+from indexer.engines import EngineSpec, RankStatus, UnknownEngine
+from indexer.model import PrefixMatch, RankId
+from indexer.wire import BlockHash
+
+_NO_MATCH = PrefixMatch()
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """A parsed prefix-match request: ``chain`` (block hashes) or ``prompt`` (tokens)."""
+
+    chain: list[BlockHash] | None = None
+    prompt: Prompt | None = None
+    model: str | None = None
+    engines: Sequence[str] | None = None
+    overrides: Overrides = field(default_factory=Overrides)
+
+
+@dataclass(frozen=True, slots=True)
+class _Lookup:
+    chain: list[BlockHash]
+    chunk_blocks: dict[str, int | None]
+    rank: RankId | None = None  # keep only this rank's answer: its chain is its own
+
+
+def is_degraded(status: RankStatus | None) -> bool:
+    """An unfilled gap, or no live connection (unknown counts as not connected)."""
+    return status is None or status.degraded or not status.connected
+
+
+class PrefixMatcher:
+    def __init__(self, ctx: ApiContext) -> None:
+        self._store = ctx.store
+        self._registry = ctx.registry
+        self._consumers = ctx.consumers
+        self._token_index = ctx.token_index
+        self._weights = ctx.settings.weights
+
+    async def match(self, query: Query) -> PrefixMatchResponse:
+        specs = self._select(query.model, query.engines)
+        if query.prompt is None:
+            assert query.chain is not None
+            lookups = [_Lookup(query.chain, {s.name: s.blocks_per_chunk for s in specs})]
+        else:
+            lookups = self._token_lookups(query.prompt, query.overrides, specs)
+        # Statuses before the store call: an engine removed meanwhile has none after.
+        statuses = {s.name: self._consumers.rank_status(s.name) for s in specs}
+        found = await self._run(lookups)
+        return self._answer(query, specs, statuses, found)
+
+    def _select(self, model: str | None, names: Sequence[str] | None) -> list[EngineSpec]:
+        if names is None:
+            specs = self._registry.all()
+        else:
+            try:
+                specs = [self._registry.get(name) for name in dict.fromkeys(names)]
+            except UnknownEngine as e:
+                raise ApiError(404, f"unknown engine {e.args[0]!r}") from None
+        return specs if model is None else [s for s in specs if s.model == model]
+
+    def _token_lookups(
+        self, prompt: Prompt, overrides: Overrides, specs: list[EngineSpec]
+    ) -> list[_Lookup]:
+        computer = ChainComputer(prompt)
+        shared: dict[tuple, _Lookup] = {}
+        lookups: list[_Lookup] = []
+        for spec in specs:
+            hashing = overrides.hashing_of(spec)
+            if hashing is None:
+                lookups.extend(self._learned_lookups(prompt, overrides, spec))
+                continue
+            as_bytes = self._token_index.publishes_bytes(spec.name)
+            lookup = shared.get((hashing, as_bytes))
+            if lookup is None:
+                chain = computer.chain(hashing, as_bytes)
+                lookup = shared[hashing, as_bytes] = _Lookup(chain, {})
+            lookup.chunk_blocks[spec.name] = spec.blocks_per_chunk
+        return [*shared.values(), *lookups]
+
+    def _learned_lookups(
+        self, prompt: Prompt, overrides: Overrides, spec: EngineSpec
+    ) -> list[_Lookup]:
+        index = self._token_index
+        lookups = []
+        for dp_rank in sorted(set(range(spec.dp_ranks)) | index.ranks(spec.name)):
+            rank = RankId(spec.name, dp_rank)
+            chain = index.walk(
+                rank,
+                prompt.tokens,
+                overrides.block_size_of(spec),
+                lora_name=prompt.lora_name,
+                cache_salt=prompt.cache_salt,
+                mm_features=prompt.mm_features,
+            )
+            lookups.append(_Lookup(chain, {spec.name: spec.blocks_per_chunk}, rank))
+        return lookups
+
+    async def _run(self, lookups: list[_Lookup]) -> dict[RankId, PrefixMatch]:
+        lookups = [lookup for lookup in lookups if lookup.chain and lookup.chunk_blocks]
+        answers = await asyncio.gather(
+            *(self._store.prefix_match(lookup.chain, lookup.chunk_blocks) for lookup in lookups)
+        )
+        found: dict[RankId, PrefixMatch] = {}
+        for lookup, answer in zip(lookups, answers, strict=True):
+            if lookup.rank is None:
+                found.update(answer)
+            elif lookup.rank in answer:
+                found[lookup.rank] = answer[lookup.rank]
+        return found
+
+    def _answer(
+        self,
+        query: Query,
+        specs: list[EngineSpec],
+        statuses: dict[str, list[RankStatus]],
+        found: dict[RankId, PrefixMatch],
+    ) -> PrefixMatchResponse:
+        known: dict[str, set[int]] = {}
+        for rank in found:
+            known.setdefault(rank.engine, set()).add(rank.dp_rank)
+        weights, entries, sizes = self._weights, [], set()
+        for spec in specs:
+            block_size = query.overrides.block_size_of(spec)
+            sizes.add(block_size)
+            by_rank = {s.dp_rank: s for s in statuses[spec.name]}
+            for dp_rank in sorted(set(range(spec.dp_ranks)) | known.get(spec.name, set())):
+                m = found.get(RankId(spec.name, dp_rank), _NO_MATCH)
+                entries.append(
+                    EngineMatch(
+                        engine=spec.name,
+                        dp_rank=dp_rank,
+                        model=spec.model,
+                        block_size=block_size,
+                        gpu_blocks=m.gpu_blocks,
+                        cpu_blocks=m.cpu_blocks,
+                        storage_blocks=m.storage_blocks,
+                        prefix_blocks=m.prefix_blocks,
+                        prefix_tokens=m.prefix_blocks * block_size,
+                        score=round(m.score(weights), 6),
+                        degraded=is_degraded(by_rank.get(dp_rank)),
+                    )
+                )
+        entries.sort(key=lambda e: (-e.score, e.engine, e.dp_rank))
+        block_size = next(iter(sizes)) if len(sizes) == 1 else query.overrides.block_size
+        return PrefixMatchResponse(block_size, _num_blocks(query, block_size), entries)
+
+
+def _num_blocks(query: Query, block_size: int | None) -> int | None:
+    if query.chain is not None:
+        return len(query.chain)
+    if block_size is None or query.prompt is None:
+        return None
+    return len(query.prompt.tokens) // block_size

@@ -1,0 +1,202 @@
+"""Operator REST: the engines kvindex follows, one block's residency, totals.
+
+Registering or removing an engine goes through the registry, whose
+listeners (the subscriber) start or stop consuming — and, on removal, drop
+the engine's residency from the store — before the call returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from typing import Annotated
+
+import msgspec
+from fastapi import APIRouter, Path, Request, Response
+
+from api.auth import require_token
+from api.context import ApiContext
+from api.errors import ApiError, ErrorBody
+from api.matching import is_degraded
+from api.openapi import answers, body
+from api.parsing import decode_body, hash_text, parse_hash
+from api.schemas import HASH_PATTERN, BlockResidencies, EngineState, RankState, Stats
+from indexer.engines import EngineExists, EngineSpec, RankStatus, UnknownEngine
+from indexer.model import MEDIA, RankId
+
+log = logging.getLogger("kvindex.api")
+_encode = msgspec.json.Encoder().encode
+_decode_spec = msgspec.json.Decoder(EngineSpec).decode
+
+_UNAVAILABLE = (ErrorBody, "the store is unreachable")
+_UNKNOWN = (ErrorBody, "no engine of that name is registered")
+_AUTH = (ErrorBody, "missing or wrong bearer token (when one is configured)")
+EngineName = Annotated[str, Path(description="a registered engine's name")]
+
+
+def _json(value: object, status: int = 200) -> Response:
+    return Response(_encode(value), status, media_type="application/json")
+
+
+class Operators:
+    """What the operator endpoints read, over one API context."""
+
+    def __init__(self, ctx: ApiContext) -> None:
+        self.store = ctx.store
+        self.registry = ctx.registry
+        self.consumers = ctx.consumers
+        self.token_index = ctx.token_index
+
+    def spec(self, name: str) -> EngineSpec:
+        try:
+            return self.registry.get(name)
+        except UnknownEngine:
+            raise ApiError(404, f"unknown engine {name!r}") from None
+
+    async def ranks_of(self, spec: EngineSpec) -> list[int]:
+        """Declared dp ranks, plus any rank the store holds state for."""
+        held = {r.dp_rank for r in await self.store.ranks() if r.engine == spec.name}
+        return sorted(held | set(range(spec.dp_ranks)))
+
+    async def rank_state(self, spec: EngineSpec, status: RankStatus) -> RankState:
+        rank = RankId(spec.name, status.dp_rank)
+        blocks, anomalies = await asyncio.gather(
+            self.store.block_counts(rank), self.store.anomalies(rank)
+        )
+        return RankState(**msgspec.structs.asdict(status), blocks=blocks, anomalies=anomalies)
+
+    async def engine_state(self, spec: EngineSpec) -> EngineState:
+        statuses = {s.dp_rank: s for s in self.consumers.rank_status(spec.name)}
+        ranks = await asyncio.gather(
+            *(
+                self.rank_state(spec, statuses.get(r) or RankStatus(dp_rank=r))
+                for r in await self.ranks_of(spec)
+            )
+        )
+        return EngineState(**msgspec.structs.asdict(spec), ranks=list(ranks))
+
+    async def stats(self) -> Stats:
+        ranks = await self.store.ranks()
+        counts = await asyncio.gather(*(self.store.block_counts(r) for r in ranks))
+        anomalies = await asyncio.gather(*(self.store.anomalies(r) for r in ranks))
+        engines = self.registry.all()
+        statuses = [s for spec in engines for s in self.consumers.rank_status(spec.name)]
+        return Stats(
+            engines=len(engines),
+            ranks=len(ranks),
+            connected_ranks=sum(s.connected for s in statuses),
+            degraded_ranks=sum(is_degraded(s) for s in statuses),
+            blocks={m: sum(c[m] for c in counts) for m in MEDIA},
+            anomalies=_total(anomalies),
+            token_index_entries=len(self.token_index),
+        )
+
+
+def _total(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for c in counts:
+        total.update(c)  # unlike +, update keeps zero counts
+    return dict(total)
+
+
+def router(ctx: ApiContext) -> APIRouter:
+    ops = Operators(ctx)
+    routes = APIRouter(tags=["operators"])
+    guarded = require_token(ctx.settings.auth_token)
+
+    @routes.get(
+        "/engines",
+        responses=answers(_200=(list[EngineSpec], "registered engines, by name")),
+        summary="List engines",
+    )
+    async def list_engines() -> Response:
+        return _json(ops.registry.all())
+
+    @routes.post(
+        "/engines",
+        status_code=201,
+        dependencies=guarded,
+        openapi_extra=body(EngineSpec),
+        responses=answers(
+            _201=(EngineSpec, "registered; consumption has started"),
+            _400=(ErrorBody, "body is not JSON"),
+            _401=_AUTH,
+            _409=(ErrorBody, "an engine of that name is already registered"),
+            _413=(ErrorBody, "body over the configured maximum"),
+            _422=(ErrorBody, "a malformed or unknown field, or an endpoint that cannot be used"),
+        ),
+        summary="Register an engine",
+    )
+    async def add_engine(request: Request) -> Response:
+        spec = await decode_body(request, _decode_spec, "engine")
+        try:
+            await ops.registry.add(spec)
+        except EngineExists:
+            raise ApiError(409, f"engine {spec.name!r} is already registered") from None
+        except Exception as e:  # a listener could not take it (e.g. an endpoint ZMQ refuses)
+            log.warning("engine refused", extra={"engine": spec.name, "error": repr(e)})
+            raise ApiError(422, f"cannot consume engine {spec.name!r}: {e}") from None
+        return _json(spec, 201)
+
+    @routes.get(
+        "/engines/{name}",
+        responses=answers(
+            _200=(EngineState, "the engine and the state of each dp rank"),
+            _404=_UNKNOWN,
+            _503=_UNAVAILABLE,
+        ),
+        summary="One engine's state",
+    )
+    async def get_engine(name: EngineName) -> Response:
+        return _json(await ops.engine_state(ops.spec(name)))
+
+    @routes.delete(
+        "/engines/{name}",
+        dependencies=guarded,
+        responses=answers(
+            _200=(EngineSpec, "removed: no longer consumed, its residency dropped"),
+            _401=_AUTH,
+            _404=_UNKNOWN,
+            _503=_UNAVAILABLE,
+        ),
+        summary="Remove an engine",
+    )
+    async def remove_engine(name: EngineName) -> Response:
+        try:
+            spec = await ops.registry.remove(name)
+        except UnknownEngine:
+            raise ApiError(404, f"unknown engine {name!r}") from None
+        return _json(spec)
+
+    @routes.get(
+        "/blocks/{block_hash}",
+        responses=answers(
+            _200=(BlockResidencies, "every residency of the block (empty if none)"),
+            _422=(ErrorBody, "not a decimal uint64 or 0x-hex digest"),
+            _503=_UNAVAILABLE,
+        ),
+        summary="One block's residency",
+    )
+    async def get_block(
+        block_hash: Annotated[
+            str,
+            Path(
+                description="decimal uint64, or 0x-hex raw digest",
+                json_schema_extra={"pattern": HASH_PATTERN},
+            ),
+        ],
+    ) -> Response:
+        value = parse_hash(block_hash)
+        residency = await ops.store.block_residency(value)
+        return _json(BlockResidencies(hash_text(value), residency))
+
+    @routes.get(
+        "/stats",
+        responses=answers(_200=(Stats, "totals"), _503=_UNAVAILABLE),
+        summary="Totals",
+    )
+    async def stats() -> Response:
+        return _json(await ops.stats())
+
+    return routes

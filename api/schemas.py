@@ -1,0 +1,138 @@
+"""Request and response bodies of the HTTP API: the router contract.
+
+msgspec structs, so that one definition validates a body, encodes an answer
+and (through :mod:`api.openapi`) documents both in the OpenAPI schema.
+Engine configuration and rank status reuse :mod:`indexer.engines` so the
+API cannot drift from what the registry and the subscriber hold.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from indexer.engines import EngineSpec, RankStatus
+from indexer.hashing import HASH_ALGOS
+from indexer.stores.base import Residency
+
+MAX_TOKEN = (1 << 63) - 1
+MAX_UINT64 = (1 << 64) - 1
+
+#: A hash in text: decimal uint64, or ``0x`` + hex for engines publishing raw digests.
+HASH_PATTERN = r"^([0-9]{1,20}|0x([0-9a-fA-F]{2}){1,64})$"
+
+Token = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN)]
+# msgspec checks bounds only within int64: the uint64 ceiling is documented here
+# and enforced by api.parsing.parse_hash.
+HashInt = Annotated[int, msgspec.Meta(ge=0, extra_json_schema={"maximum": MAX_UINT64})]
+HashText = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=HASH_PATTERN,
+        description="decimal uint64 (for clients without 64-bit ints) or 0x-hex raw digest",
+    ),
+]
+MAX_BLOCK_SIZE = 1 << 16
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]
+HashAlgo = Literal[HASH_ALGOS]
+
+
+class MMFeatureBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A multimodal item's placeholder span, keyed by its content hash."""
+
+    identifier: str
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+    length: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class PrefixMatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /prefix-match``: exactly one of ``block_hashes`` or ``tokens``.
+
+    ``block_size``, ``hash_algo`` and ``hash_seed`` override the engines'
+    declared values when kvindex hashes ``tokens``; ``block_size`` also
+    converts a ``block_hashes`` answer to tokens. ``lora_name`` and
+    ``lora_path`` go together: vLLM hashes both.
+    """
+
+    block_hashes: list[HashInt | HashText] | None = None
+    tokens: list[Token] | None = None
+    model: str | None = None
+    engines: list[str] | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    mm_features: list[MMFeatureBody] = []
+    block_size: BlockSize | None = None
+    hash_algo: HashAlgo | None = None
+    hash_seed: str | None = None
+
+
+class EngineMatch(msgspec.Struct):
+    """How much of the prompt one engine rank can serve, per tier.
+
+    ``gpu_blocks``: leading blocks on GPU. ``cpu_blocks``/``storage_blocks``:
+    leading blocks loadable from that tier alone, in whole chunks.
+    ``prefix_blocks``: leading blocks each on GPU or loadable from a lower
+    tier (lower tiers in whole chunks). ``score``: the tier weight of each
+    prefix block, summed. ``degraded``: the view has an unfilled gap or the
+    rank is not connected.
+    """
+
+    engine: str
+    dp_rank: int
+    model: str
+    block_size: int
+    gpu_blocks: int
+    cpu_blocks: int
+    storage_blocks: int
+    prefix_blocks: int
+    prefix_tokens: int
+    score: float
+    degraded: bool
+
+
+class PrefixMatchResponse(msgspec.Struct):
+    """Every engine rank matching the filters, best score first.
+
+    ``block_size``/``num_blocks`` are null when the selected engines use
+    different block sizes; each entry carries its own ``block_size``.
+    """
+
+    block_size: int | None
+    num_blocks: int | None
+    engines: list[EngineMatch]
+
+
+class RankState(RankStatus):
+    """A rank's consumer status with its residency: distinct hashes per medium."""
+
+    blocks: dict[str, int] = {}
+    anomalies: dict[str, int] = {}
+
+
+class EngineState(EngineSpec):
+    """An engine's declaration and the state of each of its dp ranks."""
+
+    ranks: list[RankState] = []
+
+
+class BlockResidencies(msgspec.Struct):
+    hash: str
+    residency: list[Residency]
+
+
+class Stats(msgspec.Struct):
+    """Totals over every engine rank the store holds."""
+
+    engines: int
+    ranks: int
+    connected_ranks: int
+    degraded_ranks: int
+    blocks: dict[str, int]
+    anomalies: dict[str, int]
+    token_index_entries: int
+
+
+class Status(msgspec.Struct):
+    status: str

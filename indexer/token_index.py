@@ -1,0 +1,145 @@
+"""The learned token index: token ids to block hashes, taught by the events.
+
+Some engines' hashes cannot be recomputed here: xxhash without
+``PYTHONHASHSEED`` seeds every chain with per-process random bytes, and an
+engine may not declare its algorithm at all. Their GPU and self-describing
+CPU/STORAGE ``BlockStored`` events still carry what defines each block —
+the parent hash, the block's token ids and its extra keys — next to the hash
+the engine computed. Remembering ``(rank, parent, tokens, extra keys) ->
+hash`` lets a ``tokens`` query walk a prompt block by block, with no hash
+algorithm involved, and stop at the first block no event described.
+
+Entries are kept per dp rank: each rank is its own process, with its own
+random seed. The index is bounded by an LRU over entries (learning or
+walking through an entry refreshes it) rather than tied to residency: an
+entry outlives its GPU copy, so a chunk offloaded with a placeholder event
+(no token ids) stays reachable by tokens while the index has room. Stale
+entries are harmless — they map to hashes no tier holds any more, or that an
+engine restart kept on STORAGE — and age out. Keys are 16-byte BLAKE2b
+digests so that an entry costs about 200 bytes whatever the block size.
+
+Extra keys are compared as an unordered set of untagged values (LoRA name,
+cache salt, ``(mm identifier, offset)``, prompt-embeds digest), the form
+events publish, so the order a connector lists them in does not matter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from indexer.hashing import MMFeature, block_extra_keys
+from indexer.model import RankId
+from indexer.wire import BlockHash, BlockStored, EventBatch
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _untag(key: tuple[Any, ...]) -> Any:
+    """vLLM's hash-input extra key to the value events publish for it."""
+    tag, *values = key
+    if tag == "lora":  # events carry the adapter name, not its path
+        return values[0]
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _normalised(values: Iterable[Any] | None) -> tuple[bytes, ...]:
+    """Extra keys as an order-free, hashable value: their sorted encodings."""
+    return tuple(sorted(_encode(v) for v in values)) if values else ()
+
+
+class TokenIndex:
+    """``(rank, parent hash, block tokens, extra keys) -> block hash``, LRU-bounded.
+
+    ``learns(engine)`` says whose events to remember (engines whose hashes
+    cannot be recomputed); every engine still teaches whether it publishes
+    hashes as ints or as bytes.
+    """
+
+    def __init__(self, capacity: int, learns: Callable[[str], bool] = lambda _: True) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self._capacity = capacity
+        self._learns = learns
+        self._entries: OrderedDict[bytes, BlockHash] = OrderedDict()
+        self._ranks: dict[str, set[int]] = {}
+        self._bytes_hashes: dict[str, bool] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def observe(self, rank: RankId, batch: EventBatch) -> None:
+        """Learn from one applied batch (a subscriber observer)."""
+        learns = None
+        for event in batch.events:
+            if type(event) is not BlockStored or not event.block_hashes:
+                continue
+            self._bytes_hashes[rank.engine] = type(event.block_hashes[0]) is bytes
+            if learns is None:
+                learns = self._learns(rank.engine)
+            if learns:
+                self._learn(rank, event)
+
+    def _learn(self, rank: RankId, event: BlockStored) -> None:
+        size, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
+        if size <= 0 or len(tokens) != size * len(hashes):
+            return  # a placeholder (chunk end only) or a malformed store: nothing to learn
+        extras = event.extra_keys or ()
+        parent = event.parent_block_hash
+        entries = self._entries
+        for i, block_hash in enumerate(hashes):
+            extra = extras[i] if i < len(extras) else None
+            key = _key(rank, parent, tokens[i * size : (i + 1) * size], _normalised(extra))
+            entries[key] = block_hash
+            entries.move_to_end(key)
+            parent = block_hash
+        self._ranks.setdefault(rank.engine, set()).add(rank.dp_rank)
+        while len(entries) > self._capacity:
+            entries.popitem(last=False)
+
+    def walk(
+        self,
+        rank: RankId,
+        tokens: Sequence[int],
+        block_size: int,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[MMFeature] = (),
+    ) -> list[BlockHash]:
+        """The hashes of the prompt's leading blocks this rank's events described."""
+        toks = tokens if type(tokens) is tuple else tuple(tokens)
+        n_blocks = len(toks) // block_size
+        lora = ("lora", lora_name, None) if lora_name is not None else None
+        extras = block_extra_keys(n_blocks, block_size, lora, cache_salt, mm_features)
+        chain: list[BlockHash] = []
+        parent: BlockHash | None = None
+        entries = self._entries
+        for start, extra in zip(range(0, n_blocks * block_size, block_size), extras, strict=True):
+            untagged = map(_untag, extra) if extra else None
+            key = _key(rank, parent, toks[start : start + block_size], _normalised(untagged))
+            parent = entries.get(key)
+            if parent is None:
+                break
+            entries.move_to_end(key)
+            chain.append(parent)
+        return chain
+
+    def ranks(self, engine: str) -> set[int]:
+        """Dp ranks of an engine that taught the index something."""
+        return set(self._ranks.get(engine, ()))
+
+    def publishes_bytes(self, engine: str) -> bool:
+        """Whether the engine's events carry raw digests (int form until seen)."""
+        return self._bytes_hashes.get(engine, False)
+
+
+def _key(
+    rank: RankId, parent: BlockHash | None, tokens: Sequence[int], extras: tuple[bytes, ...]
+) -> bytes:
+    material = _encode((rank.engine, rank.dp_rank, parent, tokens, extras))
+    return hashlib.blake2b(material, digest_size=16).digest()

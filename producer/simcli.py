@@ -1,0 +1,232 @@
+"""``kvindex sim``: simulated engines publishing KV events on local ports.
+
+Each engine rank runs a :class:`~producer.sim.SimEngine` fed by its own
+stream of one shared :class:`~producer.workload.Workload` config (so the
+engines share popular system prompts), and publishes through a
+:class:`~producer.publisher.Publisher` exactly where vLLM would: engine
+``k`` binds its PUB socket on ``base_port + 2 * dp_ranks * k`` and its replay
+socket ``dp_ranks`` ports above, data-parallel rank ``r`` on those ports
+``+ r``. ``--print-specs`` prints the matching ``POST /engines`` bodies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from indexer.wire import MEDIA
+from producer.publisher import Publisher
+from producer.sim import SimConfig, SimEngine
+from producer.workload import Request, Workload, WorkloadConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Names and local endpoints of the simulated engines."""
+
+    engines: int
+    base_port: int
+    dp_ranks: int = 1
+    host: str = "127.0.0.1"
+    prefix: str = "sim"
+
+    def name(self, engine: int) -> str:
+        return f"{self.prefix}-{engine}"
+
+    def rank_name(self, engine: int, dp_rank: int) -> str:
+        return self.name(engine) if self.dp_ranks == 1 else f"{self.name(engine)}/dp{dp_rank}"
+
+    def endpoint(self, engine: int) -> str:
+        return f"tcp://{self.host}:{self.base_port + 2 * self.dp_ranks * engine}"
+
+    def replay_endpoint(self, engine: int) -> str:
+        return f"tcp://{self.host}:{self.base_port + 2 * self.dp_ranks * engine + self.dp_ranks}"
+
+
+def engine_spec(layout: Layout, engine: int, config: SimConfig, model: str) -> dict:
+    """The ``POST /engines`` body (an :class:`indexer.engines.EngineSpec`) for one engine.
+
+    The engine's seed is declared only when it is one kvindex could know: a
+    secret xxhash seed stays secret, and kvindex matches by tokens instead.
+    """
+    return {
+        "name": layout.name(engine),
+        "endpoint": layout.endpoint(engine),
+        "replay_endpoint": layout.replay_endpoint(engine),
+        "model": model,
+        "dp_ranks": layout.dp_ranks,
+        "block_size": config.block_size,
+        "hash_algo": config.hash_algo,
+        "hash_seed": config.hash_seed,
+        "blocks_per_chunk": config.blocks_per_chunk,
+    }
+
+
+class _Rank:
+    """One engine rank: its engine, its requests in arrival order, its publisher."""
+
+    def __init__(
+        self, name: str, engine: SimEngine, workload: Iterator[Request], publisher: Publisher
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        self.publisher = publisher
+        self._requests = workload
+        self._next = next(workload)
+
+    def advance(self, elapsed: float) -> None:
+        """Submit the requests that have arrived, run one step, publish its batch."""
+        while self._next.arrival <= elapsed:
+            self.engine.submit(self._next.prompt, self._next.output)
+            self._next = next(self._requests)
+        batch = self.engine.step()
+        if batch is not None:
+            self.publisher.publish(batch)
+
+
+def _start(layout: Layout, config: SimConfig, workload: WorkloadConfig) -> list[_Rank]:
+    ranks = []
+    for engine in range(layout.engines):
+        for dp_rank in range(layout.dp_ranks):
+            publisher = Publisher(
+                layout.endpoint(engine),
+                layout.replay_endpoint(engine),
+                data_parallel_rank=dp_rank,
+                bind=True,
+            )
+            stream = Workload(workload, stream=len(ranks))
+            engine_rank = SimEngine(config, dp_rank)
+            ranks.append(_Rank(layout.rank_name(engine, dp_rank), engine_rank, stream, publisher))
+    return ranks
+
+
+def _write_samples(path: str, ranks: list[_Rank]) -> None:
+    """Atomically write ``{rank name: [tokens, ...]}``: prompts each rank has served."""
+    samples = {r.name: [list(t) for t in r.engine.recently_served] for r in ranks}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(samples, f)
+    os.replace(tmp, path)
+
+
+def run(
+    layout: Layout,
+    config: SimConfig,
+    workload: WorkloadConfig,
+    *,
+    tick: float = 0.05,
+    samples: str | None = None,
+) -> None:
+    """Run every rank one step per ``tick`` seconds until interrupted."""
+    ranks = _start(layout, config, workload)
+    for r in ranks:
+        print(f"{r.name}: PUB {r.publisher.endpoint}  replay {r.publisher.replay_endpoint}")
+    sys.stdout.flush()  # whoever started us may be waiting for these lines
+    started = last_report = time.monotonic()
+    try:
+        while True:
+            now = time.monotonic()
+            for r in ranks:
+                r.advance(now - started)
+            if now - last_report >= 1.0:
+                last_report = now
+                if samples:
+                    _write_samples(samples, ranks)
+                _progress(ranks)
+            time.sleep(max(0.0, tick - (time.monotonic() - now)))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for r in ranks:
+            r.publisher.close()
+        sys.stderr.write("\n")
+
+
+def _progress(ranks: list[_Rank]) -> None:
+    done = sum(r.engine.requests_done for r in ranks)
+    batches = sum(r.publisher.next_seq for r in ranks)
+    looked_up = max(1, sum(r.engine.prompt_blocks for r in ranks))
+    hits = Counter()
+    for r in ranks:
+        hits.update(r.engine.hit_blocks)
+    rates = "  ".join(f"{m} {100 * hits[m] / looked_up:.0f}%" for m in MEDIA if m in hits)
+    sys.stderr.write(
+        f"\r{len(ranks)} ranks  requests {done}  batches {batches}  prompt cache hits: {rates}   "
+    )
+    sys.stderr.flush()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sim, wl = SimConfig(), WorkloadConfig()
+    parser.add_argument("--engines", type=int, default=4, help="engines to run (default 4)")
+    parser.add_argument("--base-port", type=int, default=5557, help="first PUB port (5557)")
+    parser.add_argument("--dp-ranks", type=int, default=1, help="data-parallel ranks per engine")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    parser.add_argument("--model", default="sim", help="model name in --print-specs (sim)")
+    parser.add_argument(
+        "--print-specs",
+        action="store_true",
+        help="print one POST /engines JSON body per engine and exit",
+    )
+    parser.add_argument("--samples", metavar="FILE", help="keep served prompts in FILE (JSON)")
+    parser.add_argument("--tick", type=float, default=0.05, help="seconds per engine step")
+    parser.add_argument("--rate", type=float, default=wl.rate, help="requests/s per rank")
+    parser.add_argument("--seed", type=int, default=wl.seed, help="workload seed")
+    parser.add_argument("--zipf", type=float, default=wl.zipf_s, help="system prompt skew")
+    parser.add_argument("--system-prompts", type=int, default=wl.system_prompts)
+    parser.add_argument("--max-context", type=int, default=wl.max_context_tokens)
+    parser.add_argument("--block-size", type=int, default=sim.block_size)
+    parser.add_argument("--gpu-blocks", type=int, default=sim.gpu_blocks)
+    parser.add_argument("--blocks-per-chunk", type=int, default=sim.blocks_per_chunk)
+    parser.add_argument("--cpu-chunks", type=int, default=sim.cpu_chunks, help="0: no offload")
+    parser.add_argument("--storage-chunks", type=int, default=0, help="owned STORAGE tier size")
+    parser.add_argument(
+        "--placeholders",
+        action="store_true",
+        help="publish CPU chunks as placeholders (vLLM without self-describing events)",
+    )
+    parser.add_argument("--hash-algo", default=sim.hash_algo)
+    parser.add_argument(
+        "--hash-seed", help="the engines' PYTHONHASHSEED (unset: xxhash gets a secret seed)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    if math.ceil(args.max_context / args.block_size) > args.gpu_blocks:
+        sys.exit(f"kvindex sim: --max-context {args.max_context} does not fit --gpu-blocks")
+    layout = Layout(args.engines, args.base_port, args.dp_ranks, args.host)
+    config = SimConfig(
+        block_size=args.block_size,
+        gpu_blocks=args.gpu_blocks,
+        blocks_per_chunk=args.blocks_per_chunk,
+        cpu_chunks=args.cpu_chunks,
+        storage_chunks=args.storage_chunks,
+        self_describing=not args.placeholders,
+        hash_algo=args.hash_algo,
+        hash_seed=args.hash_seed,
+    )
+    if args.print_specs:
+        for engine in range(layout.engines):
+            print(json.dumps(engine_spec(layout, engine, config, args.model)))
+        return 0
+    workload = WorkloadConfig(
+        seed=args.seed,
+        rate=args.rate,
+        zipf_s=args.zipf,
+        system_prompts=args.system_prompts,
+        max_context_tokens=args.max_context,
+    )
+    # Ctrl-C and SIGTERM both stop cleanly, also in a script's background
+    # (where the shell starts it with SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    run(layout, config, workload, tick=args.tick, samples=args.samples)
+    return 0

@@ -1,0 +1,140 @@
+"""What the API tests share: a fake or the real subscriber, an HTTP client."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+from fastapi import FastAPI
+
+from api import ApiSettings, create_app
+from indexer.engines import EngineRegistry, EngineSpec, RankStatus
+from indexer.model import RankId
+from indexer.replay import Trace
+from indexer.stores import MemoryStore
+from indexer.stores.base import Store
+from indexer.subscriber import Subscriber
+from indexer.wire import EventBatch, decode_batch
+from producer.publisher import Publisher
+
+from .conftest import free_ports, wait_until
+
+Observer = Callable[[RankId, EventBatch], None]
+
+
+class FakeConsumers:
+    """A :class:`~indexer.engines.ConsumerView` standing in for the subscriber.
+
+    :meth:`apply` does what the subscriber does with a batch: apply it to the
+    store, then tell the observers (the learned token index) if it was new.
+    Every rank is connected unless ``statuses`` says otherwise.
+    """
+
+    def __init__(self, store: Store, running: bool = True) -> None:
+        self.store = store
+        self.is_running = running
+        self.statuses: dict[str, list[RankStatus]] = {}
+        self.observers: list[Observer] = []
+
+    def rank_status(self, engine: str) -> list[RankStatus]:
+        return self.statuses.get(engine, [RankStatus(dp_rank=0, connected=True)])
+
+    def running(self) -> bool:
+        return self.is_running
+
+    def add_observer(self, observer: Observer) -> None:
+        self.observers.append(observer)
+
+    async def apply(self, rank: RankId, seq: int, batch: EventBatch) -> None:
+        if (await self.store.apply_batch(rank, seq, batch)).applied:
+            for observer in self.observers:
+                observer(rank, batch)
+
+    async def apply_trace(self, rank: RankId, trace: Trace) -> None:
+        for seq, payload in trace:
+            await self.apply(rank, seq, decode_batch(payload))
+
+
+def engine(name: str, **fields) -> EngineSpec:
+    """A spec with a syntactically valid endpoint nobody listens on."""
+    return EngineSpec(name=name, endpoint="tcp://127.0.0.1:1", **fields)
+
+
+class Api:
+    """An app over a memory store with a fake subscriber, and a client for it."""
+
+    def __init__(self, settings: ApiSettings | None = None, store: Store | None = None) -> None:
+        self.store = store or MemoryStore()
+        self.registry = EngineRegistry()
+        self.consumers = FakeConsumers(self.store)
+        self.app: FastAPI = create_app(
+            self.store, self.registry, self.consumers, settings or ApiSettings()
+        )
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://kvindex"
+        )
+
+    async def add(self, spec: EngineSpec) -> EngineSpec:
+        return await self.registry.add(spec)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def csv(values) -> str:
+    return ",".join(map(str, values))
+
+
+class LiveApi:
+    """The real pipeline: publishers on local ports, the subscriber, the store, the app.
+
+    What :class:`Api` fakes (the subscriber) is real here, so the token index
+    is fed by the subscriber's observers exactly as in ``kvindex serve``.
+    """
+
+    def __init__(self, settings: ApiSettings | None = None) -> None:
+        self.store = MemoryStore()
+        self.registry = EngineRegistry()
+        self.subscriber = Subscriber(self.store, self.registry)
+        self.app = create_app(self.store, self.registry, self.subscriber, settings or ApiSettings())
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://kvindex"
+        )
+        self.publishers: list[Publisher] = []
+
+    async def __aenter__(self) -> LiveApi:
+        await self.subscriber.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.aclose()
+        await self.subscriber.stop()
+        for publisher in self.publishers:
+            publisher.close()
+
+    async def add_published(self, name: str, dp_ranks: int = 1, **fields) -> list[Publisher]:
+        """Register an engine whose ranks publish on fresh local ports."""
+        base = free_ports(2 * dp_ranks)
+        spec = EngineSpec(
+            name=name,
+            endpoint=f"tcp://127.0.0.1:{base}",
+            replay_endpoint=f"tcp://127.0.0.1:{base + dp_ranks}",
+            dp_ranks=dp_ranks,
+            **fields,
+        )
+        publishers = [
+            Publisher(spec.endpoint, spec.replay_endpoint, data_parallel_rank=r, bind=True)
+            for r in range(dp_ranks)
+        ]
+        self.publishers += publishers
+        await self.registry.add(spec)
+        return publishers
+
+    async def wait_applied(self, name: str, seqs: list[int]) -> None:
+        """Until rank r of the engine has applied seq ``seqs[r]`` (live or replayed)."""
+
+        def applied() -> bool:
+            marks = [s.applied_seq for s in self.subscriber.rank_status(name)]
+            return all(a is not None and a >= w for a, w in zip(marks, seqs, strict=True))
+
+        await wait_until(applied, timeout=30.0, what=f"{name} to apply seqs {seqs}")

@@ -1,0 +1,65 @@
+"""The API against its own OpenAPI schema (schemathesis): never a 5xx, always as documented.
+
+Every operation is fuzzed with valid and invalid inputs, and each answer is
+checked against the schema (status, content type, body). The app serves a
+fixture trace so that positive cases walk real residency, not empty tables.
+
+One check is left out: ``positive_data_acceptance`` expects every
+schema-valid request to succeed, but OpenAPI cannot say "exactly one of two
+query parameters", "lora_name and lora_path together", a uint64 ceiling on
+decimal text, or the configured prompt maximum; those are documented 4xx
+answers, not failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from api import ApiSettings
+from indexer.model import RankId
+from indexer.replay import load_trace
+
+from .apikit import Api, engine
+from .conftest import trace_path
+
+
+async def _populated(settings: ApiSettings) -> Api:
+    api = Api(settings)
+    await api.add(engine("vllm-a", model="m", blocks_per_chunk=4))
+    await api.add(engine("secret", model="m", hash_algo="xxhash", dp_ranks=2))
+    await api.consumers.apply_trace(RankId("vllm-a", 0), load_trace(trace_path("chat-sha256")))
+    return api
+
+
+def _schema(settings: ApiSettings) -> schemathesis.BaseSchema:
+    api = asyncio.run(_populated(settings))
+    return schemathesis.openapi.from_asgi("/openapi.json", api.app)
+
+
+OPEN = _schema(ApiSettings())
+TOKEN = "t0ken"
+GUARDED = _schema(ApiSettings(auth_token=TOKEN))
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+NOT_CHECKED = [schemathesis.checks.positive_data_acceptance]
+
+
+@OPEN.parametrize()
+@FUZZ
+def test_api_conforms_to_its_schema(case: schemathesis.Case) -> None:
+    case.call_and_validate(excluded_checks=NOT_CHECKED)
+
+
+@GUARDED.parametrize()
+@FUZZ
+def test_api_with_a_token_conforms_and_enforces_it(case: schemathesis.Case) -> None:
+    """With the token the fuzzer reaches the handlers; schemathesis also retries without it."""
+    case.call_and_validate(
+        headers={"Authorization": f"Bearer {TOKEN}"}, excluded_checks=NOT_CHECKED
+    )

@@ -1,0 +1,463 @@
+"""The simulated engine and workload: vLLM's cache mechanics, seen through their events."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import msgspec
+import pytest
+
+from indexer.engines import EngineSpec
+from indexer.hashing import HashSpec, block_hashes
+from indexer.model import RankId
+from indexer.stores import MemoryStore
+from indexer.wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from producer.sim import SimConfig, SimEngine
+from producer.simcli import Layout, engine_spec
+from producer.workload import Workload, WorkloadConfig
+
+BLOCK = 4
+RANK = RankId("sim", 0)
+
+
+def small(**kw) -> SimConfig:
+    kw.setdefault("block_size", BLOCK)
+    kw.setdefault("gpu_blocks", 8)
+    kw.setdefault("blocks_per_chunk", 2)
+    kw.setdefault("cpu_chunks", 0)
+    return SimConfig(**kw)
+
+
+def prompt(first: int, blocks: int) -> list[int]:
+    return list(range(first, first + blocks * BLOCK))
+
+
+def drain(engine: SimEngine) -> list[EventBatch]:
+    """Step until every submitted request has finished; the batches published."""
+    batches = []
+    for _ in range(10_000):
+        if engine.idle:
+            return batches
+        batch = engine.step()
+        if batch is not None:
+            batches.append(batch)
+    raise AssertionError("engine never went idle")
+
+
+def events(batches: list[EventBatch], kind: type, medium: str = "GPU") -> list:
+    return [e for b in batches for e in b.events if type(e) is kind and e.medium == medium]
+
+
+def removed_hashes(batches: list[EventBatch], medium: str = "GPU") -> list[int]:
+    return [h for e in events(batches, BlockRemoved, medium) for h in e.block_hashes]
+
+
+async def replay(batches: list[EventBatch]) -> MemoryStore:
+    """What kvindex learns from the engine's batches, through the real wire encoding."""
+    store = MemoryStore()
+    for seq, batch in enumerate(batches):
+        await store.apply_batch(RANK, seq, decode_batch(encode_batch(batch)))
+    return store
+
+
+# --- GPU prefix cache --------------------------------------------------------
+
+
+def test_gpu_store_event_matches_vllm_shape():
+    engine = SimEngine(small(), clock=lambda: 12.5)
+    tokens = [*prompt(1, 2), 99]
+    engine.submit(tokens, output=[7, 8, 9])
+
+    first = engine.step()
+    chain = block_hashes(engine.hash_spec, [*tokens, 7, 8, 9])
+    assert first is not None and first.ts == 12.5 and first.data_parallel_rank == 0
+    assert first.events == [
+        BlockStored(
+            block_hashes=chain[:2],
+            parent_block_hash=None,
+            token_ids=tokens[:8],
+            block_size=BLOCK,
+            medium="GPU",
+            extra_keys=[None, None],
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        )
+    ]
+    # Decoding fills the third block: published alone, chained to the second.
+    [decoded] = drain(engine)[0].events
+    assert (decoded.block_hashes, decoded.parent_block_hash) == (chain[2:], chain[1])
+    assert decoded.token_ids == [*tokens[8:], 7, 8, 9]
+
+
+def test_eviction_takes_least_recently_freed_blocks_and_publishes_removals():
+    engine = SimEngine(small())
+    old, recent = prompt(1, 3), prompt(100, 3)
+    for tokens in (old, recent):
+        engine.submit(tokens)
+        drain(engine)
+    free_uncached = 8 - 6
+    engine.submit(prompt(200, free_uncached + 2))
+
+    batches = drain(engine)
+
+    # The never-cached blocks go first, then ``old``'s, last block first.
+    old_chain = block_hashes(engine.hash_spec, old)
+    assert removed_hashes(batches) == [old_chain[2], old_chain[1]]
+    assert engine.gpu_prefix_blocks(old) == 1
+    assert engine.gpu_prefix_blocks(recent) == 3
+
+
+def test_a_cache_hit_refreshes_the_prefix_in_the_lru():
+    engine = SimEngine(small())
+    old, recent = prompt(1, 3), prompt(100, 3)
+    for tokens in (old, recent, [*old, 0]):  # the last one hits ``old``
+        engine.submit(tokens)
+        drain(engine)
+    engine.submit(prompt(200, 4))
+
+    removed = removed_hashes(drain(engine))
+
+    assert removed == block_hashes(engine.hash_spec, recent)[::-1]
+    assert engine.gpu_prefix_blocks(old) == 3
+
+
+def test_the_last_prompt_token_is_always_computed():
+    engine = SimEngine(small())
+    tokens = prompt(1, 3)
+    engine.submit(tokens)
+    drain(engine)
+    engine.submit(tokens)
+
+    [again] = events(drain(engine), BlockStored)
+
+    # As in vLLM: a fully cached prompt hits all but its last block, which is recomputed.
+    assert engine.hit_blocks == {"GPU": 2}
+    assert engine.prompt_blocks == 6
+    assert (again.block_hashes, again.parent_block_hash) == (
+        block_hashes(engine.hash_spec, tokens)[2:],
+        block_hashes(engine.hash_spec, tokens)[1],
+    )
+
+
+def test_running_requests_hold_their_blocks():
+    engine = SimEngine(small(max_running=4, decode_tokens_per_step=BLOCK))
+    engine.submit(prompt(1, 4), output=prompt(500, 2))  # 6 blocks, runs 3 steps
+    engine.submit(prompt(100, 4))  # needs 4 of the 2 left: must wait
+
+    assert [type(e) for e in engine.step().events] == [BlockStored]
+    engine.step()
+    assert engine.gpu_prefix_blocks(prompt(100, 4)) == 0
+    batches = drain(engine)
+
+    # Admitted once the first finished: its last blocks were the first to go.
+    first = block_hashes(engine.hash_spec, prompt(1, 4) + prompt(500, 2))
+    assert removed_hashes(batches) == [first[5], first[4]]
+    assert engine.gpu_prefix_blocks(prompt(100, 4)) == 4
+
+
+def test_concurrent_requests_publish_two_copies_of_a_block():
+    engine = SimEngine(small(gpu_blocks=6, max_running=2))
+    shared = prompt(1, 2)
+    engine.submit([*shared, 50])
+    engine.submit([*shared, 60])
+
+    [batch] = drain(engine)
+
+    stored = Counter(h for e in events([batch], BlockStored) for h in e.block_hashes)
+    assert set(stored.values()) == {2}
+
+
+async def test_duplicate_copies_keep_a_block_resident_until_both_are_evicted():
+    engine = SimEngine(small(gpu_blocks=6, max_running=2))
+    shared = prompt(1, 2)
+    engine.submit([*shared, 50])
+    engine.submit([*shared, 60])
+    batches = drain(engine)
+    engine.submit(prompt(100, 3))  # evicts one copy of each shared block
+    batches += drain(engine)
+    store = await replay(batches)
+
+    chain = block_hashes(engine.hash_spec, shared)
+    [match] = (await store.prefix_match(chain, {"sim": None})).values()
+    assert engine.gpu_prefix_blocks(shared) == match.gpu_blocks == 2
+    assert removed_hashes(batches) == block_hashes(engine.hash_spec, shared)[::-1]
+
+
+def test_a_request_larger_than_the_gpu_is_refused():
+    engine = SimEngine(small())
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.submit(prompt(1, 9))
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.submit([])
+
+
+# --- offload tiers -----------------------------------------------------------
+
+
+def test_offloaded_chunks_are_aligned_to_the_prompt_start():
+    engine = SimEngine(small(gpu_blocks=16, cpu_chunks=8, blocks_per_chunk=2))
+    tokens = [*prompt(1, 5), 1, 2]  # 5 full blocks: chunks 0 and 1, block 4 left over
+    engine.submit(tokens)
+
+    cpu = events(drain(engine), BlockStored, "CPU")
+
+    chain = block_hashes(engine.hash_spec, tokens)
+    assert [(e.block_hashes, e.parent_block_hash) for e in cpu] == [
+        (chain[0:2], None),
+        (chain[2:4], chain[1]),
+    ]
+    assert [e.token_ids for e in cpu] == [tokens[0:8], tokens[8:16]]
+    assert {(e.block_size, e.locality, e.ownership) for e in cpu} == {(BLOCK, "LOCAL", None)}
+    assert engine.cpu_prefix_blocks(tokens) == 4
+
+
+def test_placeholders_carry_only_the_chunk_end():
+    engine = SimEngine(small(gpu_blocks=16, cpu_chunks=8, self_describing=False))
+    tokens = prompt(1, 4)
+    engine.submit(tokens)
+
+    cpu = events(drain(engine), BlockStored, "CPU")
+
+    chain = block_hashes(engine.hash_spec, tokens)
+    assert [(e.block_hashes, e.block_size, e.token_ids) for e in cpu] == [
+        ([chain[1]], 0, []),
+        ([chain[3]], 0, []),
+    ]
+
+
+def test_a_cpu_load_is_a_hit_refreshes_the_chunk_and_caches_it_on_gpu():
+    engine = SimEngine(small(gpu_blocks=8, cpu_chunks=5, blocks_per_chunk=2))
+    a, b = prompt(1, 2), prompt(100, 2)
+    for tokens in (a, b, prompt(200, 6)):  # the third pushes a off the GPU
+        engine.submit(tokens)
+        drain(engine)
+    assert (engine.gpu_prefix_blocks(a), engine.cpu_prefix_blocks(a)) == (0, 2)
+
+    engine.submit([*a, 0])
+    loaded = drain(engine)
+    assert engine.hit_blocks == {"GPU": 0, "CPU": 2}
+    assert events(loaded, BlockStored, "CPU") == []  # already there: touched, not stored
+    assert engine.gpu_prefix_blocks(a) == 2
+    engine.submit(prompt(300, 2))
+    batches = drain(engine)
+
+    # The load made b's chunk the least recently used one.
+    assert removed_hashes(batches, "CPU") == block_hashes(engine.hash_spec, b)
+    assert engine.cpu_prefix_blocks(a) == 2
+
+
+def test_storage_tier_is_owned_write_through_and_outlives_cpu():
+    config = small(gpu_blocks=8, cpu_chunks=1, storage_chunks=8, blocks_per_chunk=2)
+    engine = SimEngine(config)
+    a, b = prompt(1, 2), prompt(100, 2)
+    for tokens in (a, b):
+        engine.submit(tokens)
+    batches = drain(engine)
+
+    storage = events(batches, BlockStored, "STORAGE")
+    assert {(e.ownership, e.locality) for e in storage} == {("kvcr", "REMOTE")}
+    assert (engine.cpu_prefix_blocks(a), engine.storage_prefix_blocks(a)) == (0, 2)
+    assert (engine.cpu_prefix_blocks(b), engine.storage_prefix_blocks(b)) == (2, 2)
+    assert removed_hashes(batches, "CPU") == block_hashes(engine.hash_spec, a)
+
+    engine.submit(prompt(200, 6))  # pushes a and b off the GPU
+    drain(engine)
+    engine.submit([*a, 0])
+    drain(engine)
+    assert engine.hit_blocks == {"GPU": 0, "STORAGE": 2}
+    assert engine.cpu_prefix_blocks(a) == 2  # brought back to CPU by the load
+
+
+def test_storage_needs_a_cpu_tier():
+    with pytest.raises(ValueError, match="CPU tier"):
+        small(cpu_chunks=0, storage_chunks=4)
+
+
+# --- ground truth against the index ------------------------------------------
+
+PRESSURE = {
+    "self-describing": SimConfig(gpu_blocks=160, cpu_chunks=48, blocks_per_chunk=4),
+    "placeholders": SimConfig(gpu_blocks=160, cpu_chunks=48, self_describing=False),
+    "gpu-only": SimConfig(gpu_blocks=160, cpu_chunks=0),
+    "storage": SimConfig(gpu_blocks=160, cpu_chunks=48, storage_chunks=96),
+}
+WORKLOAD = WorkloadConfig(seed=3, system_prompt_tokens=(64, 320), max_context_tokens=1024)
+
+
+def serve(engine: SimEngine, n: int, workload: WorkloadConfig = WORKLOAD) -> list[EventBatch]:
+    """Submit ``n`` requests, one step apart, then let them finish."""
+    batches = []
+    for request in itertools.islice(Workload(workload), n):
+        engine.submit(request.prompt, request.output)
+        if (batch := engine.step()) is not None:
+            batches.append(batch)
+    return batches + drain(engine)
+
+
+@pytest.mark.parametrize("name", PRESSURE)
+async def test_ground_truth_equals_what_the_index_learns_from_the_events(name):
+    config = PRESSURE[name]
+    engine = SimEngine(config)
+    batches = serve(engine, 150)
+    store = await replay(batches)
+
+    probes = [*Workload(WORKLOAD).system_prompts, *engine.recently_served]
+    probes += [r.prompt for r in itertools.islice(Workload(WORKLOAD), 150)][::10]
+    truths, answers = [], []
+    for tokens in probes:
+        chain = block_hashes(engine.hash_spec, tokens)
+        [match] = (await store.prefix_match(chain, {"sim": config.blocks_per_chunk})).values()
+        answers.append((match.gpu_blocks, match.cpu_blocks, match.storage_blocks))
+        truths.append(
+            (
+                engine.gpu_prefix_blocks(tokens),
+                engine.cpu_prefix_blocks(tokens),
+                engine.storage_prefix_blocks(tokens),
+            )
+        )
+
+    assert answers == truths
+    assert (await store.anomalies(RANK)) == {"unknown_removals": 0}
+    # The comparison covered eviction and hits on every tier the engine has.
+    assert removed_hashes(batches, "GPU")
+    assert any(t[0] for t in truths) and any(t[0] == 0 for t in truths)
+    if config.cpu_chunks:
+        assert removed_hashes(batches, "CPU")
+        assert any(t[1] > t[0] for t in truths)  # CPU holds what the GPU evicted
+    if config.storage_chunks:
+        assert any(t[2] > t[1] for t in truths)
+
+
+async def test_resident_counts_equal_the_index_block_counts():
+    engine = SimEngine(PRESSURE["placeholders"])  # one CPU hash per chunk
+    store = await replay(serve(engine, 60))
+
+    assert await store.block_counts(RANK) == engine.resident()
+
+
+# --- determinism and hashing -------------------------------------------------
+
+
+def test_same_seed_same_batches():
+    def run() -> list[bytes]:
+        engine = SimEngine(PRESSURE["self-describing"], clock=lambda: 1.0)
+        return [encode_batch(b) for b in serve(engine, 40)]
+
+    assert run() == run()
+
+
+def test_secret_xxhash_seed_differs_per_engine_but_tokens_agree():
+    config = small(hash_algo="xxhash")
+    engines = [SimEngine(config), SimEngine(config)]
+    stored = []
+    for engine in engines:
+        engine.submit(prompt(1, 2))
+        stored.append(events(drain(engine), BlockStored)[0])
+
+    assert stored[0].block_hashes != stored[1].block_hashes
+    assert stored[0].token_ids == stored[1].token_ids
+    seeded = small(hash_algo="xxhash", hash_seed="42")
+    assert SimEngine(seeded).hash_spec == HashSpec("xxhash", "42", BLOCK)
+
+
+# --- workload ----------------------------------------------------------------
+
+
+def test_workload_is_deterministic_per_seed_and_stream():
+    def take(config: WorkloadConfig, stream: int = 0) -> list:
+        return list(itertools.islice(Workload(config, stream), 30))
+
+    config = WorkloadConfig(seed=7)
+    assert take(config) == take(config)
+    assert take(config) != take(config, stream=1)
+    assert Workload(config, 1).system_prompts == Workload(config).system_prompts
+    assert take(config) != take(WorkloadConfig(seed=8))
+
+
+def test_turns_resend_the_whole_conversation():
+    history: dict[int, tuple[int, ...]] = {}
+    turns = Counter()
+    for request in itertools.islice(Workload(WorkloadConfig()), 200):
+        if request.turn == 1:
+            system = Workload(WorkloadConfig()).system_prompts[request.system_prompt]
+            assert request.prompt[: len(system)] == system
+        else:
+            before = history[request.conversation]
+            assert request.prompt[: len(before)] == before
+            assert len(request.prompt) > len(before)
+        history[request.conversation] = request.prompt + request.output
+        turns[request.turn] += 1
+        assert len(request.prompt) + len(request.output) <= WorkloadConfig().max_context_tokens
+    assert turns[1] > 0 and turns[3] > 0
+    assert max(turns) <= WorkloadConfig().max_turns
+
+
+def test_arrivals_follow_the_rate():
+    requests = list(itertools.islice(Workload(WorkloadConfig(rate=50.0)), 2000))
+    arrivals = [r.arrival for r in requests]
+    assert arrivals == sorted(arrivals)
+    assert 35 < len(requests) / arrivals[-1] < 65
+
+
+def test_zipf_skew_favours_the_first_system_prompts():
+    def share_of_first(zipf_s: float) -> float:
+        config = WorkloadConfig(zipf_s=zipf_s, new_conversation_prob=1.0, active_conversations=1)
+        firsts = [r.system_prompt for r in itertools.islice(Workload(config), 2000)]
+        return firsts.count(0) / len(firsts)
+
+    assert share_of_first(2.0) > 0.5
+    assert share_of_first(0.0) < 0.2
+
+
+def test_workload_config_refuses_a_context_too_small_for_a_first_turn():
+    with pytest.raises(ValueError, match="max_context_tokens"):
+        WorkloadConfig(max_context_tokens=100)
+
+
+# --- the sim command ----------------------------------------------------------
+
+
+def test_printed_specs_register_and_match_the_publishers_ports():
+    layout = Layout(engines=3, base_port=6000, dp_ranks=2)
+    specs = [
+        msgspec.convert(engine_spec(layout, k, SimConfig(), "m"), EngineSpec) for k in range(3)
+    ]
+
+    ports = [
+        int(spec.rank_endpoint(r, replay).rsplit(":", 1)[1])
+        for spec in specs
+        for r in range(2)
+        for replay in (False, True)
+    ]
+    assert len(set(ports)) == len(ports) == 12
+    assert specs[1].rank_endpoint(1) == "tcp://127.0.0.1:6005"
+    assert (specs[0].blocks_per_chunk, specs[0].hash_algo) == (4, "sha256")
+    assert specs[0].hash_seed is None
+
+
+def test_kvindex_sim_print_specs():
+    result = subprocess.run(
+        [sys.executable, "-m", "indexer.cli", "sim", "--engines", "2", "--print-specs"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    bodies = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [b["name"] for b in bodies] == ["sim-0", "sim-1"]
+    assert [b["endpoint"] for b in bodies] == ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5559"]
+
+
+def test_every_producer_module_imports_no_server_dependencies():
+    code = """
+import importlib, pkgutil, sys, producer
+for module in pkgutil.iter_modules(producer.__path__):
+    importlib.import_module(f"producer.{module.name}")
+bad = sorted(m for m in sys.modules if m.split(".")[0] in {"fastapi", "redis", "api", "uvicorn"})
+sys.exit(f"server modules imported: {bad}" if bad else 0)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
