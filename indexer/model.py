@@ -261,34 +261,36 @@ def match_prefix(
     chunk is resident exactly when its end hash is (the chain hash of the end
     block fixes the whole chunk). After the GPU run, the engine loads the
     chunk holding the first missing block and the ones after it, CPU first.
+    One pass over the chunks asks each tier at most once per chunk and stops
+    as soon as no answer can grow.
     """
     if not chunk_blocks:
         return PrefixMatch(gpu_blocks, prefix_blocks=gpu_blocks)
     chunks = num_blocks // chunk_blocks
-    runs = {m: _leading_chunks(chunks, lambda j, m=m: chunk_in(m, j)) for m in LOWER_TIERS}
-    prefix, taken = gpu_blocks, {CPU: 0, STORAGE: 0}
-    for j in range(gpu_blocks // chunk_blocks, chunks):
-        medium = next((m for m in LOWER_TIERS if j < runs[m] or chunk_in(m, j)), None)
-        if medium is None:
-            break
-        end = (j + 1) * chunk_blocks
-        taken[medium] += end - prefix
-        prefix = end
-    return PrefixMatch(
-        gpu_blocks,
-        runs[CPU] * chunk_blocks,
-        runs[STORAGE] * chunk_blocks,
-        prefix,
-        taken[CPU],
-        taken[STORAGE],
-    )
-
-
-def _leading_chunks(chunks: int, present: Callable[[int], bool]) -> int:
+    runs: dict[str, int | None] = {CPU: None, STORAGE: None}  # None: still running
+    taken = {CPU: 0, STORAGE: 0}
+    prefix, extending, first = gpu_blocks, True, gpu_blocks // chunk_blocks
     for j in range(chunks):
-        if not present(j):
-            return j
-    return chunks
+        grow = extending and j >= first
+        if not grow and runs[CPU] is not None and runs[STORAGE] is not None:
+            break
+        source = None  # the first lower tier holding chunk j, once asked
+        for medium in LOWER_TIERS:
+            if runs[medium] is None or (grow and source is None):
+                if chunk_in(medium, j):
+                    source = source or medium
+                elif runs[medium] is None:
+                    runs[medium] = j
+        if grow:
+            if source is None:
+                extending = False
+            else:
+                taken[source] += (j + 1) * chunk_blocks - prefix
+                prefix = (j + 1) * chunk_blocks
+    cpu, storage = (chunks if runs[m] is None else runs[m] for m in LOWER_TIERS)
+    return PrefixMatch(
+        gpu_blocks, cpu * chunk_blocks, storage * chunk_blocks, prefix, taken[CPU], taken[STORAGE]
+    )
 
 
 def chunk_end(chain: Sequence[BlockHash], chunk_blocks: int, j: int) -> BlockHash:

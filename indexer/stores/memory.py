@@ -6,15 +6,15 @@ Redis URL for an index that survives restarts and serves many API replicas.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from indexer.model import (
     GPU,
+    LOWER_TIERS,
     MEDIA,
     PrefixMatch,
     RankId,
     RankResidency,
-    chunk_end,
     leading_run,
     match_prefix,
     plan_batch,
@@ -96,11 +96,27 @@ class MemoryStore:
 def _match(
     state: RankResidency, chain: Sequence[BlockHash], chunk_blocks: int | None
 ) -> PrefixMatch:
-    tables = {m: state.scored_tables(m) for m in MEDIA}
-    gpu = leading_run(chain, tables[GPU]) if tables[GPU] else 0
+    gpu_tables = state.scored_tables(GPU)
+    gpu = leading_run(chain, gpu_tables) if gpu_tables else 0
+    lower = {m: _membership(state.scored_tables(m)) for m in LOWER_TIERS}
+    if not chunk_blocks or not any(lower.values()):
+        return match_prefix(len(chain), gpu, None, _nowhere)
 
     def chunk_in(medium: str, j: int) -> bool:
-        h = chunk_end(chain, chunk_blocks, j)
-        return any(h in t for t in tables[medium])
+        contains = lower[medium]
+        return contains is not None and contains(chain[(j + 1) * chunk_blocks - 1])
 
     return match_prefix(len(chain), gpu, chunk_blocks, chunk_in)
+
+
+def _membership(tables: list[dict[BlockHash, int]]) -> Callable[[BlockHash], bool] | None:
+    """The fastest "is this hash in any table" test; None when there are no tables."""
+    if not tables:
+        return None
+    if len(tables) == 1:
+        return tables[0].__contains__
+    return lambda h: any(h in t for t in tables)
+
+
+def _nowhere(medium: str, j: int) -> bool:
+    return False
