@@ -56,6 +56,25 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return f"{match.group(1)}:{int(match.group(2)) + dp_rank}"
 
 
+def parse_engine_flag(text: str) -> EngineSpec:
+    """An engine from ``NAME=ENDPOINT[,FIELD=VALUE...]``, the ``--engine`` flag.
+
+    Fields are :class:`EngineSpec`'s, values as in a config file (``null``
+    for none), e.g. ``a=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558,dp_ranks=2``.
+    Raises ValueError saying what is wrong.
+    """
+    head, *rest = text.split(",")
+    name, sep, endpoint = head.partition("=")
+    pairs = [item.partition("=") for item in rest if item]
+    if not sep or not all(eq for _, eq, _ in pairs):
+        raise ValueError(f"--engine {text!r}: expected NAME=ENDPOINT[,FIELD=VALUE...]")
+    fields = {"name": name, "endpoint": endpoint, **{k.strip(): v for k, _, v in pairs}}
+    try:
+        return msgspec.convert(fields, EngineSpec, strict=False)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"--engine {text!r}: {e}") from None
+
+
 class EngineExists(KeyError):
     """An engine of that name is already registered."""
 
@@ -84,11 +103,16 @@ class EngineRegistry:
         self._listeners.append(listener)
 
     async def add(self, spec: EngineSpec) -> EngineSpec:
+        """Register an engine; if a listener cannot take it, it is not registered."""
         async with self._lock:
             if spec.name in self._engines:
                 raise EngineExists(spec.name)
             self._engines[spec.name] = spec
-            await self._notify("added", spec)
+            try:
+                await self._notify("added", spec)
+            except BaseException:
+                del self._engines[spec.name]
+                raise
         return spec
 
     async def remove(self, name: str) -> EngineSpec:
@@ -137,6 +161,8 @@ class RankStatus(msgspec.Struct):
     replays: int = 0
     restarts: int = 0
     rejected: dict[str, int] = {}  # bad frames by reason
+    duplicates: int = 0  # batches received again (live and replay overlap) and skipped
+    store_errors: int = 0  # failed store calls, each retried
     lag_batches: int = 0
     lag_seconds: float = 0.0
     last_event_ts: float | None = None

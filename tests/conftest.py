@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+
+from indexer.model import CPU, GPU, RankId
+from indexer.replay import load_trace
+from indexer.wire import EventBatch, decode_batch
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.33.0"
 TRACE_NAMES = ("chat-sha256", "chat-gpu-only", "chat-placeholders", "chat-clear")
@@ -23,8 +32,59 @@ def load_expected_json(name: str) -> dict:
     return json.loads(expected_path(name).read_text())
 
 
+def trace_batches(*names: str) -> list[EventBatch]:
+    """The decoded batches of fixture traces, one after another.
+
+    The traces were recorded in TRACE_NAMES order, so batch ts keep rising
+    when the names come in that order.
+    """
+    return [decode_batch(p) for name in names for _, p in load_trace(trace_path(name))]
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     if not FIXTURES.is_dir():
         pytest.fail(f"golden fixtures missing: {FIXTURES} (clone with ../shared beside it)")
     return FIXTURES
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive free TCP ports on 127.0.0.1.
+
+    Data-parallel rank r of an engine uses port + r, so multi-rank tests need a run.
+    """
+    while True:
+        with ExitStack() as stack:
+            first = stack.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            base = first.getsockname()[1]
+            try:
+                for port in range(base + 1, base + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll ``condition`` every 10 ms; fail the test if it is still false after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or condition}")
+        await asyncio.sleep(0.01)
+
+
+async def assert_matches_trace(store, rank: RankId, name: str) -> None:
+    """The store's GPU and CPU refcounts are vLLM's own at the end of the trace."""
+    want = load_expected_json(name)["expected"]
+    for medium, key in ((GPU, "gpu_refcounts"), (CPU, "cpu_refcounts")):
+        assert (await store.block_counts(rank))[medium] == len(want[key]), medium
+        for h, n in want[key].items():
+            rows = await store.block_residency(int(h))
+            got = sum(r.count for r in rows if (r.engine, r.dp_rank, r.medium) == (*rank, medium))
+            assert got == n, (medium, h)
+
+
+# Real redis-server / Redis Cluster processes, shared by the session (tests/servers.py).
+from .servers import durable_redis, redis_cluster, redis_server  # noqa: E402, F401

@@ -1,0 +1,164 @@
+"""``kvindex serve``: the subscriber and the HTTP API in one process and event loop.
+
+Engines come from the config file and ``--engine`` flags, then from the
+operator API at runtime. The store is the embedded one unless a Redis URL (or
+a ``redis`` config section) is given. SIGTERM/SIGINT stop the HTTP server,
+then every rank after the batch in hand (so the store's watermark is that of
+the last applied batch), then the store.
+
+The config file (YAML, or TOML by its ``.toml`` suffix)::
+
+    engines:                      # EngineSpec fields, see indexer.engines
+      - name: vllm-a
+        endpoint: tcp://10.0.0.5:5557
+        replay_endpoint: tcp://10.0.0.5:5558
+        dp_ranks: 2
+        blocks_per_chunk: 16
+    subscriber:                   # SubscriberSettings, see indexer.subscriber
+      replay_timeout: 2.0
+      gap_clear_threshold: 1000
+    api:                          # ApiSettings, see api.settings
+      auth_token: s3cret
+    redis:                        # RedisConfig, see indexer.stores.redis
+      url: redis://127.0.0.1:6379/0
+      cluster: false
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import socket
+import tomllib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import uvicorn
+import yaml
+
+from api.app import create_app
+from api.settings import ApiSettings
+from indexer.engines import EngineRegistry, EngineSpec
+from indexer.stores.base import Store
+from indexer.stores.memory import MemoryStore
+from indexer.stores.redis import RedisConfig, RedisStore
+from indexer.subscriber import Subscriber, SubscriberSettings
+
+log = logging.getLogger("kvindex.serve")
+
+
+class ConfigError(ValueError):
+    """The config file cannot be used; the message says where and why."""
+
+
+class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The ``--config`` file."""
+
+    engines: list[EngineSpec] = []
+    subscriber: SubscriberSettings = SubscriberSettings()
+    api: dict[str, Any] = {}
+    redis: dict[str, Any] | None = None
+
+    def api_settings(self) -> ApiSettings:
+        return _dataclass(ApiSettings, self.api, "api")
+
+    def redis_config(self, url: str | None) -> RedisConfig | None:
+        """The Redis store's config; ``url`` (the flag) overrides the file's."""
+        if self.redis is None and url is None:
+            return None
+        section = dict(self.redis or {})
+        if url is not None:
+            section["url"] = url
+        return _dataclass(RedisConfig, section, "redis")
+
+
+def _dataclass(cls: type, section: dict[str, Any], name: str) -> Any:
+    unknown = set(section) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ConfigError(f"{name}: unknown field(s) {', '.join(sorted(unknown))}")
+    try:
+        return msgspec.convert(section, cls)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    """Read a YAML or TOML config file (TOML when the name ends in ``.toml``)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+        return msgspec.convert(data or {}, ServeConfig)
+    except (OSError, tomllib.TOMLDecodeError, yaml.YAMLError, msgspec.ValidationError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def open_store(redis: RedisConfig | None) -> Store:
+    """The Redis store when configured, else the embedded one."""
+    return MemoryStore() if redis is None else RedisStore(redis)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bind the HTTP socket here, so a taken port is an error, not uvicorn's exit."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises a captured SIGTERM after serving, killing the process
+    before the ranks have stopped; :func:`serve` handles signals itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve(
+    config: ServeConfig,
+    engines: Sequence[EngineSpec] = (),
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    redis_url: str | None = None,
+) -> None:
+    """Run until SIGTERM or SIGINT, then stop cleanly."""
+    store = open_store(config.redis_config(redis_url))
+    registry = EngineRegistry()
+    subscriber = Subscriber(store, registry, config.subscriber)
+    app = create_app(store, registry, subscriber, config.api_settings())
+    server = _Server(uvicorn.Config(app, log_config=None, access_log=False))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        with listen(host, port) as sock:
+            await subscriber.start()
+            for spec in [*config.engines, *engines]:
+                await registry.add(spec)
+            http = asyncio.create_task(server.serve(sockets=[sock]))
+            log.info(
+                "serving",
+                extra={
+                    "host": host,
+                    "port": sock.getsockname()[1],
+                    "engines": [s.name for s in registry.all()],
+                    "store": type(store).__name__,
+                },
+            )
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait([http, stopping], return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            server.should_exit = True
+            await http
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await subscriber.stop()
+        await store.close()
+        log.info("stopped")
