@@ -8,7 +8,9 @@ import time
 
 import msgspec
 
-_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+# Record attributes that are not the caller's ``extra``; uvicorn adds a
+# terminal-coloured copy of its message that has no place in JSON logs.
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "color_message"}
 _encode = msgspec.json.Encoder().encode
 
 

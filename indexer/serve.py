@@ -104,9 +104,22 @@ def open_store(redis: RedisConfig | None) -> Store:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """Bind the HTTP socket here, so a taken port is an error, not uvicorn's exit."""
+    """Bind the HTTP socket here, so a taken port is an error, not uvicorn's exit.
+
+    The socket is made with an explicit IPPROTO_TCP: asyncio turns on
+    TCP_NODELAY only for sockets whose protocol says TCP, and without it every
+    keep-alive response waits ~40 ms on Nagle and delayed ACKs.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _Server(uvicorn.Server):
@@ -130,8 +143,14 @@ async def serve(
     store = open_store(config.redis_config(redis_url))
     registry = EngineRegistry()
     subscriber = Subscriber(store, registry, config.subscriber)
-    app = create_app(store, registry, subscriber, config.api_settings())
-    server = _Server(uvicorn.Config(app, log_config=None, access_log=False))
+    settings = config.api_settings()
+    app = create_app(store, registry, subscriber, settings)
+    # h11 refuses request heads over 16 KiB by default: too small for a GET
+    # /prefix-match of an 8k-token prompt. Allow what the API itself allows.
+    limit = settings.max_body_bytes
+    server = _Server(
+        uvicorn.Config(app, log_config=None, access_log=False, h11_max_incomplete_event_size=limit)
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

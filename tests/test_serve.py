@@ -8,7 +8,9 @@ same Redis index must carry on from the persisted watermark.
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ import msgspec
 import pytest
 
 from indexer.engines import EngineSpec, parse_engine_flag
-from indexer.serve import ConfigError, ServeConfig, load_config
+from indexer.serve import ConfigError, ServeConfig, listen, load_config
 from producer.publisher import Publisher
 
 from .conftest import free_ports, load_expected_json, trace_batches
@@ -182,6 +184,12 @@ def test_serve_consumes_config_and_flag_engines(tmp_path: Path, sig: int) -> Non
         assert serve.rank("b")["blocks"] == blocks_of("chat-gpu-only")
         assert serve.rank("a")["connected"] and not serve.rank("a")["degraded"]
         assert serve.get("/readyz") == {"status": "ok"}
+        probe = max(load_expected_json("chat-sha256")["probes"], key=lambda p: p["gpu_tokens"])
+        prompt = probe["tokens"] + [7] * (8192 - len(probe["tokens"]))  # an 8k-token GET
+        answer = serve.http.get(
+            "/prefix-match", params={"tokens": ",".join(map(str, prompt)), "engines": "a"}
+        ).json()
+        assert answer["engines"][0]["gpu_blocks"] * 16 == probe["gpu_tokens"]
         metrics = serve.http.get("/metrics").text
         assert 'kvindex_ingest_batches_total{dp_rank="0",engine="a"} 250.0' in metrics
         assert 'kvindex_ingest_lag_batches{dp_rank="0",engine="b"} 0.0' in metrics
@@ -214,3 +222,23 @@ def test_serve_resumes_from_the_redis_watermark(tmp_path: Path, redis_server) ->
     assert rank["blocks"] == blocks_of("chat-sha256")
     assert rank["restarts"] == 0 and rank["duplicates"] == 0
     assert not rank["degraded"]
+
+
+async def test_listening_socket_gets_tcp_nodelay_on_accept() -> None:
+    """Without it, keep-alive responses stall ~40 ms on Nagle + delayed ACK."""
+    accepted: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = writer.get_extra_info("socket")
+        accepted.append(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    with listen("127.0.0.1", 0) as sock:
+        server = await asyncio.start_server(handle, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        await asyncio.wait_for(server.start_serving(), 5)
+        while not accepted:
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+    assert accepted == [1]
