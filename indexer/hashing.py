@@ -29,7 +29,7 @@ import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any, Literal, overload
+from typing import Any
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
@@ -174,45 +174,6 @@ def chain_extend(
     so the digest would silently differ.
     """
     return spec._fn((parent or spec.none_hash, tuple(block_tokens), extra_keys))
-
-
-@overload
-def block_hashes(
-    spec: HashSpec,
-    tokens: Sequence[int],
-    *,
-    lora_name: str | None = ...,
-    lora_path: str | None = ...,
-    cache_salt: str | None = ...,
-    mm_features: Sequence[MMFeature] = ...,
-    as_bytes: Literal[False] = ...,
-) -> list[int]: ...
-
-
-@overload
-def block_hashes(
-    spec: HashSpec,
-    tokens: Sequence[int],
-    *,
-    lora_name: str | None = ...,
-    lora_path: str | None = ...,
-    cache_salt: str | None = ...,
-    mm_features: Sequence[MMFeature] = ...,
-    as_bytes: Literal[True],
-) -> list[bytes]: ...
-
-
-@overload
-def block_hashes(
-    spec: HashSpec,
-    tokens: Sequence[int],
-    *,
-    lora_name: str | None = ...,
-    lora_path: str | None = ...,
-    cache_salt: str | None = ...,
-    mm_features: Sequence[MMFeature] = ...,
-    as_bytes: bool,
-) -> list[int] | list[bytes]: ...
 
 
 def block_hashes(
