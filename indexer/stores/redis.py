@@ -1,0 +1,740 @@
+"""The Redis store: one index shared by many API replicas, surviving restarts.
+
+Key layout under a prefix ``P`` (several indexes can share one Redis)::
+
+    P:meta           hash: "r:<dp>:<engine>" -> RankMeta (msgpack): watermark, ids,
+                     group kinds, chunk size; "#ids" -> last id allocated;
+                     "a:<dp>:<engine>" -> "first:last", ids allocated, not yet taken
+    P:{tag}          bucket hash: "g<gid>" -> "epoch:seq:n", "u<rid>" -> unknown removals
+    P:{tag}:<hash>   block hash: "<tid>" -> count, one field per residency
+
+A block's key carries the hash tag of its bucket (``hash % BUCKETS``), so a
+bucket and its blocks share one cluster slot. Ids come from one counter and
+are never reused: ``rid`` names a rank, ``gid`` a generation of one medium of a
+rank, ``tid`` a tier (medium, ownership, group) within a generation. Readers
+take a rank's live tids from ``P:meta`` and ignore every other field.
+
+Clearing a medium drops its generation from the rank's metadata: readers stop
+seeing its fields at once (O(1)), new stores start a new generation, and the
+sweeper deletes the dead fields later. An ``AllBlocksCleared`` inside a batch
+does the same at the commit; the stores after it already go to the new
+generation, whose ids are reserved (``pending``) before any block is written.
+
+Exactly once: a script applies a bucket's share of a batch atomically and
+records ``epoch:seq`` per generation in the bucket; a re-delivered batch
+(crash part-way, or a second indexer racing) skips the buckets that already
+ran it. The watermark then moves by compare-and-set of the rank's metadata,
+which fails if anything changed it meanwhile. On a standalone server a batch
+usually fits one script call, which checks and moves the watermark itself:
+one round trip, applied atomically. ``epoch`` grows when the engine restarts
+(``reset_seq``), so its new seqs from 0 are never mistaken for old ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import msgspec
+from redis import exceptions as rex
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.backoff import ExponentialBackoff
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.retry import Retry
+
+from indexer.model import (
+    GPU,
+    MEDIA,
+    ClearMedium,
+    Op,
+    PrefixMatch,
+    RankId,
+    RankResidency,
+    Tier,
+    TierTable,
+    chunk_end,
+    is_scored,
+    leading_run,
+    match_prefix,
+    plan_batch,
+)
+from indexer.stores.base import ApplyResult, Residency, StoreUnavailable, Watermark
+from indexer.stores.redis_scripts import SCRIPTS
+from indexer.wire import BlockHash, EventBatch
+
+log = logging.getLogger("kvindex.redis")
+
+#: Buckets per index: the unit of write atomicity and of cluster placement.
+#: Part of the data format — an index written with one value cannot be read
+#: with another.
+BUCKETS = 16
+#: Most block operations per script call on a standalone server (whole buckets
+#: only), so that one huge batch does not block Redis for long.
+OPS_PER_CALL = 4096
+#: Blocks fetched by a prefix query's first round trip; later ones double.
+FIRST_WINDOW = 128
+#: Compare-and-set attempts before giving up on a contended rank.
+MAX_ATTEMPTS = 16
+_UNAVAILABLE = (
+    rex.ConnectionError,
+    rex.TimeoutError,
+    rex.ClusterError,
+    rex.ReadOnlyError,
+    rex.OutOfMemoryError,
+    rex.TryAgainError,
+    rex.RedisClusterException,
+    OSError,
+    asyncio.TimeoutError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    """Where the index lives and how to talk to it.
+
+    ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
+    ``unix:///path.sock?db=0&password=...``. ``prefix``: of every key, so
+    several indexes can share a Redis. ``cluster``: the URL names one node of
+    a Redis Cluster. ``max_connections``: commands in flight at once (per
+    node on a cluster); more wait. ``socket_timeout``/``connect_timeout`` in
+    seconds. ``retries``: reconnect attempts per command, with exponential
+    backoff, before :class:`StoreUnavailable` is raised (callers retry
+    further). ``sweep_interval``: seconds between garbage sweeps run by a
+    store that applies batches (None: never). The server must not evict keys
+    (``maxmemory-policy noeviction``) and should persist (AOF) for the index
+    to survive a Redis restart.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "kvindex"
+    cluster: bool = False
+    max_connections: int = 32
+    socket_timeout: float = 5.0
+    connect_timeout: float = 2.0
+    retries: int = 2
+    sweep_interval: float | None = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in "{}*?[]\\"):
+            raise ValueError(f"Redis key prefix: non-empty, none of {{}}*?[]\\ ({self.prefix!r})")
+
+
+# --- rank metadata -------------------------------------------------------------
+
+
+class _TierId(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    medium: str
+    ownership: str | None
+    group: int
+    tid: int
+    locality: str | None = None
+
+    @property
+    def tier(self) -> Tier:
+        return Tier(self.medium, self.ownership, self.group)
+
+
+class _Pending(msgspec.Struct, array_like=True, frozen=True):
+    """Ids reserved for the batch ``(epoch, seq)``, by what they are for."""
+
+    epoch: int
+    seq: int
+    ids: dict[str, int]
+
+
+class RankMeta(msgspec.Struct, array_like=True, frozen=True):
+    """Everything about one rank except its counts: one field of ``P:meta``."""
+
+    rid: int
+    epoch: int = 0
+    seq: int | None = None
+    ts: float | None = None
+    gens: dict[str, int] = {}
+    tiers: list[_TierId] = []
+    kinds: dict[int, str | None] = {}
+    chunk: int | None = None
+    pending: _Pending | None = None
+
+    def reserved(self, seq: int) -> dict[str, int]:
+        p = self.pending
+        return p.ids if p is not None and (p.epoch, p.seq) == (self.epoch, seq) else {}
+
+    def live_ids(self) -> Iterator[int]:
+        yield self.rid
+        yield from self.gens.values()
+        yield from (t.tid for t in self.tiers)
+        if self.pending is not None:
+            yield from self.pending.ids.values()
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_meta = msgspec.msgpack.Decoder(RankMeta).decode
+
+
+def _rank_field(rank: RankId) -> str:
+    return f"r:{rank.dp_rank}:{rank.engine}"
+
+
+def _held_field(rank: RankId) -> str:
+    """Ids allocated for the rank that its metadata does not hold yet."""
+    return f"a:{rank.dp_rank}:{rank.engine}"
+
+
+def _parse_rank_field(name: bytes) -> RankId | None:
+    if not name.startswith(b"r:"):
+        return None
+    dp, engine = name[2:].decode().split(":", 1)
+    return RankId(engine, int(dp))
+
+
+def _parse_metas(meta_hash: Mapping[bytes, bytes]) -> dict[RankId, RankMeta]:
+    """Every rank's metadata from the fields of ``P:meta``."""
+    return {
+        rank: _decode_meta(blob)
+        for name, blob in meta_hash.items()
+        if (rank := _parse_rank_field(name)) is not None
+    }
+
+
+# --- planning a batch ------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """One batch resolved against a rank's metadata: what to write, what it leads to.
+
+    ``writes``: ``(tid, gid, delta, hashes)`` in event order. ``missing``: ids
+    the batch needs that are not reserved yet. ``members``: every tid of each
+    generation, for counting distinct hashes across a medium's tiers.
+    """
+
+    meta: RankMeta
+    writes: list[tuple[int, int, int, Sequence[BlockHash]]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    members: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    block_ops: int = 0
+
+
+def plan_writes(meta: RankMeta, ops: Iterable[Op], seq: int, ts: float) -> _Plan:
+    """Resolve a batch's operations to ids and compute the rank's metadata after it.
+
+    What a batch teaches (group kinds, chunk size, tier locality) comes from
+    replaying its operations, without hashes, on the model's own
+    :class:`RankResidency`. Ids are named by purpose so that a re-delivered
+    batch finds the ids its first attempt reserved: a new generation by its
+    medium and the medium's clears so far in the batch, a new tier by its
+    generation's id or, if that is new too, the generation's purpose.
+    """
+    reserved = meta.reserved(seq)
+    plan = _Plan(meta)
+    generation = {medium: str(gid) for medium, gid in meta.gens.items()}
+
+    def take(*purpose: object) -> tuple[int, str]:
+        name = msgspec.json.encode(purpose).decode()
+        if name not in reserved:
+            plan.missing.append(name)
+            return -len(plan.missing), name
+        return reserved[name], name
+
+    gens = dict(meta.gens)
+    tids = {t.tier: t.tid for t in meta.tiers}
+    for tier, tid in tids.items():
+        plan.members[gens[tier.medium]].append(tid)
+    scratch = RankResidency(
+        tables={t.tier: TierTable(locality=t.locality) for t in meta.tiers},
+        group_kinds=dict(meta.kinds),
+        chunk_blocks=meta.chunk,
+    )
+    clears: Counter[str] = Counter()
+    for op in ops:
+        if type(op) is ClearMedium:
+            scratch.apply((op,))
+            clears[op.medium] += 1
+            gens.pop(op.medium, None)
+            tids = {t: i for t, i in tids.items() if t.medium != op.medium}
+            continue
+        scratch.apply((op._replace(hashes=()),))
+        tier, medium = op.tier, op.tier.medium
+        if medium not in gens:
+            gens[medium], generation[medium] = take("gen", medium, clears[medium])
+        tid = tids.get(tier)
+        if tid is None:
+            tid = tids[tier] = take("tier", *tier, generation[medium])[0]
+            plan.members[gens[medium]].append(tid)
+        plan.writes.append((tid, gens[medium], op.delta, op.hashes))
+        plan.block_ops += len(op.hashes)
+    plan.meta = RankMeta(
+        meta.rid,
+        meta.epoch,
+        seq,
+        ts,
+        gens,
+        [_TierId(*t, tids[t], table.locality) for t, table in scratch.tables.items()],
+        scratch.group_kinds,
+        scratch.chunk_blocks,
+    )
+    return plan
+
+
+def _bucket_tags(buckets: int) -> list[str]:
+    """One hash tag per bucket, its slot in the bucket's share of the slot range.
+
+    Masters own contiguous slot ranges, so this spreads buckets evenly over them.
+    """
+    width, tags = REDIS_CLUSTER_HASH_SLOTS // buckets, []
+    for b in range(buckets):
+        n = 0
+        while key_slot(f"{b}.{n}".encode()) // width != b:
+            n += 1
+        tags.append(f"{b}.{n}")
+    return tags
+
+
+_TAGS = _bucket_tags(BUCKETS)
+
+
+def bucket_of(block_hash: BlockHash) -> int:
+    if type(block_hash) is int:
+        return block_hash % BUCKETS
+    return int.from_bytes(block_hash[-8:], "big") % BUCKETS
+
+
+def _name(block_hash: BlockHash) -> str:
+    """A block hash as the last part of its key: decimal, or ``x`` and hex for bytes."""
+    return str(block_hash) if type(block_hash) is int else f"x{block_hash.hex()}"
+
+
+class RedisStore:
+    """Implements :class:`indexer.stores.Store` on Redis or Redis Cluster."""
+
+    def __init__(self, config: RedisConfig, client: Redis | RedisCluster | None = None) -> None:
+        self.config = config
+        self._client = client if client is not None else _connect(config)
+        self._where = _redacted(config.url)
+        self._meta_key = f"{config.prefix}:meta"
+        self._bucket_keys = [f"{config.prefix}:{{{tag}}}" for tag in _TAGS]
+        self._block_prefixes = [f"{key}:" for key in self._bucket_keys]
+        self._shas = {name: _sha(src) for name, src in SCRIPTS.items()}
+        self._cache: dict[RankId, tuple[bytes, RankMeta]] = {}
+        self._sweeper: asyncio.Task | None = None
+        # redis-py fails a command when its pool is exhausted: wait for a connection instead.
+        self._connections = asyncio.Semaphore(config.max_connections)
+
+    # --- keys -------------------------------------------------------------
+
+    def block_key(self, block_hash: BlockHash) -> str:
+        return f"{self._block_prefixes[bucket_of(block_hash)]}{_name(block_hash)}"
+
+    # --- plumbing -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Turn "Redis is down or failing" into :class:`StoreUnavailable`."""
+        try:
+            yield
+        except _UNAVAILABLE as e:
+            self._cache.clear()
+            raise StoreUnavailable(f"Redis at {self._where} unavailable: {e}") from e
+
+    async def _run(self, commands: Sequence[tuple]) -> list:
+        """Send commands in one pipeline (one round trip per node); load scripts once."""
+        for attempt in (1, 2):
+            try:
+                async with self._connections:
+                    return await self._send(commands)
+            except rex.NoScriptError:
+                if attempt == 2:
+                    raise
+                await self._load_scripts()
+        raise AssertionError("unreachable")
+
+    async def _send(self, commands: Sequence[tuple]) -> list:
+        with self._guard():
+            if len(commands) == 1:  # a pipeline costs more client time
+                return [await self._client.execute_command(*commands[0])]
+            pipe = self._client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return await pipe.execute()
+
+    async def _load_scripts(self) -> None:
+        with self._guard():
+            for source in SCRIPTS.values():
+                await self._client.script_load(source)
+
+    def _evalsha(self, script: str, keys: Sequence[str], args: Sequence[object]) -> tuple:
+        return ("EVALSHA", self._shas[script], len(keys), *keys, *args)
+
+    async def _cas(self, expect: Mapping[str, bytes], store: Mapping[str, bytes]) -> bool:
+        args = [len(expect)]
+        for pairs in (expect, store):
+            for name, value in pairs.items():
+                args += (name, value)
+        (ok,) = await self._run([self._evalsha("compare_and_set", [self._meta_key], args)])
+        return ok == 1
+
+    async def _read_meta(self, rank: RankId) -> tuple[bytes, RankMeta | None]:
+        (blob,) = await self._run([("HGET", self._meta_key, _rank_field(rank))])
+        if blob is None:
+            self._cache.pop(rank, None)
+            return b"", None
+        self._cache[rank] = (blob, meta := _decode_meta(blob))
+        return blob, meta
+
+    # --- writing ------------------------------------------------------------
+
+    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
+        ops = plan_batch(batch)
+        name = _rank_field(rank)
+        for _ in range(MAX_ATTEMPTS):
+            blob, meta = self._cache.get(rank) or await self._read_meta(rank)
+            if meta is not None and meta.seq is not None and seq <= meta.seq:
+                return ApplyResult(applied=False)
+            plan = plan_writes(meta or RankMeta(rid=0), ops, seq, batch.ts)
+            if plan.missing or meta is None:
+                await self._reserve(rank, blob, meta, plan.missing, seq)
+                continue
+            new_blob = _encode(plan.meta)
+            if await self._apply_and_commit(meta, plan, seq, (name, blob, new_blob)):
+                self._cache[rank] = (new_blob, plan.meta)
+                self._start_sweeper()
+                return ApplyResult(applied=True, block_ops=plan.block_ops)
+            self._cache.pop(rank, None)
+        raise RuntimeError(f"{rank}: metadata kept changing under {MAX_ATTEMPTS} attempts")
+
+    async def _reserve(
+        self, rank: RankId, blob: bytes, meta: RankMeta | None, missing: list[str], seq: int
+    ) -> None:
+        """Allocate the ids a batch needs (and the rank's own id) before writing with them."""
+        self._cache.pop(rank, None)
+        count, name, held = len(missing) + (meta is None), _rank_field(rank), _held_field(rank)
+        (last,) = await self._run([self._evalsha("reserve_ids", [self._meta_key], (held, count))])
+        ids = iter(range(last - count + 1, last + 1))
+        if meta is None:
+            meta = RankMeta(rid=next(ids))
+        reserved = {**meta.reserved(seq), **dict(zip(missing, ids, strict=True))}
+        updated = msgspec.structs.replace(meta, pending=_Pending(meta.epoch, seq, reserved))
+        new_blob = _encode(updated)
+        expect = {name: blob, held: f"{last - count + 1}:{last}".encode()}
+        if await self._cas(expect, {name: new_blob, held: b""}):
+            self._cache[rank] = (new_blob, updated)
+
+    async def _apply_and_commit(
+        self, meta: RankMeta, plan: _Plan, seq: int, commit: tuple[str, bytes, bytes]
+    ) -> bool:
+        """Apply the block operations, then move the watermark; False: metadata changed.
+
+        Bucket by bucket, in as few script calls as allowed. When one call
+        holds the whole batch (standalone server), it commits too: one round
+        trip, and the batch is applied atomically. Otherwise the commit is a
+        compare-and-set once every bucket is done.
+        """
+        name, old, new = commit
+        if not plan.block_ops:
+            return await self._cas({name: old}, {name: new})
+        tiers: list[list] = []
+        tier_index: dict[int, int] = {}
+        sections: dict[int, list[list]] = {}
+        for tid, gid, delta, hashes in plan.writes:
+            t = tier_index.get(tid)
+            if t is None:
+                siblings = [str(m) for m in plan.members[gid] if m != tid]
+                tiers.append([str(tid), gid, *siblings])
+                t = tier_index[tid] = len(tiers)
+            runs: list[list | None] = [None] * BUCKETS
+            for h in hashes:
+                b = h % BUCKETS if type(h) is int else bucket_of(h)
+                run = runs[b]
+                if run is None:
+                    run = runs[b] = [t, delta]
+                    sections.setdefault(b, []).append(run)
+                run.append(str(h) if type(h) is int else _name(h))
+        mark, tiers_blob = f"{meta.epoch}:{seq}", _encode(tiers)
+        calls = self._calls(sections)
+        one_step = len(calls) == 1 and not self.config.cluster
+        commands = []
+        for group in calls:
+            keys = [self._bucket_keys[b] for b in group]
+            args = [mark, meta.rid, tiers_blob, _encode([sections[b] for b in group])]
+            if one_step:
+                keys.append(self._meta_key)
+                args += commit
+            commands.append(self._evalsha("apply_ops", keys, args))
+        results = await self._run(commands)
+        if one_step:
+            return results[0] >= 0
+        return await self._cas({name: old}, {name: new})
+
+    def _calls(self, sections: dict[int, list[list]]) -> list[list[int]]:
+        """Buckets per script call: one per call on a cluster (one slot each)."""
+        if self.config.cluster:
+            return [[b] for b in sections]
+        calls: list[list[int]] = [[]]
+        size = 0
+        for b, runs in sections.items():
+            ops = sum(len(run) - 2 for run in runs)
+            if calls[-1] and size + ops > OPS_PER_CALL:
+                calls.append([])
+                size = 0
+            calls[-1].append(b)
+            size += ops
+        return calls
+
+    async def watermark(self, rank: RankId) -> Watermark | None:
+        _, meta = await self._read_meta(rank)
+        if meta is None or meta.seq is None:
+            return None
+        return Watermark(meta.seq, meta.ts)
+
+    async def clear(self, rank: RankId, media: Collection[str], *, reset_seq: bool = False) -> None:
+        def cleared(meta: RankMeta) -> RankMeta:
+            changes: dict = {
+                "gens": {m: g for m, g in meta.gens.items() if m not in media},
+                "tiers": [t for t in meta.tiers if t.medium not in media],
+            }
+            if reset_seq:
+                changes.update(seq=None, ts=None, epoch=meta.epoch + 1, pending=None)
+            return msgspec.structs.replace(meta, **changes)
+
+        await self._update(rank, cleared)
+
+    async def forget(self, rank: RankId) -> None:
+        await self._update(rank, lambda meta: None)
+
+    async def _update(self, rank: RankId, change) -> None:
+        """Compare-and-set a rank's metadata to ``change(meta)`` (None deletes it)."""
+        name = _rank_field(rank)
+        for _ in range(MAX_ATTEMPTS):
+            blob, meta = await self._read_meta(rank)
+            if meta is None:
+                return
+            updated = change(meta)
+            if updated is None:
+                store = {name: b"", _held_field(rank): b""}
+            else:
+                store = {name: _encode(updated)}
+            if await self._cas({name: blob}, store):
+                if updated is None:
+                    self._cache.pop(rank, None)
+                else:
+                    self._cache[rank] = (store[name], updated)
+                return
+        raise RuntimeError(f"{rank}: metadata kept changing under {MAX_ATTEMPTS} attempts")
+
+    # --- reading ------------------------------------------------------------
+
+    async def block_residency(self, block_hash: BlockHash) -> list[Residency]:
+        reply, fields = await self._run(
+            [("HGETALL", self._meta_key), ("HGETALL", self.block_key(block_hash))]
+        )
+        metas = _parse_metas(reply)
+        where = {str(t.tid).encode(): (rank, t) for rank, meta in metas.items() for t in meta.tiers}
+        found = []
+        for tid, count in fields.items():
+            if tid in where:
+                rank, t = where[tid]
+                found.append(
+                    Residency(*rank, t.medium, t.ownership, t.group, t.locality, int(count))
+                )
+        return found
+
+    async def prefix_match(
+        self, chain: Sequence[BlockHash], chunk_blocks: Mapping[str, int | None]
+    ) -> dict[RankId, PrefixMatch]:
+        keys = [self.block_key(h) for h in chain]
+        window = min(len(chain), FIRST_WINDOW)
+        reply, *blocks = await self._run(
+            [("HGETALL", self._meta_key), *(("HGETALL", k) for k in keys[:window])]
+        )
+        metas = _parse_metas(reply)
+        matchers = {
+            rank: _RankMatch(meta, chunk_blocks[rank.engine] or meta.chunk)
+            for rank, meta in metas.items()
+            if rank.engine in chunk_blocks
+        }
+        scored = {
+            str(t.tid).encode(): m.found[t.medium]
+            for m in matchers.values()
+            for t in m.meta.tiers
+            if is_scored(m.meta.kinds.get(t.group))
+        }
+        fetched, unsettled = 0, list(matchers.values())
+        while True:
+            for h, fields in zip(chain[fetched : fetched + window], blocks, strict=True):
+                for tid in fields:
+                    found = scored.get(tid)
+                    if found is not None:
+                        found.add(h)
+            fetched += window
+            unsettled = [m for m in unsettled if not m.settled(chain, fetched)]
+            if fetched >= len(chain) or not unsettled:
+                break
+            window = min(2 * window, len(chain) - fetched)
+            blocks = await self._run([("HGETALL", k) for k in keys[fetched : fetched + window]])
+        return {rank: m.match(chain, fetched) for rank, m in matchers.items()}
+
+    async def block_counts(self, rank: RankId) -> dict[str, int]:
+        _, meta = await self._read_meta(rank)
+        gens = meta.gens if meta is not None else {}
+        counts = dict.fromkeys(MEDIA, 0)
+        if gens:
+            fields = [f"g{gid}" for gid in gens.values()]
+            replies = await self._run([("HMGET", key, *fields) for key in self._bucket_keys])
+            for values in replies:
+                for medium, value in zip(gens, values, strict=True):
+                    if value is not None:
+                        counts[medium] += int(value.rsplit(b":", 1)[1])
+        return counts
+
+    async def anomalies(self, rank: RankId) -> dict[str, int]:
+        _, meta = await self._read_meta(rank)
+        unknown = 0
+        if meta is not None:
+            field_ = f"u{meta.rid}"
+            replies = await self._run([("HGET", key, field_) for key in self._bucket_keys])
+            unknown = sum(int(v) for v in replies if v is not None)
+        return {"unknown_removals": unknown}
+
+    async def ranks(self) -> list[RankId]:
+        (names,) = await self._run([("HKEYS", self._meta_key)])
+        return sorted(r for r in map(_parse_rank_field, names) if r is not None)
+
+    async def ping(self) -> None:
+        await self._run([("PING",)])
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self._client.aclose()
+
+    # --- garbage --------------------------------------------------------------
+
+    async def sweep(self, scan_count: int = 500) -> int:
+        """Delete fields no reader can see any more; returns how many.
+
+        Dead: fields of cleared generations and forgotten ranks, and ids that
+        were allocated but never taken (a crash between the two). Ids being
+        allocated right now are recorded beside the counter, in the same hash,
+        so one atomic read of it tells them apart.
+        """
+        (reply,) = await self._run([("HGETALL", self._meta_key)])
+        top = int(reply.get(b"#ids", 0))
+        live = {i for meta in _parse_metas(reply).values() for i in meta.live_ids()}
+        for name, held in reply.items():
+            if name.startswith(b"a:"):
+                first, last = map(int, held.split(b":"))
+                live.update(range(first, last + 1))
+
+        def dead(name: bytes, skip: int = 0) -> bool:
+            i = int(name[skip:])
+            return i <= top and i not in live
+
+        removed = 0
+        buckets = await self._run([("HGETALL", key) for key in self._bucket_keys])
+        drops = [
+            ("HDEL", key, *names)
+            for key, fields in zip(self._bucket_keys, buckets, strict=True)
+            if (names := [n for n in fields if dead(n, 1)])
+        ]
+        removed += sum(len(d) - 2 for d in drops)
+        if drops:
+            await self._run(drops)
+        pattern = f"{self.config.prefix}:{{*}}:*"
+        batch: list[bytes] = []
+        with self._guard():
+            async for key in self._client.scan_iter(match=pattern, count=scan_count):
+                batch.append(key)
+                if len(batch) >= scan_count:
+                    removed += await self._sweep_blocks(batch, dead)
+                    batch = []
+        if batch:
+            removed += await self._sweep_blocks(batch, dead)
+        return removed
+
+    async def _sweep_blocks(self, keys: list[bytes], dead) -> int:
+        replies = await self._run([("HKEYS", k) for k in keys])
+        drops = [
+            ("HDEL", key, *names)
+            for key, fields in zip(keys, replies, strict=True)
+            if (names := [n for n in fields if dead(n)])
+        ]
+        if drops:
+            await self._run(drops)
+        return sum(len(d) - 2 for d in drops)
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None and self.config.sweep_interval:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval)
+            try:
+                removed = await self.sweep()
+            except StoreUnavailable as e:
+                log.warning("sweep skipped", extra={"error": str(e)})
+            except Exception:
+                log.exception("sweep failed")
+            else:
+                log.info("swept", extra={"fields": removed})
+
+
+class _RankMatch:
+    """What a prefix query has learned about one rank so far."""
+
+    def __init__(self, meta: RankMeta, chunk_blocks: int | None) -> None:
+        self.meta = meta
+        self.chunk_blocks = chunk_blocks
+        self.found: dict[str, set[BlockHash]] = {m: set() for m in MEDIA}
+
+    def match(self, chain: Sequence[BlockHash], fetched: int) -> PrefixMatch:
+        """The match given the first ``fetched`` blocks (blocks after them count as missing)."""
+        cb = self.chunk_blocks
+        gpu = leading_run(chain[:fetched], [self.found[GPU]])
+
+        def chunk_in(medium: str, j: int) -> bool:
+            return (j + 1) * cb <= fetched and chunk_end(chain, cb, j) in self.found[medium]
+
+        return match_prefix(len(chain), gpu, cb, chunk_in)
+
+    def settled(self, chain: Sequence[BlockHash], fetched: int) -> bool:
+        """Whether no block after the first ``fetched`` can change the answer."""
+        m = self.match(chain, fetched)
+        if m.gpu_blocks >= fetched:
+            return False
+        if not self.chunk_blocks:
+            return True
+        edge = fetched // self.chunk_blocks * self.chunk_blocks
+        return max(m.cpu_blocks, m.storage_blocks, m.prefix_blocks) < edge
+
+
+def _redacted(url: str) -> str:
+    """The URL without credentials, for messages."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
+
+
+def _sha(source: str) -> str:
+    return hashlib.sha1(source.encode()).hexdigest()
+
+
+def _connect(config: RedisConfig) -> Redis | RedisCluster:
+    options = {
+        "max_connections": config.max_connections + 1,  # + the sweeper's SCAN
+        "socket_timeout": config.socket_timeout,
+        "socket_connect_timeout": config.connect_timeout,
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), config.retries),
+    }
+    if config.cluster:
+        return RedisCluster.from_url(config.url, **options)
+    return Redis.from_url(config.url, **options)

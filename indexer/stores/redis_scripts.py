@@ -1,0 +1,133 @@
+"""Lua scripts of the Redis store: every read-modify-write it does, atomically.
+
+Each script touches keys of one hash slot only when the store runs against a
+Redis Cluster (the caller groups keys by bucket, and a bucket is one slot), so
+atomicity never needs a cross-slot transaction. The key layout and the
+exactly-once argument are in :mod:`indexer.stores.redis`.
+"""
+
+from __future__ import annotations
+
+#: Apply one batch's block operations to one or more buckets, exactly once per
+#: (bucket, generation): a bucket records the last batch each generation applied
+#: there, and a re-delivered batch skips the generations that already ran.
+#: Block keys are not passed as KEYS (one argument per block made the client the
+#: bottleneck): each is its bucket key plus ":" and the hash, so it carries the
+#: bucket's hash tag and always lives in the declared key's slot.
+APPLY_OPS = """
+-- KEYS: one bucket hash per section
+-- ARGV[1]: the batch mark "epoch:seq"; ARGV[2]: the rank id (bucket field "u<rid>" counts
+--   its unknown removals)
+-- ARGV[3]: msgpack tiers, each {field, gid, sibling fields...} (siblings: the other tiers of
+--   the same rank medium generation, for distinct counting)
+-- ARGV[4]: msgpack sections, one per KEYS entry, in order: runs {tier, delta, hash, ...} of
+--   +1/-1 operations in event order; block key = KEYS[i] .. ":" .. hash
+-- ARGV[5], ARGV[6], ARGV[7] (only on a standalone server, where one call can hold a whole
+--   batch): the rank's metadata field, its expected and its new value; the metadata hash is
+--   then the last KEYS entry. The batch is applied and committed together, or, when the
+--   metadata changed, not at all (returns -1).
+-- Bucket field "g<gid>" = "epoch:seq:n": the last batch applied there by the generation and
+-- n, its distinct resident hashes in the bucket. Returns the block operations applied.
+local call = redis.call
+local mark = ARGV[1]
+local e, s = string.match(mark, '^(%d+):(%d+)$')
+e, s = tonumber(e), tonumber(s)
+local tiers = cmsgpack.unpack(ARGV[3])
+local sections = cmsgpack.unpack(ARGV[4])
+
+local function covers(v)
+  local ve, vs = string.match(v, '^(%d+):(%d+):')
+  ve, vs = tonumber(ve), tonumber(vs)
+  return ve > e or (ve == e and vs >= s)
+end
+
+local function shared(key, tier)
+  if #tier < 3 then return false end
+  local found = call('HMGET', key, unpack(tier, 3))
+  for i = 1, #found do
+    if found[i] then return true end
+  end
+  return false
+end
+
+local buckets = #KEYS
+if ARGV[5] then
+  buckets = buckets - 1
+  if (call('HGET', KEYS[#KEYS], ARGV[5]) or '') ~= ARGV[6] then return -1 end
+end
+
+local applied = 0
+for i = 1, buckets do
+  local bucket, runs = KEYS[i], sections[i]
+  local prefix, gens, unknown = KEYS[i] .. ':', {}, 0
+  for r = 1, #runs do
+    local run = runs[r]
+    local tier, delta = tiers[run[1]], run[2]
+    local g = gens[tier[2]]
+    if g == nil then
+      local v = call('HGET', bucket, 'g' .. tier[2])
+      g = {skip = v and covers(v), n = v and tonumber(string.match(v, '(%d+)$')) or 0}
+      gens[tier[2]] = g
+    end
+    if not g.skip then
+      local field = tier[1]
+      for x = 3, #run do
+        local key = prefix .. run[x]
+        local c = call('HINCRBY', key, field, delta)
+        if delta > 0 then
+          if c == 1 and not shared(key, tier) then g.n = g.n + 1 end
+        elseif c <= 0 then
+          call('HDEL', key, field)
+          if c < 0 then
+            unknown = unknown + 1
+          elseif not shared(key, tier) then
+            g.n = g.n - 1
+          end
+        end
+      end
+      applied = applied + #run - 2
+    end
+  end
+  for gid, g in pairs(gens) do
+    if not g.skip then call('HSET', bucket, 'g' .. gid, mark .. ':' .. g.n) end
+  end
+  if unknown > 0 then call('HINCRBY', bucket, 'u' .. ARGV[2], unknown) end
+end
+if ARGV[5] then call('HSET', KEYS[#KEYS], ARGV[5], ARGV[7]) end
+return applied
+"""
+
+#: Compare-and-set fields of one hash: the rank metadata's only writer, so that
+#: concurrent indexers, clears and id allocations never overwrite each other.
+COMPARE_AND_SET = """
+-- KEYS[1]: the hash
+-- ARGV[1]: n, the number of fields compared; ARGV[2 .. 2n+1]: field, expected value pairs
+--   ("" expects the field absent); ARGV[2n+2 ..]: field, new value pairs ("" deletes it)
+-- Returns 1 when every field held its expected value and the new values were written, else 0.
+local n = tonumber(ARGV[1])
+for i = 2, 2 * n, 2 do
+  if (redis.call('HGET', KEYS[1], ARGV[i]) or '') ~= ARGV[i + 1] then return 0 end
+end
+for i = 2 * n + 2, #ARGV, 2 do
+  if ARGV[i + 1] == '' then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+  else
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+return 1
+"""
+
+#: Allocate ids for one rank and record them under the rank until its metadata
+#: takes them, so that the sweeper, reading the hash atomically, sees every id
+#: in use or about to be.
+RESERVE_IDS = """
+-- KEYS[1]: the metadata hash ("#ids" holds the last id allocated)
+-- ARGV[1]: the rank's field for ids not yet in its metadata; ARGV[2]: how many ids
+-- Sets ARGV[1] to "first:last" and returns the last new id.
+local last = redis.call('HINCRBY', KEYS[1], '#ids', ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], (last - tonumber(ARGV[2]) + 1) .. ':' .. last)
+return last
+"""
+
+SCRIPTS = {"apply_ops": APPLY_OPS, "compare_and_set": COMPARE_AND_SET, "reserve_ids": RESERVE_IDS}
