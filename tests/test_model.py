@@ -20,24 +20,9 @@ from indexer.model import (
     match_prefix,
     plan_batch,
 )
-from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from indexer.wire import AllBlocksCleared, EventBatch
 
-
-def stored(hashes, medium="GPU", group=0, kind="full_attention", block_size=16, owner=None):
-    return BlockStored(
-        list(hashes),
-        None,
-        [0] * block_size * len(hashes),
-        block_size,
-        medium=medium,
-        group_idx=group,
-        kv_cache_spec_kind=kind,
-        ownership=owner,
-    )
-
-
-def removed(hashes, medium="GPU", group=0, owner=None):
-    return BlockRemoved(list(hashes), medium, group, ownership=owner)
+from .events import removed, stored
 
 
 def apply(state: RankResidency, *events) -> int:

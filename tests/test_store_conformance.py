@@ -20,9 +20,10 @@ from indexer.model import CPU, GPU, STORAGE, PrefixMatch, RankId
 from indexer.replay import answer_probes, apply_trace, load_expected, load_trace
 from indexer.stores import MemoryStore, Store, StoreUnavailable, Watermark
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
+from indexer.wire import AllBlocksCleared, EventBatch, decode_batch
 
 from .conftest import FIXTURES, TRACE_NAMES, expected_path, load_expected_json, trace_path
+from .events import removed, stored
 from .servers import LocalCluster, RedisServer, free_port
 
 RANK = RankId("engine-a", 0)
@@ -49,26 +50,6 @@ def redis_config(url: str, cluster: bool = False) -> RedisConfig:
     return RedisConfig(
         url, prefix=f"t-{uuid.uuid4().hex[:12]}", cluster=cluster, sweep_interval=None
     )
-
-
-def stored(
-    hashes, medium="GPU", group=0, kind="full_attention", owner=None, locality=None, size=16
-):
-    return BlockStored(
-        list(hashes),
-        None,
-        [0] * size * len(hashes),
-        size,
-        medium=medium,
-        group_idx=group,
-        kv_cache_spec_kind=kind,
-        ownership=owner,
-        locality=locality,
-    )
-
-
-def removed(hashes, medium="GPU", group=0, owner=None):
-    return BlockRemoved(list(hashes), medium, group, ownership=owner)
 
 
 def batch(*events, ts: float = 1.0) -> EventBatch:
@@ -331,7 +312,7 @@ async def test_prefix_combines_gpu_blocks_with_lower_tier_chunks(store: Store) -
         stored(chain[:6]),
         stored(chain[:4], "CPU"),  # self-describing: teaches 4 blocks per chunk
         stored(chain[4:8], "CPU"),
-        stored([chain[11]], "STORAGE", size=0),  # placeholder: chunk 2's end hash
+        stored([chain[11]], "STORAGE", block_size=0),  # placeholder: chunk 2's end hash
     )
     match = await store.prefix_match(chain, {"engine-a": None})
     assert match[RANK] == PrefixMatch(6, 8, 0, 12, 2, 4)
