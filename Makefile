@@ -5,12 +5,13 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TRACES := ../shared/fixtures/vllm-0.33.0/traces
 
-.PHONY: help setup demo replay test lint
+.PHONY: help setup demo replay test lint bench
 
 help:
 	@echo "make demo    set up, then run the service with 4 simulated engines"
-	@echo "make test    set up (Python deps, redis-server), then lint and run the tests"
+	@echo "make test    set up (Python deps, redis-server, docker-compose), then lint and run the tests"
 	@echo "make replay  apply a vLLM fixture trace and print the JSON report"
+	@echo "make bench   run every benchmark (quick mode); report in bench/results/"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 	@scripts/ensure-redis.sh
+	@scripts/ensure-compose.sh
 
 demo: setup
 	scripts/demo.sh
@@ -34,4 +36,13 @@ lint: setup
 
 test: lint
 	$(BIN)/pytest -q
+
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $@
+
+bench: setup $(BENCH_STAMP)
+	$(BIN)/python -m bench --quick
 

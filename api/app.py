@@ -21,7 +21,7 @@ from api.limits import BodyLimit
 from api.openapi import install_openapi
 from api.settings import ApiSettings
 from api.store_guard import GuardedStore
-from indexer.engines import ConsumerView, EngineRegistry, UnknownEngine
+from indexer.engines import ConsumerView, Registry, UnknownEngine
 from indexer.model import RankId
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex
@@ -42,7 +42,7 @@ class Observable(Protocol):
     def add_observer(self, observer: Callable[[RankId, EventBatch], None]) -> None: ...
 
 
-def _learns_from(registry: EngineRegistry) -> Callable[[str], bool]:
+def _learns_from(registry: Registry) -> Callable[[str], bool]:
     """Learn tokens only for registered engines whose hashes cannot be recomputed."""
 
     def learns(engine: str) -> bool:
@@ -56,7 +56,7 @@ def _learns_from(registry: EngineRegistry) -> Callable[[str], bool]:
 
 def create_app(
     store: Store,
-    registry: EngineRegistry,
+    registry: Registry,
     consumers: ConsumerView,
     settings: ApiSettings,
     *,

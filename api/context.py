@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from api.settings import ApiSettings
-from indexer.engines import ConsumerView, EngineRegistry
+from indexer.engines import ConsumerView, Registry
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex
 
@@ -16,7 +16,7 @@ class ApiContext:
     view, the learned token index and the settings."""
 
     store: Store
-    registry: EngineRegistry
+    registry: Registry
     consumers: ConsumerView
     token_index: TokenIndex
     settings: ApiSettings

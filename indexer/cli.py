@@ -9,10 +9,14 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from indexer.log import setup_logging
 
 if TYPE_CHECKING:
     from indexer.replay import Expected, ReplayStats, Trace
+    from indexer.serve import ServeConfig
+    from indexer.stores.redis import RedisConfig
 
 log = logging.getLogger("kvindex")
 
@@ -65,25 +69,67 @@ async def _replay_into_store(
         await store.close()
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _service(args: argparse.Namespace) -> int:
+    """Run ``serve``, ``indexer`` or ``api``; 1 with a logged reason if it cannot run."""
     import zmq
 
     from indexer.engines import EngineExists
-    from indexer.serve import ConfigError, ServeConfig, load_config, serve
+    from indexer.serve import ConfigError, ServeConfig, load_config
+    from indexer.stores import StoreUnavailable
 
     try:
         config = load_config(args.config) if args.config else ServeConfig()
-        asyncio.run(
-            serve(config, args.engine, host=args.host, port=args.port, redis_url=args.redis_url)
+        redis = config.redis_config(
+            args.redis_url, cluster=args.redis_cluster, prefix=args.redis_prefix
         )
+        ok = asyncio.run(args.service(args, config, redis))
     except EngineExists as e:
         problem = f"engine {e.args[0]!r} is declared twice"
-    except (ConfigError, OSError, zmq.ZMQError) as e:
+    except (ConfigError, OSError, zmq.ZMQError, StoreUnavailable) as e:
         problem = str(e)
     else:
-        return 0
-    log.error("cannot serve", extra={"error": problem})
+        return 0 if ok is not False else 1
+    log.error(f"cannot run {args.command}", extra={"error": problem})
     return 1
+
+
+async def _serve(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig | None) -> None:
+    from indexer.serve import serve
+
+    await serve(config, args.engine, host=args.host, port=args.port, redis=redis)
+
+
+def _needs_redis(args: argparse.Namespace, redis: RedisConfig | None) -> RedisConfig:
+    from indexer.serve import ConfigError
+
+    if redis is None:
+        raise ConfigError(f"kvindex {args.command} shares state through Redis: give --redis-url")
+    return redis
+
+
+async def _indexer(
+    args: argparse.Namespace, config: ServeConfig, redis: RedisConfig | None
+) -> bool:
+    from indexer.processes import run_indexer
+
+    if args.lease_ttl is not None:
+        config = msgspec.structs.replace(
+            config, indexer=msgspec.structs.replace(config.indexer, lease_ttl=args.lease_ttl)
+        )
+    metrics = None if args.metrics_port is None else (args.metrics_host, args.metrics_port)
+    return await run_indexer(
+        config,
+        _needs_redis(args, redis),
+        args.engine,
+        worker_id=args.worker_id,
+        metrics=metrics,
+    )
+
+
+async def _api(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig | None) -> None:
+    from indexer.processes import run_api
+
+    await run_api(config, _needs_redis(args, redis), host=args.host, port=args.port)
 
 
 def _engine_flag(text: str):
@@ -95,6 +141,35 @@ def _engine_flag(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _add_redis_flags(parser: argparse.ArgumentParser, url_help: str, prefix: str | None) -> None:
+    parser.add_argument("--redis-url", help=url_help)
+    parser.add_argument(
+        "--redis-cluster", action="store_true", help="the URL names a Redis Cluster node"
+    )
+    parser.add_argument(
+        "--redis-prefix",
+        default=prefix,
+        help=f"key prefix, so indexes can share a Redis (default {prefix or 'kvindex'})",
+    )
+
+
+def _add_engine_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        type=_engine_flag,
+        metavar="NAME=ENDPOINT[,FIELD=VALUE...]",
+        help=f"{what}, e.g. a=tcp://host:5557,replay_endpoint=tcp://host:5558"
+        " (repeatable; fields as in the config file)",
+    )
+
+
+def _add_http_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0: any)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvindex", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default)")
@@ -103,28 +178,43 @@ def build_parser() -> argparse.ArgumentParser:
     replay = commands.add_parser("replay", help="apply a recorded trace and print a JSON report")
     replay.add_argument("trace", help="TRACE.frames.msgpack: a msgpack array of [seq, payload]")
     replay.add_argument("--probe", metavar="EXPECTED.json", help="answer this file's probes")
-    replay.add_argument("--redis-url", help="replay into Redis (redis://, rediss://, unix://)")
-    replay.add_argument(
-        "--redis-prefix", default="kvindex-replay", help="key prefix (default kvindex-replay)"
+    _add_redis_flags(
+        replay, "replay into Redis (redis://, rediss://, unix://)", prefix="kvindex-replay"
     )
-    replay.add_argument("--redis-cluster", action="store_true", help="the URL names a cluster node")
     replay.set_defaults(run=_replay)
 
-    serve = commands.add_parser("serve", help="consume engines' KV events and serve the HTTP API")
-    serve.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0: any)")
-    serve.add_argument("--redis-url", help="use the Redis store at this URL (default: embedded)")
-    serve.add_argument("--config", metavar="FILE", help="YAML or TOML (.toml) config file")
-    serve.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        type=_engine_flag,
-        metavar="NAME=ENDPOINT[,FIELD=VALUE...]",
-        help="an engine to follow, e.g. a=tcp://host:5557,replay_endpoint=tcp://host:5558"
-        " (repeatable; fields as in the config file)",
+    serve = commands.add_parser(
+        "serve", help="one process: consume engines' KV events and serve the HTTP API"
     )
-    serve.set_defaults(run=_serve)
+    _add_http_flags(serve)
+    _add_redis_flags(serve, "use the Redis store at this URL (default: embedded)", prefix=None)
+    serve.add_argument("--config", metavar="FILE", help="YAML or TOML (.toml) config file")
+    _add_engine_flag(serve, "an engine to follow")
+    serve.set_defaults(run=_service, service=_serve)
+
+    indexer = commands.add_parser(
+        "indexer", help="a worker: consume its share of the engines into Redis (scale-out)"
+    )
+    _add_redis_flags(indexer, "the shared Redis (required, or a redis config section)", None)
+    indexer.add_argument("--config", metavar="FILE", help="YAML or TOML (.toml) config file")
+    _add_engine_flag(indexer, "an engine to register if it is not yet")
+    indexer.add_argument("--worker-id", help="unique name (default: host-pid-random)")
+    indexer.add_argument(
+        "--lease-ttl", type=float, help="seconds a dead worker's engines wait (default 6)"
+    )
+    indexer.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    indexer.add_argument(
+        "--metrics-host", default="127.0.0.1", help="metrics address (default 127.0.0.1)"
+    )
+    indexer.set_defaults(run=_service, service=_indexer)
+
+    api = commands.add_parser(
+        "api", help="an HTTP API replica over the shared Redis (scale-out; stateless)"
+    )
+    _add_http_flags(api)
+    _add_redis_flags(api, "the shared Redis (required, or a redis config section)", None)
+    api.add_argument("--config", metavar="FILE", help="YAML or TOML (.toml) config file")
+    api.set_defaults(run=_service, service=_api)
 
     from producer import simcli
 

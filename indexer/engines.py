@@ -2,8 +2,11 @@
 
 The registry is the one place engines are added and removed: the config
 file and CLI flags seed it, the operator API (``POST``/``DELETE /engines``)
-changes it at runtime, and the subscriber watches it to start and stop
-consumers. ``RankStatus`` is what operators see of each rank.
+changes it at runtime, and consumers follow it. :class:`Registry` is what
+the API needs of one: :class:`EngineRegistry` keeps engines in process and
+has the subscriber of ``kvindex serve`` listen to it;
+:class:`~indexer.redis_registry.RedisRegistry` keeps them in Redis for API
+replicas and indexer workers. ``RankStatus`` is what operators see of each rank.
 """
 
 from __future__ import annotations
@@ -87,6 +90,22 @@ Change = Literal["added", "removed"]
 Listener = Callable[[Change, EngineSpec], Awaitable[None]]
 
 
+class Registry(Protocol):
+    """Where engines are registered, as the API uses it."""
+
+    async def add(self, spec: EngineSpec) -> EngineSpec:
+        """Register an engine (raises :class:`EngineExists`)."""
+
+    async def remove(self, name: str) -> EngineSpec:
+        """Deregister an engine and drop its residency (raises :class:`UnknownEngine`)."""
+
+    def get(self, name: str) -> EngineSpec:
+        """One engine (raises :class:`UnknownEngine`)."""
+
+    def all(self) -> list[EngineSpec]:
+        """Every engine, by name."""
+
+
 class EngineRegistry:
     """Registered engines, kept in process, with change listeners.
 
@@ -166,6 +185,7 @@ class RankStatus(msgspec.Struct):
     lag_batches: int = 0
     lag_seconds: float = 0.0
     last_event_ts: float | None = None
+    owner: str | None = None  # the indexer worker consuming it (None: this process)
 
 
 class ConsumerView(Protocol):

@@ -6,7 +6,9 @@ a ``redis`` config section) is given. SIGTERM/SIGINT stop the HTTP server,
 then every rank after the batch in hand (so the store's watermark is that of
 the last applied batch), then the store.
 
-The config file (YAML, or TOML by its ``.toml`` suffix)::
+The same config file serves ``kvindex indexer`` and ``kvindex api``
+(:mod:`indexer.processes`), which read the sections they need. YAML, or TOML
+by its ``.toml`` suffix::
 
     engines:                      # EngineSpec fields, see indexer.engines
       - name: vllm-a
@@ -22,6 +24,8 @@ The config file (YAML, or TOML by its ``.toml`` suffix)::
     redis:                        # RedisConfig, see indexer.stores.redis
       url: redis://127.0.0.1:6379/0
       cluster: false
+    indexer:                      # WorkerSettings, see indexer.workers
+      lease_ttl: 6.0
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from indexer.stores.base import Store
 from indexer.stores.memory import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
 from indexer.subscriber import Subscriber, SubscriberSettings
+from indexer.workers import WorkerSettings
 
 log = logging.getLogger("kvindex.serve")
 
@@ -63,17 +68,21 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     subscriber: SubscriberSettings = SubscriberSettings()
     api: dict[str, Any] = {}
     redis: dict[str, Any] | None = None
+    indexer: WorkerSettings = WorkerSettings()
 
     def api_settings(self) -> ApiSettings:
         return _dataclass(ApiSettings, self.api, "api")
 
-    def redis_config(self, url: str | None) -> RedisConfig | None:
-        """The Redis store's config; ``url`` (the flag) overrides the file's."""
+    def redis_config(
+        self, url: str | None, *, cluster: bool = False, prefix: str | None = None
+    ) -> RedisConfig | None:
+        """The Redis store's config; the flags (``url``, ``cluster``, ``prefix``)
+        override the file's. None: no Redis at all."""
         if self.redis is None and url is None:
             return None
         section = dict(self.redis or {})
-        if url is not None:
-            section["url"] = url
+        flags = {"url": url, "cluster": cluster or None, "prefix": prefix}
+        section.update((k, v) for k, v in flags.items() if v is not None)
         return _dataclass(RedisConfig, section, "redis")
 
 
@@ -131,53 +140,62 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(
-    config: ServeConfig,
-    engines: Sequence[EngineSpec] = (),
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    redis_url: str | None = None,
+@contextlib.contextmanager
+def stop_signals() -> Iterator[asyncio.Event]:
+    """An event set by SIGTERM or SIGINT, for as long as the block runs."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_http(
+    app: Any, settings: ApiSettings, sock: socket.socket, stop: asyncio.Event, **about: Any
 ) -> None:
-    """Run until SIGTERM or SIGINT, then stop cleanly."""
-    store = open_store(config.redis_config(redis_url))
-    registry = EngineRegistry()
-    subscriber = Subscriber(store, registry, config.subscriber)
-    settings = config.api_settings()
-    app = create_app(store, registry, subscriber, settings)
+    """Serve ``app`` on a listening socket until ``stop`` is set (or the server fails)."""
     # h11 refuses request heads over 16 KiB by default: too small for a GET
     # /prefix-match of an 8k-token prompt. Allow what the API itself allows.
     limit = settings.max_body_bytes
     server = _Server(
         uvicorn.Config(app, log_config=None, access_log=False, h11_max_incomplete_event_size=limit)
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    http = asyncio.create_task(server.serve(sockets=[sock]))
+    host, port = sock.getsockname()[:2]
+    log.info("serving", extra={"host": host, "port": port, **about})
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([http, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    server.should_exit = True
+    await http
+
+
+async def serve(
+    config: ServeConfig,
+    engines: Sequence[EngineSpec] = (),
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    redis: RedisConfig | None = None,
+) -> None:
+    """Run until SIGTERM or SIGINT, then stop cleanly; ``redis``: the store (default embedded)."""
+    store = open_store(redis)
+    registry = EngineRegistry()
+    subscriber = Subscriber(store, registry, config.subscriber)
+    settings = config.api_settings()
+    app = create_app(store, registry, subscriber, settings)
     try:
-        with listen(host, port) as sock:
+        with stop_signals() as stop, listen(host, port) as sock:
             await subscriber.start()
             for spec in [*config.engines, *engines]:
                 await registry.add(spec)
-            http = asyncio.create_task(server.serve(sockets=[sock]))
-            log.info(
-                "serving",
-                extra={
-                    "host": host,
-                    "port": sock.getsockname()[1],
-                    "engines": [s.name for s in registry.all()],
-                    "store": type(store).__name__,
-                },
-            )
-            stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait([http, stopping], return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            server.should_exit = True
-            await http
+            about = {"engines": [s.name for s in registry.all()], "store": type(store).__name__}
+            await serve_http(app, settings, sock, stop, **about)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
         await subscriber.stop()
         await store.close()
         log.info("stopped")

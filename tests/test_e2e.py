@@ -50,8 +50,11 @@ WORKLOAD = WorkloadConfig(
 class SimRank:
     """One engine rank: its simulated engine, its publisher, its share of the traffic."""
 
-    def __init__(self, layout: Layout, engine: int, dp_rank: int) -> None:
+    def __init__(
+        self, layout: Layout, engine: int, dp_rank: int, config: SimConfig | None = None
+    ) -> None:
         self.layout, self.index, self.dp_rank = layout, engine, dp_rank
+        self.config = config or ENGINES[engine]
         self.name = layout.name(engine)
         self.requests = Workload(WORKLOAD, stream=engine * DP_RANKS + dp_rank)
         self.prompts: list[tuple[int, ...]] = []
@@ -59,7 +62,7 @@ class SimRank:
         self._start()
 
     def _start(self) -> None:
-        self.engine = SimEngine(ENGINES[self.index], self.dp_rank)
+        self.engine = SimEngine(self.config, self.dp_rank)
         self.publisher = Publisher(
             self.layout.endpoint(self.index),
             self.layout.replay_endpoint(self.index),

@@ -18,6 +18,14 @@ class StoreUnavailable(RuntimeError):
     """The store cannot be reached; callers retry, the API answers 503."""
 
 
+class Fenced(RuntimeError):
+    """A newer owner of the rank has claimed it: this writer must stop applying it.
+
+    Raised by stores shared by several indexer processes (Redis) for writes
+    made under a lease token older than the rank's newest; never retried.
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class Watermark:
     """The last batch applied for a rank, with its ``ts``.

@@ -4,8 +4,12 @@ Key layout under a prefix ``P`` (several indexes can share one Redis)::
 
     P:meta           hash: "r:<dp>:<engine>" -> RankMeta (msgpack): watermark, ids,
                      group kinds, chunk size; "#ids" -> last id allocated;
-                     "a:<dp>:<engine>" -> "first:last", ids allocated, not yet taken
-    P:{tag}          bucket hash: "g<gid>" -> "epoch:seq:n", "u<rid>" -> unknown removals
+                     "a:<dp>:<engine>" -> "first:last", ids allocated, not yet taken;
+                     "f:<dp>:<engine>" -> the rank's fence: its newest owner's token
+    {P:meta}:engines hash in P:meta's slot: engine name -> EngineSpec (JSON),
+                     "#version" -> change counter (:mod:`indexer.redis_registry`)
+    P:{tag}          bucket hash: "g<gid>" -> "epoch:seq:n", "u<rid>" -> unknown removals,
+                     "f:<dp>:<engine>" -> the newest owner's token the bucket has seen
     P:{tag}:<hash>   block hash: "<tid>" -> count, one field per residency
 
 A block's key carries the hash tag of its bucket (``hash % BUCKETS``), so a
@@ -28,6 +32,18 @@ which fails if anything changed it meanwhile. On a standalone server a batch
 usually fits one script call, which checks and moves the watermark itself:
 one round trip, applied atomically. ``epoch`` grows when the engine restarts
 (``reset_seq``), so its new seqs from 0 are never mistaken for old ones.
+
+Fencing, for indexer workers that hand ranks over (:mod:`indexer.workers`):
+a new owner first :meth:`RedisStore.claim` s the rank, which increments its
+fence token in ``P:meta`` (only while the engine is registered: the registry
+shares the slot) and raises every bucket's copy of it. Writes made under a
+token (``fence=``) are refused with :class:`~indexer.stores.base.Fenced`
+where a newer one is recorded: the watermark compare-and-set expects the
+token in ``P:meta``, each bucket script checks its bucket's copy. Every
+check is within one slot. A stale owner can therefore still land at most the
+buckets of the one batch it had in flight when the claim happened — the
+batch right after the watermark the new owner starts from, which the new
+owner's own copy then skips per bucket, as after a crash.
 """
 
 from __future__ import annotations
@@ -65,7 +81,7 @@ from indexer.model import (
     match_prefix,
     plan_batch,
 )
-from indexer.stores.base import ApplyResult, Residency, StoreUnavailable, Watermark
+from indexer.stores.base import ApplyResult, Fenced, Residency, StoreUnavailable, Watermark
 from indexer.stores.redis_scripts import SCRIPTS
 from indexer.wire import BlockHash, EventBatch
 
@@ -82,6 +98,8 @@ OPS_PER_CALL = 4096
 FIRST_WINDOW = 128
 #: Compare-and-set attempts before giving up on a contended rank.
 MAX_ATTEMPTS = 16
+#: What the apply script answers when a bucket holds a newer owner's token.
+FENCED = -2
 _UNAVAILABLE = (
     rex.ConnectionError,
     rex.TimeoutError,
@@ -185,6 +203,16 @@ def _rank_field(rank: RankId) -> str:
 def _held_field(rank: RankId) -> str:
     """Ids allocated for the rank that its metadata does not hold yet."""
     return f"a:{rank.dp_rank}:{rank.engine}"
+
+
+def _fence_field(rank: RankId) -> str:
+    """The rank's newest owner token, in ``P:meta`` and in every bucket."""
+    return f"f:{rank.dp_rank}:{rank.engine}"
+
+
+def _guard(rank: RankId, fence: int | None) -> dict[str, bytes]:
+    """What a write under lease token ``fence`` expects of ``P:meta`` (nothing if unfenced)."""
+    return {} if fence is None else {_fence_field(rank): str(fence).encode()}
 
 
 def _parse_rank_field(name: bytes) -> RankId | None:
@@ -319,6 +347,8 @@ class RedisStore:
         self._client = client if client is not None else _connect(config)
         self._where = _redacted(config.url)
         self._meta_key = f"{config.prefix}:meta"
+        #: The engine registry's hash: in the metadata's slot, so a claim can check it.
+        self.registry_key = f"{{{self._meta_key}}}:engines"
         self._bucket_keys = [f"{config.prefix}:{{{tag}}}" for tag in _TAGS]
         self._block_prefixes = [f"{key}:" for key in self._bucket_keys]
         self._shas = {name: _sha(src) for name, src in SCRIPTS.items()}
@@ -328,6 +358,11 @@ class RedisStore:
         self._connections = asyncio.Semaphore(config.max_connections)
 
     # --- keys -------------------------------------------------------------
+
+    @property
+    def meta_key(self) -> str:
+        """``P:meta``: what scripts sharing its slot (the registry's) name with it."""
+        return self._meta_key
 
     def block_key(self, block_hash: BlockHash) -> str:
         return f"{self._block_prefixes[bucket_of(block_hash)]}{_name(block_hash)}"
@@ -342,6 +377,10 @@ class RedisStore:
         except _UNAVAILABLE as e:
             self._cache.clear()
             raise StoreUnavailable(f"Redis at {self._where} unavailable: {e}") from e
+
+    async def execute(self, commands: Sequence[tuple]) -> list:
+        """Send commands in one pipeline; what the worker's leases and the registry use."""
+        return await self._run(commands)
 
     async def _run(self, commands: Sequence[tuple]) -> list:
         """Send commands in one pipeline (one round trip per node); load scripts once."""
@@ -369,15 +408,16 @@ class RedisStore:
             for source in SCRIPTS.values():
                 await self._client.script_load(source)
 
-    def _evalsha(self, script: str, keys: Sequence[str], args: Sequence[object]) -> tuple:
-        return ("EVALSHA", self._shas[script], len(keys), *keys, *args)
+    def script(self, name: str, keys: Sequence[str], args: Sequence[object]) -> tuple:
+        """The command that runs one of :data:`SCRIPTS` (for :meth:`execute`)."""
+        return ("EVALSHA", self._shas[name], len(keys), *keys, *args)
 
     async def _cas(self, expect: Mapping[str, bytes], store: Mapping[str, bytes]) -> bool:
         args = [len(expect)]
         for pairs in (expect, store):
             for name, value in pairs.items():
                 args += (name, value)
-        (ok,) = await self._run([self._evalsha("compare_and_set", [self._meta_key], args)])
+        (ok,) = await self._run([self.script("compare_and_set", [self._meta_key], args)])
         return ok == 1
 
     async def _read_meta(self, rank: RankId) -> tuple[bytes, RankMeta | None]:
@@ -390,44 +430,73 @@ class RedisStore:
 
     # --- writing ------------------------------------------------------------
 
-    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
+    async def apply_batch(
+        self, rank: RankId, seq: int, batch: EventBatch, *, fence: int | None = None
+    ) -> ApplyResult:
+        """:meth:`Store.apply_batch`; ``fence``: the writer's lease token, see the module doc."""
         ops = plan_batch(batch)
-        name = _rank_field(rank)
+        name, guard = _rank_field(rank), _guard(rank, fence)
         for _ in range(MAX_ATTEMPTS):
             blob, meta = self._cache.get(rank) or await self._read_meta(rank)
             if meta is not None and meta.seq is not None and seq <= meta.seq:
                 return ApplyResult(applied=False)
             plan = plan_writes(meta or RankMeta(rid=0), ops, seq, batch.ts)
             if plan.missing or meta is None:
-                await self._reserve(rank, blob, meta, plan.missing, seq)
-                continue
-            new_blob = _encode(plan.meta)
-            if await self._apply_and_commit(meta, plan, seq, (name, blob, new_blob)):
-                self._cache[rank] = (new_blob, plan.meta)
-                self._start_sweeper()
-                return ApplyResult(applied=True, block_ops=plan.block_ops)
-            self._cache.pop(rank, None)
+                done = await self._reserve(rank, blob, meta, plan.missing, seq, guard)
+            else:
+                new_blob = _encode(plan.meta)
+                commit = (name, blob, new_blob)
+                done = await self._apply_and_commit(meta, plan, seq, commit, guard)
+                if done:
+                    self._cache[rank] = (new_blob, plan.meta)
+                    self._start_sweeper()
+                    return ApplyResult(applied=True, block_ops=plan.block_ops)
+                self._cache.pop(rank, None)
+            if not done:
+                await self._check_fence(rank, fence)
         raise RuntimeError(f"{rank}: metadata kept changing under {MAX_ATTEMPTS} attempts")
 
+    async def _check_fence(self, rank: RankId, fence: int | None) -> None:
+        """After a failed compare-and-set: raise :class:`Fenced` if another owner claimed."""
+        if fence is None:
+            return
+        (newest,) = await self._run([("HGET", self._meta_key, _fence_field(rank))])
+        if int(newest or 0) != fence:
+            self._cache.pop(rank, None)
+            raise Fenced(f"{rank.engine}/{rank.dp_rank}: token {fence}, rank at {int(newest or 0)}")
+
     async def _reserve(
-        self, rank: RankId, blob: bytes, meta: RankMeta | None, missing: list[str], seq: int
-    ) -> None:
+        self,
+        rank: RankId,
+        blob: bytes,
+        meta: RankMeta | None,
+        missing: list[str],
+        seq: int,
+        guard: Mapping[str, bytes],
+    ) -> bool:
         """Allocate the ids a batch needs (and the rank's own id) before writing with them."""
         self._cache.pop(rank, None)
         count, name, held = len(missing) + (meta is None), _rank_field(rank), _held_field(rank)
-        (last,) = await self._run([self._evalsha("reserve_ids", [self._meta_key], (held, count))])
+        (last,) = await self._run([self.script("reserve_ids", [self._meta_key], (held, count))])
         ids = iter(range(last - count + 1, last + 1))
         if meta is None:
             meta = RankMeta(rid=next(ids))
         reserved = {**meta.reserved(seq), **dict(zip(missing, ids, strict=True))}
         updated = msgspec.structs.replace(meta, pending=_Pending(meta.epoch, seq, reserved))
         new_blob = _encode(updated)
-        expect = {name: blob, held: f"{last - count + 1}:{last}".encode()}
+        expect = {name: blob, held: f"{last - count + 1}:{last}".encode(), **guard}
         if await self._cas(expect, {name: new_blob, held: b""}):
             self._cache[rank] = (new_blob, updated)
+            return True
+        return False
 
     async def _apply_and_commit(
-        self, meta: RankMeta, plan: _Plan, seq: int, commit: tuple[str, bytes, bytes]
+        self,
+        meta: RankMeta,
+        plan: _Plan,
+        seq: int,
+        commit: tuple[str, bytes, bytes],
+        guard: Mapping[str, bytes],
     ) -> bool:
         """Apply the block operations, then move the watermark; False: metadata changed.
 
@@ -438,7 +507,7 @@ class RedisStore:
         """
         name, old, new = commit
         if not plan.block_ops:
-            return await self._cas({name: old}, {name: new})
+            return await self._cas({name: old, **guard}, {name: new})
         tiers: list[list] = []
         tier_index: dict[int, int] = {}
         sections: dict[int, list[list]] = {}
@@ -457,20 +526,23 @@ class RedisStore:
                     sections.setdefault(b, []).append(run)
                 run.append(str(h) if type(h) is int else _name(h))
         mark, tiers_blob = f"{meta.epoch}:{seq}", _encode(tiers)
+        fence = next(iter(guard.items()), ("", ""))
         calls = self._calls(sections)
         one_step = len(calls) == 1 and not self.config.cluster
         commands = []
         for group in calls:
             keys = [self._bucket_keys[b] for b in group]
-            args = [mark, meta.rid, tiers_blob, _encode([sections[b] for b in group])]
+            args = [mark, meta.rid, tiers_blob, _encode([sections[b] for b in group]), *fence]
             if one_step:
                 keys.append(self._meta_key)
                 args += commit
-            commands.append(self._evalsha("apply_ops", keys, args))
+            commands.append(self.script("apply_ops", keys, args))
         results = await self._run(commands)
+        if FENCED in results:
+            raise Fenced(f"{name}: a newer owner's token is in a bucket")
         if one_step:
             return results[0] >= 0
-        return await self._cas({name: old}, {name: new})
+        return await self._cas({name: old, **guard}, {name: new})
 
     def _calls(self, sections: dict[int, list[list]]) -> list[list[int]]:
         """Buckets per script call: one per call on a cluster (one slot each)."""
@@ -493,7 +565,14 @@ class RedisStore:
             return None
         return Watermark(meta.seq, meta.ts)
 
-    async def clear(self, rank: RankId, media: Collection[str], *, reset_seq: bool = False) -> None:
+    async def clear(
+        self,
+        rank: RankId,
+        media: Collection[str],
+        *,
+        reset_seq: bool = False,
+        fence: int | None = None,
+    ) -> None:
         def cleared(meta: RankMeta) -> RankMeta:
             changes: dict = {
                 "gens": {m: g for m, g in meta.gens.items() if m not in media},
@@ -503,14 +582,14 @@ class RedisStore:
                 changes.update(seq=None, ts=None, epoch=meta.epoch + 1, pending=None)
             return msgspec.structs.replace(meta, **changes)
 
-        await self._update(rank, cleared)
+        await self._update(rank, cleared, fence)
 
     async def forget(self, rank: RankId) -> None:
         await self._update(rank, lambda meta: None)
 
-    async def _update(self, rank: RankId, change) -> None:
+    async def _update(self, rank: RankId, change, fence: int | None = None) -> None:
         """Compare-and-set a rank's metadata to ``change(meta)`` (None deletes it)."""
-        name = _rank_field(rank)
+        name, guard = _rank_field(rank), _guard(rank, fence)
         for _ in range(MAX_ATTEMPTS):
             blob, meta = await self._read_meta(rank)
             if meta is None:
@@ -520,13 +599,33 @@ class RedisStore:
                 store = {name: b"", _held_field(rank): b""}
             else:
                 store = {name: _encode(updated)}
-            if await self._cas({name: blob}, store):
+            if await self._cas({name: blob, **guard}, store):
                 if updated is None:
                     self._cache.pop(rank, None)
                 else:
                     self._cache[rank] = (store[name], updated)
                 return
+            await self._check_fence(rank, fence)
         raise RuntimeError(f"{rank}: metadata kept changing under {MAX_ATTEMPTS} attempts")
+
+    async def claim(self, rank: RankId, spec: bytes) -> int | None:
+        """Become the rank's only writer: its next fence token, None if the engine is gone.
+
+        ``spec``: the engine's registry entry as the claimant read it; the
+        claim fails if the engine was deregistered or re-registered since.
+        Writes under older tokens are refused from here on (module doc).
+        """
+        fence = _fence_field(rank)
+        keys = [self.registry_key, self._meta_key]
+        (token,) = await self._run([self.script("claim", keys, [rank.engine, spec, fence])])
+        if not token:
+            return None
+        groups = (
+            [[key] for key in self._bucket_keys] if self.config.cluster else [self._bucket_keys]
+        )
+        await self._run([self.script("raise_fence", keys, [fence, token]) for keys in groups])
+        self._cache.pop(rank, None)
+        return token
 
     # --- reading ------------------------------------------------------------
 
@@ -738,3 +837,25 @@ def _connect(config: RedisConfig) -> Redis | RedisCluster:
     if config.cluster:
         return RedisCluster.from_url(config.url, **options)
     return Redis.from_url(config.url, **options)
+
+
+class OwnedRank:
+    """A rank's store as its leaseholder writes it: every write under the lease's token.
+
+    What a worker gives the rank's consumer instead of the store itself, so
+    that the consumer stops (:class:`~indexer.stores.base.Fenced`) the moment
+    a newer owner has claimed the rank.
+    """
+
+    def __init__(self, store: RedisStore, token: int) -> None:
+        self.store = store
+        self.token = token
+
+    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
+        return await self.store.apply_batch(rank, seq, batch, fence=self.token)
+
+    async def watermark(self, rank: RankId) -> Watermark | None:
+        return await self.store.watermark(rank)
+
+    async def clear(self, rank: RankId, media: Collection[str], *, reset_seq: bool = False) -> None:
+        await self.store.clear(rank, media, reset_seq=reset_seq, fence=self.token)

@@ -22,7 +22,10 @@ APPLY_OPS = """
 --   the same rank medium generation, for distinct counting)
 -- ARGV[4]: msgpack sections, one per KEYS entry, in order: runs {tier, delta, hash, ...} of
 --   +1/-1 operations in event order; block key = KEYS[i] .. ":" .. hash
--- ARGV[5], ARGV[6], ARGV[7] (only on a standalone server, where one call can hold a whole
+-- ARGV[5], ARGV[6]: the rank's fence field and the writer's lease token ("" and "": unfenced);
+--   when any bucket (or the metadata hash) holds a newer token in that field, nothing is
+--   written and -2 is returned: another owner has claimed the rank.
+-- ARGV[7], ARGV[8], ARGV[9] (only on a standalone server, where one call can hold a whole
 --   batch): the rank's metadata field, its expected and its new value; the metadata hash is
 --   then the last KEYS entry. The batch is applied and committed together, or, when the
 --   metadata changed, not at all (returns -1).
@@ -50,10 +53,21 @@ local function shared(key, tier)
   return false
 end
 
+local fence, token = ARGV[5], tonumber(ARGV[6])
+local function fenced(key)
+  if fence == '' then return false end
+  local newest = call('HGET', key, fence)
+  return newest and tonumber(newest) > token
+end
+
 local buckets = #KEYS
-if ARGV[5] then
+if ARGV[7] then
   buckets = buckets - 1
-  if (call('HGET', KEYS[#KEYS], ARGV[5]) or '') ~= ARGV[6] then return -1 end
+  if fenced(KEYS[#KEYS]) then return -2 end
+  if (call('HGET', KEYS[#KEYS], ARGV[7]) or '') ~= ARGV[8] then return -1 end
+end
+for i = 1, buckets do
+  if fenced(KEYS[i]) then return -2 end
 end
 
 local applied = 0
@@ -93,7 +107,7 @@ for i = 1, buckets do
   end
   if unknown > 0 then call('HINCRBY', bucket, 'u' .. ARGV[2], unknown) end
 end
-if ARGV[5] then call('HSET', KEYS[#KEYS], ARGV[5], ARGV[7]) end
+if ARGV[7] then call('HSET', KEYS[#KEYS], ARGV[7], ARGV[9]) end
 return applied
 """
 
@@ -130,4 +144,92 @@ redis.call('HSET', KEYS[1], ARGV[1], (last - tonumber(ARGV[2]) + 1) .. ':' .. la
 return last
 """
 
-SCRIPTS = {"apply_ops": APPLY_OPS, "compare_and_set": COMPARE_AND_SET, "reserve_ids": RESERVE_IDS}
+#: A new owner's claim on a rank: the next fence token, if the engine is still
+#: registered as the owner read it (the registry shares the metadata's slot).
+CLAIM = """
+-- KEYS[1]: the engine registry hash; KEYS[2]: the metadata hash
+-- ARGV[1]: the engine's name; ARGV[2]: its spec as the claimant read it; ARGV[3]: the rank's
+--   fence field
+-- Returns the rank's new fence token, or 0 when the engine is not registered with that spec.
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+return redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+"""
+
+#: Write a claim's token into buckets, so that they refuse older owners' writes.
+RAISE_FENCE = """
+-- KEYS: bucket hashes; ARGV[1]: the rank's fence field; ARGV[2]: the new token
+-- Each bucket's field becomes the larger of its value and the token.
+local token = tonumber(ARGV[2])
+for i = 1, #KEYS do
+  local newest = redis.call('HGET', KEYS[i], ARGV[1])
+  if not newest or tonumber(newest) < token then redis.call('HSET', KEYS[i], ARGV[1], token) end
+end
+return 1
+"""
+
+#: Register an engine (``indexer.redis_registry``); readers poll "#version".
+REGISTER = """
+-- KEYS[1]: the engine registry hash; ARGV[1]: the engine's name; ARGV[2]: its spec (JSON)
+-- Returns 1 when registered, 0 when the name is taken.
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], '#version', 1)
+return 1
+"""
+
+#: Deregister an engine and forget its ranks in one step, bumping each rank's
+#: fence so that whoever still consumes it has its next write refused.
+DEREGISTER = """
+-- KEYS[1]: the engine registry hash; KEYS[2]: the metadata hash; ARGV[1]: the engine's name
+-- Rank fields as in indexer.stores.redis: "r:<dp>:<engine>" (metadata), "a:..." (ids held),
+-- "f:..." (fence). Returns the spec it removed, or nil when none was registered.
+local spec = redis.call('HGET', KEYS[1], ARGV[1])
+if not spec then return nil end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HINCRBY', KEYS[1], '#version', 1)
+for dp = 0, (cjson.decode(spec)['dp_ranks'] or 1) - 1 do
+  local rank = dp .. ':' .. ARGV[1]
+  redis.call('HDEL', KEYS[2], 'r:' .. rank, 'a:' .. rank)
+  redis.call('HINCRBY', KEYS[2], 'f:' .. rank, 1)
+end
+return spec
+"""
+
+#: Keep a lease (``indexer.leases``) only while it is still the caller's.
+RENEW_LEASE = """
+-- KEYS[1]: the lease; ARGV[1]: the holder's value; ARGV[2]: the new time to live, ms
+-- Returns 1 when the lease held that value (its time to live restarts), else 0.
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+#: Give a lease back, unless it is someone else's by now.
+RELEASE_LEASE = """
+-- KEYS[1]: the lease; ARGV[1]: the holder's value. Returns 1 when it was deleted.
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+#: The live indexer workers, by Redis's clock (workers' clocks may disagree).
+HEARTBEAT = """
+-- KEYS[1]: sorted set of worker ids, scored by the time (ms) their heartbeat expires
+-- ARGV[1]: the caller's worker id ("" to only look); ARGV[2]: its time to live, ms
+-- Drops expired members and returns the live ones.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) end
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+SCRIPTS = {
+    "apply_ops": APPLY_OPS,
+    "compare_and_set": COMPARE_AND_SET,
+    "reserve_ids": RESERVE_IDS,
+    "claim": CLAIM,
+    "raise_fence": RAISE_FENCE,
+    "register": REGISTER,
+    "deregister": DEREGISTER,
+    "renew_lease": RENEW_LEASE,
+    "release_lease": RELEASE_LEASE,
+    "heartbeat": HEARTBEAT,
+}

@@ -1,0 +1,104 @@
+"""``kvindex indexer`` and ``kvindex api``: kvindex as many processes over one Redis.
+
+- ``kvindex indexer`` runs a :class:`~indexer.workers.Worker`: it consumes the
+  engine ranks it holds leases on into the Redis store, and hands them over
+  when workers join, leave or die. Run as many as the fleet needs.
+- ``kvindex api`` serves the HTTP API over the Redis store, the Redis engine
+  registry and the statuses workers publish: stateless, any number behind a
+  load balancer. ``POST``/``DELETE /engines`` on any replica reach the workers
+  through the registry.
+
+Both read the same config file as ``kvindex serve``; a Redis URL (flag or
+``redis`` section) is required. What an API replica cannot answer: ``tokens``
+queries for engines whose hashes it cannot reproduce, which need the learned
+token index of ``kvindex serve`` (see the README's operations section).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from prometheus_client import start_http_server
+
+from api.app import create_app
+from indexer.engines import EngineSpec
+from indexer.redis_registry import RedisRegistry
+from indexer.serve import ServeConfig, listen, serve_http, stop_signals
+from indexer.status_board import StatusBoard
+from indexer.stores.base import StoreUnavailable
+from indexer.stores.redis import RedisConfig, RedisStore
+from indexer.subscriber import RankPool
+from indexer.workers import Worker
+
+log = logging.getLogger("kvindex.processes")
+
+#: How often the indexer process checks that its worker still runs.
+_HEALTH_CHECK = 1.0
+
+
+async def run_indexer(
+    config: ServeConfig,
+    redis: RedisConfig,
+    engines: Sequence[EngineSpec] = (),
+    *,
+    worker_id: str | None = None,
+    metrics: tuple[str, int] | None = None,
+) -> bool:
+    """Run one worker until SIGTERM or SIGINT; False if it failed on its own.
+
+    ``engines`` (and the config file's) are registered unless already there.
+    ``metrics``: ``(host, port)`` to serve Prometheus metrics on.
+    """
+    store = RedisStore(redis)
+    registry = RedisRegistry(store)
+    worker = Worker(store, registry, RankPool(config.subscriber), config.indexer, worker_id)
+    exporter = None
+    try:
+        with stop_signals() as stop:
+            await registry.seed([*config.engines, *engines])
+            if metrics is not None:
+                exporter, _ = start_http_server(metrics[1], metrics[0])
+            await worker.start()
+            while not stop.is_set() and worker.running():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), _HEALTH_CHECK)
+            healthy = stop.is_set()
+            if not healthy:
+                log.error("worker failed", extra={"worker": worker.id})
+            return healthy
+    finally:
+        await worker.stop()
+        await store.close()
+        if exporter is not None:
+            exporter.shutdown()
+
+
+async def run_api(
+    config: ServeConfig, redis: RedisConfig, *, host: str = "127.0.0.1", port: int = 8000
+) -> None:
+    """Serve the HTTP API over the shared Redis state until SIGTERM or SIGINT."""
+    store = RedisStore(redis)
+    registry = RedisRegistry(store)
+    settings, polls = config.api_settings(), config.indexer
+    board = StatusBoard(store, registry, stale_after=3 * polls.status_interval)
+    app = create_app(store, registry, board, settings)
+    tasks: list[asyncio.Task] = []
+    try:
+        with stop_signals() as stop, listen(host, port) as sock:
+            with contextlib.suppress(StoreUnavailable):  # the polls retry; /readyz says 503
+                await registry.refresh()
+                await board.refresh()
+            tasks = [
+                asyncio.create_task(registry.follow(polls.registry_poll)),
+                asyncio.create_task(board.follow(polls.status_interval)),
+            ]
+            await serve_http(app, settings, sock, stop, store="RedisStore")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await store.close()
+        log.info("stopped")

@@ -1,0 +1,732 @@
+"""One engine rank's live and replayed batches, applied in order, each seq once.
+
+A :class:`RankConsumer` consumes one (engine, dp rank): a SUB socket for
+live batches, a DEALER to the engine's replay ROUTER (DESIGN §2), and tasks:
+a live reader, a replay reader, a connection monitor and the sequencer that
+applies. Who decides which ranks run is not its business: the
+:class:`~indexer.subscriber.Subscriber` of ``kvindex serve`` runs every
+registered rank, an :class:`~indexer.workers.Worker` of ``kvindex indexer``
+the ranks it holds a lease on.
+
+Readers split frames as fast as they come into a bounded intake queue, so
+the newest received seq is known even while the store is slow: lag is that
+minus the applied seq (and the same in batch ``ts``). When the intake is full
+the readers stop reading, ZMQ's high-water marks fill and the publisher drops
+batches; the drops surface as gaps and are replayed. Batches stay encoded
+until they are applied (a decoded one takes six times the memory), only
+their ts is read on the way in.
+
+The sequencer applies strictly in seq order, each seq once:
+
+- a seq above the next expected one is held back and the missing range is
+  asked from replay; replayed and live copies of a seq are applied once;
+- a replay that starts later than asked (buffer exhausted), skips seqs
+  (permanent holes), never answers (bounded timeouts and attempts) or cannot
+  be asked (no replay endpoint) leaves the rank degraded with the missing
+  range; a range longer than ``gap_clear_threshold`` also drops its GPU/CPU
+  counts, which can no longer be trusted;
+- a seq at or below one already seen with a newer batch ``ts`` is a new
+  engine incarnation (DESIGN §3): GPU/CPU counts and the watermark are
+  dropped and consumption restarts from the new seq. Replay is asked from
+  the last applied seq itself, so an answer that lacks it, or carries it with
+  another ts, reveals a restart the live stream alone cannot show (the engine
+  restarted while the indexer was down, or while the rank was idle).
+
+Store failures are retried with backoff and never skip a batch: a seq is
+acknowledged (the watermark) only by the store applying it. The one store
+answer that is not retried is :class:`~indexer.stores.base.Fenced`: another
+owner has taken the rank, so the consumer stops applying at once and says so
+(:attr:`RankConsumer.fenced`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from indexer import metrics
+from indexer.engines import EngineSpec, Gap, RankStatus
+from indexer.model import CPU, GPU, RankId
+from indexer.stores.base import ApplyResult, Fenced, Watermark
+from indexer.wire import SEQ_BYTES, EventBatch, WireError, decode_batch, decode_frames
+
+log = logging.getLogger("kvindex.subscriber")
+
+#: Called after each applied batch; must be cheap, it runs in the apply loop.
+Observer = Callable[[RankId, EventBatch], None]
+
+_Seconds = Annotated[float, msgspec.Meta(gt=0)]
+_Count = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How ranks are consumed: the ``subscriber`` section of the config file.
+
+    - ``replay_timeout``: seconds without a replay frame before a request is
+      abandoned (and retried).
+    - ``replay_attempts``: requests in a row that fill nothing before a gap
+      is declared unfilled.
+    - ``max_concurrent_replays``: replay requests in flight across all ranks,
+      so a fleet restarting at once does not stampede its engines.
+    - ``gap_clear_threshold``: an unfilled range of more batches than this
+      also drops the rank's GPU/CPU counts.
+    - ``probe_interval``: idle seconds after which a rank asks replay whether
+      it missed anything (a lost last batch, a restart while idle); 0: never.
+    - ``intake_limit``: received batches held before the readers pause.
+    - ``max_pending``: batches held out of order behind a gap; beyond it the
+      gap is declared unfilled.
+    - ``sub_hwm``: ZMQ receive high-water mark of each SUB socket.
+    - ``store_retry_max``: cap of the store retry backoff, seconds.
+    - ``stop_grace``: seconds to finish the batch in hand at shutdown.
+    - ``max_missing``: unfilled ranges kept per rank for operators.
+    """
+
+    replay_timeout: _Seconds = 2.0
+    replay_attempts: _Count = 3
+    max_concurrent_replays: _Count = 8
+    gap_clear_threshold: _Count = 1000
+    probe_interval: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    intake_limit: _Count = 10_000
+    max_pending: _Count = 20_000
+    sub_hwm: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    store_retry_max: _Seconds = 5.0
+    stop_grace: _Seconds = 5.0
+    max_missing: _Count = 100
+
+
+# Intake items: (kind, replay generation, seq, payload, batch ts).
+# _HELD: a replayed seq already held or applied, not even looked at.
+_LIVE, _REPLAY, _HELD, _END, _WAKE = range(5)
+_Item = tuple[int, int, int, bytes, float]
+_END_SEQ = b"\xff" * SEQ_BYTES  # -1 as 8 signed bytes
+_FLOAT64 = struct.Struct(">d")
+#: Readers and the sequencer yield to the event loop this often, so a flood
+#: of batches never starves the API sharing the loop.
+_YIELD_EVERY = 64
+#: How often a rank that wants a replay slot looks for a free one.
+_SLOT_POLL = 0.05
+
+T = TypeVar("T")
+
+
+class _Stopped(Exception):
+    """The consumer is shutting down while the store is failing."""
+
+
+async def _messages(sock: zmq.asyncio.Socket) -> AsyncIterator[list[bytes]]:
+    """Every message of a socket: an awaited poll, then a non-blocking drain of
+    what is queued (an awaited receive costs four times a non-blocking one)."""
+    drain = zmq.Socket.shadow(sock.underlying).recv_multipart
+    while True:
+        await sock.poll(flags=zmq.POLLIN)
+        for _ in range(_YIELD_EVERY):
+            try:
+                yield drain(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+
+
+def batch_ts(payload: bytes) -> float:
+    """A payload's batch ts, without decoding its events.
+
+    vLLM encodes a batch as a 2- or 3-element array led by the ts as a
+    float64 (``0x92``/``0x93``, ``0xcb``, 8 bytes big-endian); any other
+    shape is decoded in full (raises :class:`WireError` if it is no batch).
+    """
+    if len(payload) > 10 and payload[0] in (0x92, 0x93) and payload[1] == 0xCB:
+        return _FLOAT64.unpack_from(payload, 2)[0]
+    return decode_batch(payload).ts
+
+
+def split_replay(frames: list[bytes]) -> tuple[int | None, bytes]:
+    """Seq (None for the end marker) and payload of one replay answer.
+
+    vLLM's DEALER side receives ``[b"", seq, payload]``; some versions add the
+    topic, ``[b"", topic, seq, payload]``. Both are accepted.
+    """
+    if len(frames) in (3, 4) and frames[0] == b"":
+        frames = frames[1:]
+    if len(frames) == 3:
+        frames = frames[1:]
+    if len(frames) != 2:
+        raise WireError("replay_frame_count", str(len(frames)))
+    seq, payload = frames
+    if len(seq) != SEQ_BYTES:
+        raise WireError("bad_seq", f"{len(seq)} bytes")
+    return (None if seq == _END_SEQ else int.from_bytes(seq, "big")), payload
+
+
+@dataclass(slots=True)
+class _Request:
+    """One replay request in flight."""
+
+    start: int  # first seq asked for
+    want: int  # the next seq to apply when it was asked
+    sent_at: float
+    probe: bool
+    received: int = 0
+    first_new: int | None = None  # first answered seq >= want
+
+
+class RankStore(Protocol):
+    """What a consumer needs of a store: a whole :class:`~indexer.stores.base.Store`,
+    or a leaseholder's view of one (:class:`~indexer.stores.redis.OwnedRank`)."""
+
+    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult: ...
+
+    async def watermark(self, rank: RankId) -> Watermark | None: ...
+
+    async def clear(
+        self, rank: RankId, media: Collection[str], *, reset_seq: bool = False
+    ) -> None: ...
+
+
+@dataclass(slots=True)
+class Shared:
+    """What every rank consumer of one process uses."""
+
+    settings: SubscriberSettings
+    context: zmq.asyncio.Context
+    replay_slots: asyncio.Semaphore
+    notify: Observer
+
+
+class RankConsumer:
+    """Sockets, tasks and in-order application for one (engine, dp rank).
+
+    ``store`` is where its batches go: the process's store, or a view of it
+    that writes under the rank's lease token (:class:`~indexer.stores.redis.OwnedRank`).
+    """
+
+    def __init__(self, spec: EngineSpec, dp_rank: int, store: RankStore, shared: Shared) -> None:
+        self.rank = RankId(spec.name, dp_rank)
+        self.status = RankStatus(dp_rank)
+        self.metrics = metrics.RankMetrics(spec.name, dp_rank)
+        self._spec = spec
+        self._shared = shared
+        self._settings = shared.settings
+        self._store = store
+        self._intake: asyncio.Queue[_Item] = asyncio.Queue(shared.settings.intake_limit)
+        self._delivered = 0
+        self._stopping = False
+        self.failed = False  # the sequencer died of a bug: the subscriber is not ready
+        self.fenced = False  # another owner took the rank: nothing more is applied
+        # Sequencer state.
+        self._mark: Watermark | None = None  # last applied batch
+        self._seen: Watermark | None = None  # highest seq and highest ts received, this incarnation
+        self._next = 0  # the seq to apply next
+        self._pending: dict[int, tuple[bytes, float]] = {}  # held until ``_next`` reaches them
+        self._heap: list[int] = []  # the held seqs, lowest first
+        self._gap: Gap | None = None  # the missing range being repaired
+        self._gap_missed = False  # some of it was given up
+        # Replay state.
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._dealer_task: asyncio.Task | None = None
+        self._generation = 0  # answers of an abandoned DEALER are ignored
+        self._request: _Request | None = None
+        self._replay_wanted = False
+        self._attempts = 0
+        self._replay_activity = 0.0
+        self._last_received = self._last_probe = time.monotonic()
+        self._received_ts: float | None = None  # ts of the newest received batch
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the sockets and start consuming (the watermark loads in the background)."""
+        ctx, endpoint = self._shared.context, self._spec.rank_endpoint(self.rank.dp_rank)
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, self._settings.sub_hwm)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, self._spec.topic.encode())
+        self._monitor = self._sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+        try:
+            (self._sub.bind if self._spec.bind else self._sub.connect)(endpoint)
+        except zmq.ZMQError:
+            self._sub.disable_monitor()
+            self._monitor.close(linger=0)
+            self._sub.close(linger=0)
+            raise
+        if self._spec.replay_endpoint is not None:
+            self._open_dealer()
+        name = f"{self.rank.engine}/{self.rank.dp_rank}"
+        self._tasks = [
+            asyncio.create_task(self._read_live(), name=f"live {name}"),
+            asyncio.create_task(self._watch_connection(), name=f"monitor {name}"),
+        ]
+        self._runner = asyncio.create_task(self._run(), name=f"sequencer {name}")
+
+    async def stop(self) -> None:
+        """Finish the batch in hand (up to ``stop_grace``), then close everything."""
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        if self._dealer_task is not None:
+            self._dealer_task.cancel()
+        with contextlib.suppress(asyncio.QueueFull):  # if full, it is busy and sees the flag
+            self._intake.put_nowait((_WAKE, 0, 0, b"", 0.0))
+        try:
+            await asyncio.wait_for(self._runner, self._settings.stop_grace)
+        except TimeoutError:
+            log.warning("rank stop timed out", extra=self.ids())
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._request is not None:
+            self._end_request()
+        self._close_dealer()
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sub.close(linger=0)
+        self.status.connected = False
+
+    def snapshot(self) -> RankStatus:
+        """A copy of the status, with lag computed now."""
+        status, mark = self.status, self._mark
+        lag, lag_seconds = 0, 0.0
+        if status.last_seq is not None:
+            lag = max(0, status.last_seq - (mark.seq if mark else -1))
+            if mark is not None and self._received_ts is not None:
+                lag_seconds = max(0.0, self._received_ts - mark.ts)
+        return msgspec.structs.replace(
+            status,
+            lag_batches=lag,
+            lag_seconds=lag_seconds,
+            missing=list(status.missing),
+            rejected=dict(status.rejected),
+        )
+
+    def ids(self, **extra: Any) -> dict[str, Any]:
+        return {"engine": self.rank.engine, "dp_rank": self.rank.dp_rank, **extra}
+
+    # --- readers ---------------------------------------------------------------
+
+    async def _read_live(self) -> None:
+        async for frames in _messages(self._sub):
+            try:
+                _, seq, payload = decode_frames(frames)
+                ts = batch_ts(payload)
+            except WireError as e:
+                # Live garbage may come from anyone on the topic: count it, ignore its seq.
+                self._reject(e)
+                continue
+            self._received(seq, ts, live=True)
+            await self._deliver((_LIVE, 0, seq, payload, ts))
+
+    async def _read_replay(self, dealer: zmq.asyncio.Socket, generation: int) -> None:
+        async for frames in _messages(dealer):
+            self._replay_activity = time.monotonic()
+            try:
+                seq, payload = split_replay(frames)
+                if seq is None:
+                    await self._deliver((_END, generation, 0, b"", 0.0))
+                    continue
+                if self._holds(seq, generation):
+                    await self._deliver((_HELD, generation, seq, b"", 0.0))
+                    continue
+                ts = batch_ts(payload)
+            except WireError as e:
+                self._reject(e)  # the seq stays missing: replay attempts run out on it
+                continue
+            self._received(seq, ts, live=False)
+            await self._deliver((_REPLAY, generation, seq, payload, ts))
+
+    def _holds(self, seq: int, generation: int) -> bool:
+        """Whether a replayed seq (not the anchor) is already held or applied.
+
+        A replay after a gap re-sends everything since, most of it already
+        received live: skipping its decoding is what lets a rank that fell
+        behind catch up. It stays held until the sequencer sees it, unless the
+        engine restarts, which abandons this replay generation.
+        """
+        request = self._request
+        return (
+            request is not None
+            and generation == self._generation
+            and seq > request.start
+            and (seq < self._next or seq in self._pending)
+        )
+
+    async def _deliver(self, item: _Item) -> None:
+        """Queue for the sequencer (waiting while it is full), yielding now and then:
+        a ready socket never makes a receive wait, so a flood would hog the loop."""
+        await self._intake.put(item)
+        self._delivered += 1
+        if self._delivered % _YIELD_EVERY == 0:
+            await asyncio.sleep(0)
+
+    def _received(self, seq: int, ts: float, live: bool) -> None:
+        status = self.status
+        if live or status.last_seq is None or seq > status.last_seq:
+            status.last_seq = seq
+            self._received_ts = ts
+        if status.last_event_ts is None or ts > status.last_event_ts:
+            status.last_event_ts = ts
+        self._last_received = time.monotonic()
+
+    def _reject(self, error: WireError) -> None:
+        rejected = self.status.rejected
+        rejected[error.reason] = rejected.get(error.reason, 0) + 1
+        self.metrics.rejected(error.reason)
+        if rejected[error.reason] == 1:
+            log.warning("bad frame", extra=self.ids(reason=error.reason, detail=error.detail[:200]))
+
+    async def _watch_connection(self) -> None:
+        peers = 0
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                peers += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                peers = max(0, peers - 1)
+            if (peers > 0) != self.status.connected:
+                self.status.connected = peers > 0
+                log.info("rank connected" if peers else "rank disconnected", extra=self.ids())
+
+    # --- the sequencer -----------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            self._mark = self._seen = await self._store_call(self._store.watermark, self.rank)
+            self._next = self._mark.seq + 1 if self._mark else 0
+            self.status.applied_seq = self._mark.seq if self._mark else None
+            log.info("rank consuming", extra=self.ids(next_seq=self._next))
+            self._replay_wanted = self._dealer is not None  # catch up from the watermark
+            n = 0
+            while not self._stopping:
+                await self._tend_replay()
+                item = await self._take()
+                if item is not None:
+                    await self._handle(*item)
+                n += 1
+                if n % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+        except _Stopped:
+            pass
+        except Fenced as e:
+            self.fenced = True
+            log.warning("rank fenced: another owner took it", extra=self.ids(error=str(e)))
+        except Exception:
+            self.failed = True
+            log.exception("rank consumer failed", extra=self.ids())
+
+    async def _take(self) -> _Item | None:
+        try:
+            return self._intake.get_nowait()
+        except asyncio.QueueEmpty:
+            pass
+        try:
+            return await asyncio.wait_for(self._intake.get(), self._idle_timeout())
+        except TimeoutError:
+            return None
+
+    def _idle_timeout(self) -> float | None:
+        """Seconds until the replay machinery has something to do; None: nothing."""
+        now = time.monotonic()
+        if self._request is not None:
+            return max(0.0, self._replay_deadline() - now)
+        if self._replay_wanted:
+            return _SLOT_POLL
+        if self._dealer is not None and self._settings.probe_interval:
+            return max(0.0, self._probe_due() - now)
+        return None
+
+    async def _handle(
+        self, kind: int, generation: int, seq: int, payload: bytes, ts: float
+    ) -> None:
+        if kind == _LIVE:
+            await self._offer(seq, payload, ts)
+            return
+        request = self._request
+        if request is None or generation != self._generation:
+            return  # a wake-up, or the answer to an abandoned request
+        if kind == _END:
+            await self._replay_finished()
+            return
+        request.received += 1
+        self._replay_activity = time.monotonic()  # progress, even if the reader waits on us
+        if request.first_new is None and seq >= request.want:
+            request.first_new = seq
+        if kind == _HELD:
+            self._duplicate()
+        elif seq >= request.want or self._is_restart(seq, ts):
+            await self._offer(seq, payload, ts)  # (an anchor offered is another incarnation's)
+
+    async def _offer(self, seq: int, payload: bytes, ts: float) -> None:
+        """Take one received batch into the ordered stream."""
+        if self._is_restart(seq, ts):
+            await self._restart(seq)
+        if seq < self._next or seq in self._pending:
+            self._duplicate()
+            return
+        seen = self._seen
+        if seen is None:
+            self._seen = Watermark(seq, ts)
+        elif seq > seen.seq or ts > seen.ts:
+            self._seen = Watermark(max(seq, seen.seq), max(ts, seen.ts))
+        if seq == self._next and not self._heap:
+            await self._apply(seq, payload, ts)
+            return
+        self._pending[seq] = (payload, ts)
+        heapq.heappush(self._heap, seq)
+        if len(self._pending) > self._settings.max_pending and self._heap[0] > self._next:
+            await self._give_up(self._next, self._heap[0] - 1, "too many batches held")
+        await self._drain()
+        await self._watch_gap()
+
+    def _duplicate(self) -> None:
+        self.status.duplicates += 1
+        self.metrics.duplicates.inc()
+
+    def _is_restart(self, seq: int, ts: float) -> bool:
+        """A seq already seen, from a newer batch: the engine numbers from 0 again.
+
+        Newer than every batch seen, not just than that seq's, so an engine
+        clock stepping back cannot pass for a restart; the last applied seq
+        itself (a replay's first answer) is compared with its own ts.
+        """
+        mark, seen = self._mark, self._seen
+        return (mark is not None and seq == mark.seq and ts > mark.ts) or (
+            seen is not None and seq <= seen.seq and ts > seen.ts
+        )
+
+    async def _apply(self, seq: int, payload: bytes, ts: float) -> None:
+        """Decode and apply one batch; an undecodable one stays missing (replay may
+        bring a good copy, or its attempts run out and the seq is given up)."""
+        try:
+            batch = decode_batch(payload)
+        except WireError as e:
+            self._reject(e)
+            return
+        result = await self._store_call(self._store.apply_batch, self.rank, seq, batch)
+        self._mark = Watermark(seq, ts)
+        self._next = seq + 1
+        self.status.applied_seq = seq
+        if not result.applied:  # the store had it already (another writer)
+            self._duplicate()
+            return
+        self.metrics.batches.inc()
+        self.metrics.block_ops.inc(result.block_ops)
+        self._shared.notify(self.rank, batch)
+
+    async def _drain(self) -> None:
+        """Apply held batches while they continue the stream."""
+        heap, pending = self._heap, self._pending
+        while heap and heap[0] <= self._next:
+            seq = heapq.heappop(heap)
+            payload, ts = pending.pop(seq)
+            if seq == self._next:
+                await self._apply(seq, payload, ts)
+        self._close_gap()
+
+    def _hole(self) -> tuple[int, int] | None:
+        """The missing range before the lowest held batch, if any."""
+        if self._heap and self._heap[0] > self._next:
+            return self._next, self._heap[0] - 1
+        return None
+
+    async def _watch_gap(self) -> None:
+        """Start repairing a hole, unless a repair or a replay is already under way."""
+        while (hole := self._hole()) and self._gap is None and self._request is None:
+            self._open_gap(*hole)
+            if self._dealer is not None:
+                self._replay_wanted = True
+                return
+            await self._give_up(*hole, "no replay endpoint")
+            await self._drain()
+
+    def _open_gap(self, first: int, last: int) -> None:
+        self._gap = Gap(first, last, time.time())
+        self._gap_missed = False
+        self.status.gaps += 1
+        self.metrics.gap("detected")
+        log.info("gap", extra=self.ids(first=first, last=last))
+
+    def _close_gap(self) -> None:
+        gap = self._gap
+        if gap is None or self._next <= gap.last:
+            return
+        self._gap = None
+        if not self._gap_missed:
+            gap.filled = True
+            self.status.gaps_filled += 1
+            self.metrics.gap("filled")
+            log.info("gap filled", extra=self.ids(first=gap.first, last=gap.last))
+
+    async def _give_up(self, first: int, last: int, why: str) -> None:
+        """Declare ``first..last`` lost: degrade the rank and move past it."""
+        if self._gap is None:
+            self._open_gap(first, last)
+        self._gap.last = max(self._gap.last, last)
+        status = self.status
+        if not self._gap_missed:
+            self._gap_missed = True
+            status.gaps_unfilled += 1
+            self.metrics.gap("unfilled")
+        status.missing.append(Gap(first, last, time.time()))
+        del status.missing[: -self._settings.max_missing]
+        status.degraded = True
+        clear = last - first + 1 > self._settings.gap_clear_threshold
+        log.warning("rank degraded", extra=self.ids(first=first, last=last, why=why, cleared=clear))
+        if clear:
+            await self._store_call(self._store.clear, self.rank, (GPU, CPU))
+        self._next = last + 1
+        self._attempts = 0
+        self._close_gap()
+
+    async def _restart(self, seq: int | None) -> None:
+        """The engine restarted: forget its GPU/CPU counts and its numbering."""
+        status = self.status
+        status.restarts += 1
+        self.metrics.restarts.inc()
+        log.warning("engine restart", extra=self.ids(applied_seq=status.applied_seq, seq=seq))
+        if self._request is not None:
+            self._end_request()
+            self._reopen_dealer()
+        await self._store_call(self._store.clear, self.rank, (GPU, CPU), reset_seq=True)
+        self._mark = self._seen = None
+        self._next = 0
+        self._pending.clear()
+        self._heap.clear()
+        self._gap = None
+        self._attempts = 0
+        status.applied_seq = None
+        status.degraded = False
+        status.missing = []
+        self._replay_wanted = self._dealer is not None
+
+    async def _store_call(self, call: Callable[..., Awaitable[T]], *args: Any, **kw: Any) -> T:
+        """Call the store until it succeeds: a batch in hand is never dropped."""
+        delay, failing = min(0.05, self._settings.store_retry_max), False
+        while True:
+            try:
+                result = await call(*args, **kw)
+            except Fenced:
+                raise
+            except Exception as e:
+                self.status.store_errors += 1
+                self.metrics.store_errors.inc()
+                if not failing:
+                    failing = True
+                    log.warning("store failing, retrying", extra=self.ids(error=repr(e)[:200]))
+                if self._stopping:
+                    raise _Stopped from e
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._settings.store_retry_max)
+                continue
+            if failing:
+                log.info("store back", extra=self.ids())
+            return result
+
+    # --- replay ------------------------------------------------------------------
+
+    def _open_dealer(self) -> None:
+        self._generation += 1
+        dealer = self._shared.context.socket(zmq.DEALER)
+        # The ROUTER drops what does not fit: let a whole replay buffer queue up here.
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self._spec.rank_endpoint(self.rank.dp_rank, replay=True))
+        self._dealer = dealer
+        self._dealer_task = asyncio.create_task(self._read_replay(dealer, self._generation))
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer_task.cancel()
+            self._dealer.close(linger=0)
+
+    def _reopen_dealer(self) -> None:
+        """A fresh DEALER, so a late answer to an abandoned request never arrives."""
+        self._close_dealer()
+        self._open_dealer()
+
+    def _replay_deadline(self) -> float:
+        request = self._request
+        return max(request.sent_at, self._replay_activity) + self._settings.replay_timeout
+
+    def _probe_due(self) -> float:
+        return max(self._last_received, self._last_probe) + self._settings.probe_interval
+
+    async def _tend_replay(self) -> None:
+        """Time out, or send, a replay request when one is due."""
+        if self._dealer is None:
+            return
+        now = time.monotonic()
+        if self._request is not None:
+            if now >= self._replay_deadline():
+                await self._replay_timed_out()
+            return
+        probe = not self._replay_wanted
+        if probe and not (self._settings.probe_interval and now >= self._probe_due()):
+            return
+        slots = self._shared.replay_slots
+        if slots.locked():
+            return
+        await slots.acquire()
+        mark = self._mark
+        # Ask from the last applied seq itself: its answer proves the same incarnation.
+        start = mark.seq if mark is not None and mark.seq == self._next - 1 else self._next
+        self._request = _Request(start, self._next, now, probe)
+        self._replay_wanted = False
+        if probe:
+            self._last_probe = now
+        else:
+            self.status.replays += 1
+            self.metrics.replays.inc()
+        await self._dealer.send_multipart((b"", start.to_bytes(SEQ_BYTES, "big")))
+
+    def _end_request(self) -> _Request:
+        request, self._request = self._request, None
+        self._shared.replay_slots.release()
+        return request
+
+    async def _replay_finished(self) -> None:
+        request = self._end_request()
+        if request.start < request.want and request.received == 0:
+            # The engine published the asked-for seq; a buffer without it is a new incarnation's.
+            await self._restart(None)
+            return
+        if request.first_new is not None and request.first_new > self._next:
+            await self._give_up(self._next, request.first_new - 1, "not in the replay buffer")
+        await self._drain()
+        hole = self._hole()
+        if hole is not None:
+            self._attempts = 0 if self._next > request.want else self._attempts + 1
+            if self._attempts < self._settings.replay_attempts:
+                if self._gap is None:
+                    self._open_gap(*hole)
+                self._replay_wanted = True
+                return
+            await self._give_up(*hole, "replay did not fill it")
+            await self._drain()
+        self._attempts = 0
+        await self._watch_gap()
+
+    async def _replay_timed_out(self) -> None:
+        request = self._end_request()
+        self._reopen_dealer()
+        log.info("replay timed out", extra=self.ids(start=request.start))
+        if not request.probe:
+            self._attempts = 0 if self._next > request.want else self._attempts + 1
+            if self._attempts < self._settings.replay_attempts:
+                self._replay_wanted = True
+                return
+            self._attempts = 0
+            log.warning("replay unavailable", extra=self.ids(start=request.start))
+            hole = self._hole()
+            if hole is not None:
+                await self._give_up(*hole, "replay unavailable")
+                await self._drain()
+        await self._watch_gap()

@@ -1,0 +1,94 @@
+"""Rank statuses through Redis: workers publish theirs, API replicas read them all.
+
+An API replica runs no consumer, yet ``GET /engines/{name}``, ``/stats`` and
+the ``degraded`` flag of ``/prefix-match`` need each rank's status
+(connected, applied seq, gaps, lag). Every ``kvindex indexer`` worker writes
+the statuses of the ranks it owns, as one msgpack value with a time to live,
+to ``P:status:<worker>``; a dead worker's statuses expire with it, and its
+ranks read as not connected (degraded) until their new owner publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from indexer.engines import RankStatus, Registry
+from indexer.leases import live_workers
+from indexer.periodic import repeat
+from indexer.stores.redis import RedisStore
+
+log = logging.getLogger("kvindex.status")
+
+
+class Published(msgspec.Struct, array_like=True):
+    """One owned rank's status, with the lease token it was consumed under."""
+
+    engine: str
+    token: int
+    status: RankStatus
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(list[Published]).decode
+
+
+def status_key(store: RedisStore, worker: str) -> str:
+    return f"{store.config.prefix}:status:{worker}"
+
+
+async def publish(
+    store: RedisStore, worker: str, statuses: Sequence[Published], ttl: float
+) -> None:
+    """Replace the worker's published statuses; they expire after ``ttl`` seconds."""
+    value = _encode(list(statuses))
+    await store.execute([("SET", status_key(store, worker), value, "PX", round(ttl * 1000))])
+
+
+class StatusBoard:
+    """Every live worker's published statuses: the API's
+    :class:`~indexer.engines.ConsumerView` when it runs as its own process.
+
+    :meth:`rank_status` answers from the last :meth:`refresh` (the API calls
+    it synchronously); :meth:`follow` refreshes it in the background.
+    ``stale_after``: seconds without a successful refresh after which the
+    board says consumption is not known to run (``/readyz`` answers 503).
+    """
+
+    def __init__(self, store: RedisStore, registry: Registry, stale_after: float) -> None:
+        self._store = store
+        self._registry = registry
+        self._stale_after = stale_after
+        self._ranks: dict[tuple[str, int], Published] = {}
+        self._workers = 0
+        self._refreshed = float("-inf")
+
+    async def refresh(self) -> None:
+        workers = await live_workers(self._store)
+        blobs = await self._store.execute(
+            [("GET", status_key(self._store, worker)) for worker in workers]
+        )
+        ranks: dict[tuple[str, int], Published] = {}
+        for blob in filter(None, blobs):
+            for entry in _decode(blob):
+                key = (entry.engine, entry.status.dp_rank)
+                if key not in ranks or ranks[key].token < entry.token:  # the newest owner's
+                    ranks[key] = entry
+        self._ranks, self._workers, self._refreshed = ranks, len(workers), time.monotonic()
+
+    async def follow(self, interval: float) -> None:
+        """Refresh every ``interval`` seconds, forever (run it as a task)."""
+        await repeat(interval, self.refresh, "statuses")
+
+    def rank_status(self, engine: str) -> list[RankStatus]:
+        """One status per dp rank of a registered engine (raises UnknownEngine)."""
+        ranks = range(self._registry.get(engine).dp_ranks)
+        found = [self._ranks.get((engine, r)) for r in ranks]
+        return [RankStatus(r) if p is None else p.status for r, p in zip(ranks, found, strict=True)]
+
+    def running(self) -> bool:
+        """Whether some worker is alive, as of a refresh recent enough to trust."""
+        return self._workers > 0 and time.monotonic() - self._refreshed < self._stale_after

@@ -1,0 +1,267 @@
+"""``kvindex indexer`` workers: the fleet's ranks shared out among processes through Redis.
+
+A :class:`Worker` consumes the ranks it holds a lease on (:mod:`indexer.leases`).
+Three loops, so that slow work never delays a renewal:
+
+- every ``lease_ttl / 4`` seconds it beats its heartbeat and renews its leases;
+- every ``lease_ttl / 4`` seconds it re-reads the engine registry and
+  rebalances: it aims at ``ceil(ranks / live workers)`` ranks, gives extra
+  ones back after stopping them (the next owner need not wait for an
+  expiry), and takes unowned or expired ones;
+- every 50 ms it stops the ranks whose lease it could not renew for
+  ``lease_ttl / 2`` (Redis unreachable, the process stalled) or a renewal
+  said are someone else's: by then no one else can hold the lease yet, so
+  it has stopped before another worker starts.
+
+Hand-over, in order: the old owner stops applying (it finishes the batch in
+hand), then its lease goes, by release or by expiry; the new owner takes the
+lease, claims the rank (:meth:`~indexer.stores.redis.RedisStore.claim`: a
+new fence token, so any write the old owner still has in flight is refused),
+and resumes from the Redis watermark with a replay from the engine. Nothing
+is lost and nothing is counted twice; the store's exactly-once marks make
+the one batch that can overlap a no-op. Fencing covers what timing cannot
+(a stall longer than half a lease).
+
+Every change of ownership goes to the ``P:owners`` stream: ``claimed`` (with
+the token and the watermark it resumes from), then one of ``released``
+(rebalancing or shutdown), ``lost``, ``fenced``, ``unregistered`` or
+``failed``, with the last applied seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import random
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+
+from indexer.engines import EngineSpec, RankStatus
+from indexer.leases import Leases, record
+from indexer.model import RankId
+from indexer.periodic import repeat
+from indexer.rank_consumer import RankConsumer
+from indexer.redis_registry import RedisRegistry
+from indexer.status_board import Published, publish
+from indexer.stores.redis import OwnedRank, RedisStore
+from indexer.subscriber import RankPool
+
+log = logging.getLogger("kvindex.worker")
+
+_Seconds = Annotated[float, msgspec.Meta(gt=0)]
+#: How often a worker checks that each rank's lease is still recent enough.
+_WATCH = 0.05
+
+
+class WorkerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How workers share ranks: the ``indexer`` section of the config file.
+
+    - ``lease_ttl``: seconds a rank's lease outlives its last renewal. A dead
+      worker's ranks wait this long for a new owner; renewals every quarter
+      of it; a worker that could not renew for half of it stops the rank.
+    - ``status_interval``: seconds between publications of rank statuses
+      (what API replicas show), and between API replicas' reads of them.
+    - ``registry_poll``: seconds between API replicas' looks at the engine
+      registry (workers look at every lease round).
+    """
+
+    lease_ttl: _Seconds = 6.0
+    status_interval: _Seconds = 1.0
+    registry_poll: _Seconds = 0.5
+
+
+def default_worker_id() -> str:
+    """Host, pid and a random suffix: unique even across restarts in one container."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(slots=True)
+class _Owned:
+    """A rank this worker consumes: under which token, from which registry entry."""
+
+    consumer: RankConsumer
+    token: int
+    entry: bytes
+    valid_until: float  # monotonic: stop by then unless a renewal succeeds
+
+
+class Worker:
+    """The ranks one ``kvindex indexer`` process owns, consumed into the Redis store.
+
+    Implements the status side of :class:`~indexer.engines.ConsumerView`
+    (``running``) and the metrics' status source through its :class:`RankPool`.
+    """
+
+    def __init__(
+        self,
+        store: RedisStore,
+        registry: RedisRegistry,
+        pool: RankPool,
+        settings: WorkerSettings,
+        worker_id: str | None = None,
+    ) -> None:
+        self.id = worker_id or default_worker_id()
+        self._store = store
+        self._registry = registry
+        self._pool = pool
+        self._settings = settings
+        self._ttl = settings.lease_ttl
+        self._leases = Leases(store, self.id, self._ttl)
+        self._owned: dict[RankId, _Owned] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._dropping: set[asyncio.Task] = set()
+        self._live = 0  # live workers, as of the last heartbeat
+        self._balances = 0
+
+    async def start(self) -> None:
+        self._pool.open()
+        every = self._ttl / 4
+        self._tasks = [
+            asyncio.create_task(repeat(every, self._renew, "lease renewal")),
+            asyncio.create_task(repeat(every, self._balance, "rebalancing")),
+            asyncio.create_task(repeat(_WATCH, self._expire, "lease watch")),
+            asyncio.create_task(
+                repeat(self._settings.status_interval, self._publish, "status publication")
+            ),
+        ]
+        log.info("worker started", extra={"worker": self.id, "lease_ttl": self._ttl})
+
+    async def stop(self) -> None:
+        """Stop every rank and give its lease back, so the others take over at once."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._dropping, return_exceptions=True)
+        await asyncio.gather(*(self._drop(rank, "released") for rank in list(self._owned)))
+        try:
+            await self._leases.leave()
+        except Exception as e:
+            log.warning("could not leave the worker set", extra={"error": repr(e)})
+        await self._pool.close()
+        log.info("worker stopped", extra={"worker": self.id})
+
+    def running(self) -> bool:
+        return self._pool.running() and all(not t.done() for t in self._tasks)
+
+    def owned(self) -> dict[RankId, int]:
+        """Each rank consumed here, with its token."""
+        return {rank: owned.token for rank, owned in self._owned.items()}
+
+    # --- leases -------------------------------------------------------------------------
+
+    async def _renew(self) -> None:
+        sent = time.monotonic()
+        self._live = len(await self._leases.heartbeat())
+        renewed, lost = await self._leases.renew()
+        for rank in renewed:
+            if rank in self._owned:
+                self._owned[rank].valid_until = sent + self._ttl / 2
+        for rank in lost:  # someone else's now: the watch stops it at once
+            if rank in self._owned:
+                self._owned[rank].valid_until = float("-inf")
+
+    async def _expire(self) -> None:
+        """Stop the ranks whose lease is not known to be ours any more (in the background,
+        so that one slow stop does not delay the next)."""
+        now = time.monotonic()
+        for rank in [r for r, owned in self._owned.items() if owned.valid_until < now]:
+            self._leases.forget(rank)
+            task = asyncio.create_task(self._retire(rank, self._owned.pop(rank), "lost"))
+            self._dropping.add(task)
+            task.add_done_callback(self._dropping.discard)
+
+    # --- balance ------------------------------------------------------------------------
+
+    async def _balance(self) -> None:
+        await self._registry.refresh()
+        wanted = {
+            RankId(name, dp_rank): (spec, entry)
+            for name, (spec, entry) in self._registry.entries().items()
+            for dp_rank in range(spec.dp_ranks)
+        }
+        await asyncio.gather(*(self._drop(r, why) for r, why in self._unwanted(wanted).items()))
+        self._balances += 1
+        if self._balances == 1 or not self._live:
+            return  # announce first, take a share once the others can see this worker
+        target = math.ceil(len(wanted) / self._live)
+        extra = random.sample(sorted(self._owned), max(0, len(self._owned) - target))
+        await asyncio.gather(*(self._drop(rank, "released") for rank in extra))
+        if len(self._owned) < target:
+            await self._take(wanted, target - len(self._owned))
+
+    def _unwanted(self, wanted: dict[RankId, tuple[EngineSpec, bytes]]) -> dict[RankId, str]:
+        """Ranks to stop whatever the balance: deregistered, fenced or failed."""
+        unwanted = {}
+        for rank, owned in self._owned.items():
+            if rank not in wanted or wanted[rank][1] != owned.entry:
+                unwanted[rank] = "unregistered"
+            elif owned.consumer.fenced:
+                unwanted[rank] = "fenced"
+            elif owned.consumer.failed:
+                unwanted[rank] = "failed"
+        return unwanted
+
+    async def _take(self, wanted: dict[RankId, tuple[EngineSpec, bytes]], count: int) -> None:
+        """Acquire up to ``count`` free ranks, claim them and start consuming."""
+        free = await self._leases.free(r for r in wanted if r not in self._owned)
+        random.shuffle(free)
+        sent = time.monotonic()
+        for rank in await self._leases.acquire(free[:count]):
+            spec, entry = wanted[rank]
+            token = await self._store.claim(rank, entry)
+            if token is None:  # deregistered or changed since the registry was read
+                await self._leases.release(rank)
+                continue
+            mark = await self._store.watermark(rank)
+            seq = None if mark is None else mark.seq
+            await record(self._store, "claimed", rank, worker=self.id, token=token, seq=seq)
+            try:
+                consumer = self._pool.start(spec, rank.dp_rank, OwnedRank(self._store, token))
+            except Exception as e:
+                log.warning("cannot consume rank", extra={"engine": rank.engine, "error": repr(e)})
+                await record(self._store, "failed", rank, worker=self.id, token=token, seq=seq)
+                await self._leases.release(rank)
+                continue
+            self._owned[rank] = _Owned(consumer, token, entry, sent + self._ttl / 2)
+            log.info("rank claimed", extra={**consumer.ids(), "token": token, "from_seq": seq})
+
+    async def _drop(self, rank: RankId, why: str) -> None:
+        owned = self._owned.pop(rank, None)
+        if owned is not None:  # else dropped meanwhile by another loop
+            await self._retire(rank, owned, why)
+
+    async def _retire(self, rank: RankId, owned: _Owned, why: str) -> None:
+        """Stop consuming a rank, record it, then give its lease back unless it is lost.
+
+        Recorded before the release, so that the next owner's claim always
+        comes after this in the ownership stream.
+        """
+        if why == "fenced":
+            self._leases.forget(rank)
+        await self._pool.stop(rank)
+        seq = owned.consumer.status.applied_seq
+        log.info("rank dropped", extra={**owned.consumer.ids(), "why": why, "applied_seq": seq})
+        try:
+            await record(self._store, why, rank, worker=self.id, token=owned.token, seq=seq)
+            await self._leases.release(rank)
+        except Exception as e:  # Redis is down: the lease expires by itself
+            log.warning("could not record a dropped rank", extra={"error": repr(e)})
+
+    # --- statuses ---------------------------------------------------------------------
+
+    async def _publish(self) -> None:
+        entries = [
+            Published(rank.engine, owned.token, self._status(owned.consumer))
+            for rank, owned in list(self._owned.items())
+        ]
+        ttl = max(3 * self._settings.status_interval, self._ttl)
+        await publish(self._store, self.id, entries, ttl)
+
+    def _status(self, consumer: RankConsumer) -> RankStatus:
+        return msgspec.structs.replace(consumer.snapshot(), owner=self.id)

@@ -1,0 +1,100 @@
+"""docker-compose.yml is a valid Compose file whose commands are real kvindex commands.
+
+No Docker daemon runs here: Debian's ``docker-compose`` (installed by ``make
+setup``) validates the file against the Compose specification and prints it
+resolved (anchors and merges applied) without one. Each service's command
+must then parse with kvindex's own argument parser, and the services must be
+wired to each other: workers and replicas to Redis, workers to the engines'
+PUB and replay ports. tests/test_scaleout.py runs the same topology as
+processes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from indexer.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = shutil.which("docker-compose")
+
+
+def compose(*args: str) -> subprocess.CompletedProcess:
+    if COMPOSE is None:
+        pytest.skip("docker-compose not installed (make setup installs it)")
+    return subprocess.run(
+        [COMPOSE, "-f", str(ROOT / "docker-compose.yml"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict]:
+    result = compose("config")
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)["services"]
+
+
+def test_the_file_is_valid_compose() -> None:
+    result = compose("config", "--quiet")
+    assert result.returncode == 0, result.stderr
+
+
+def kvindex_commands(services: dict[str, dict]) -> dict[str, object]:
+    """Every kvindex service's parsed command line, by service name."""
+    parsed = {}
+    for name, service in services.items():
+        command = service.get("command") or []
+        if command and command[0] == "kvindex":
+            try:
+                parsed[name] = build_parser().parse_args(command[1:])
+            except SystemExit:
+                pytest.fail(f"{name}: not a kvindex command line: {command}")
+    return parsed
+
+
+def test_commands_are_kvindex_commands_wired_together(services: dict[str, dict]) -> None:
+    parsed = kvindex_commands(services)
+    roles = {name: args.command for name, args in parsed.items()}
+    assert sorted(roles.values()) == ["api"] * 2 + ["indexer"] * 2 + ["sim"] * 4
+    assert set(services) == {*roles, "redis"}
+
+    ports = {}  # engine service -> (PUB, replay) ports it binds on every interface
+    for name, args in parsed.items():
+        if args.command == "sim":
+            assert (args.engines, args.dp_ranks, args.host) == (1, 1, "0.0.0.0"), name
+            ports[name] = (args.base_port, args.base_port + 1)
+    for name, args in parsed.items():
+        if args.command in ("indexer", "api"):
+            url = urlsplit(args.redis_url)
+            assert (url.hostname, url.port) == ("redis", 6379), name
+            assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+        if args.command == "indexer":
+            engines = {
+                urlsplit(spec.endpoint).hostname: (spec.endpoint, spec.replay_endpoint)
+                for spec in args.engine
+            }
+            assert set(engines) == set(ports), name
+            for host, (pub, replay) in engines.items():
+                assert (pub, replay) == tuple(f"tcp://{host}:{p}" for p in ports[host])
+
+    published = [p["published"] for n, a in parsed.items() if a.command == "api"
+                 for p in services[n]["ports"]]  # fmt: skip
+    assert len(set(published)) == 2
+    assert {a.port for a in parsed.values() if a.command == "api"} == {8000}
+    assert {a.host for a in parsed.values() if a.command == "api"} == {"0.0.0.0"}
+
+
+def test_the_image_holds_what_the_package_installs() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in ("indexer", "api", "producer"):
+        assert f"COPY {package} ./{package}" in dockerfile
+    assert "RUN pip install ." in dockerfile
