@@ -122,7 +122,9 @@ async def test_cancelled_apply_tasks_then_redelivery(redis_server: RedisServer) 
     while True:
         async with reopened(config) as store:
             task = asyncio.create_task(apply_trace(store, RANK, trace))
-            await asyncio.wait([task], timeout=rng.uniform(0.0, 0.01))
+            # A window of a few batches at most (one takes ~0.2 ms on a quiet machine),
+            # so every attempt is cut somewhere and the trace needs many of them.
+            await asyncio.wait([task], timeout=rng.uniform(0.0, 0.002))
             while not task.done():
                 task.cancel()
                 await asyncio.wait([task], timeout=0.001)
