@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from api.errors import ApiError
 from indexer.engines import EngineSpec
-from indexer.hashing import HashSpec, MMFeature, block_hashes, published_int
+from indexer.hashing import HashSpec, MMFeature, block_hashes, published_ints
 from indexer.wire import BlockHash
 
 
@@ -80,7 +80,7 @@ class ChainComputer:
             return digests
         ints = self._ints.get(hashing)
         if ints is None:
-            ints = self._ints[hashing] = list(map(published_int, digests))
+            ints = self._ints[hashing] = published_ints(digests)
         return ints
 
     def _hash(self, hashing: HashSpec) -> list[bytes]:

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from operator import getitem
 from typing import Any
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -158,6 +159,14 @@ def published_int(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & _INT64_MASK
 
 
+_LOW_8 = slice(-8, None)
+
+
+def published_ints(digests: Iterable[bytes]) -> list[int]:
+    """:func:`published_int` of each digest, in C: its last 8 bytes, big-endian."""
+    return list(map(int.from_bytes, map(getitem, digests, repeat(_LOW_8)), repeat("big")))
+
+
 def chain_extend(
     spec: HashSpec,
     parent: bytes | None,
@@ -212,7 +221,7 @@ def block_hashes(
         append(parent)
     if as_bytes:
         return digests
-    return list(map(published_int, digests))
+    return published_ints(digests)
 
 
 def block_extra_keys(

@@ -12,11 +12,22 @@ per tier per engine rank.
 
 from __future__ import annotations
 
+from collections import _count_elements
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, compress, groupby, repeat
+from operator import attrgetter
 from typing import NamedTuple
 
-from indexer.wire import AllBlocksCleared, BlockHash, BlockStored, EventBatch, normalise_medium
+from indexer.wire import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    normalise_medium,
+)
 
 GPU, CPU, STORAGE = "GPU", "CPU", "STORAGE"
 MEDIA = (GPU, CPU, STORAGE)
@@ -80,45 +91,95 @@ class ClearMedium(NamedTuple):
 Op = TierOp | ClearMedium
 
 
+_TIERS: dict[tuple, Tier] = {}
+_CLEAR_GPU = ClearMedium(GPU)
+#: What makes consecutive events one operation, read in C for every event.
+_SIGNATURE = attrgetter(
+    "__class__", "medium", "ownership", "group_idx", "locality", "kv_cache_spec_kind"
+)
+_hashes = attrgetter("block_hashes")
+_new = tuple.__new__  # a NamedTuple without its Python-level __new__: ops are built per group
+
+
+def _tier(medium: str | None, ownership: str | None, group_idx: int | None) -> Tier:
+    """The tier of an event's fields; one shared object per distinct tier."""
+    key = (medium, ownership, group_idx)
+    tier = _TIERS.get(key)
+    if tier is None:
+        tier = Tier(normalise_medium(medium), ownership, group_idx or 0)
+        if len(_TIERS) < 4096:  # bounded: tiers are few, raw spellings of them too
+            _TIERS[key] = tier
+    return tier
+
+
 def plan_batch(batch: EventBatch) -> list[Op]:
     """Translate a decoded batch into store operations, in event order.
 
     Consecutive events that do the same thing to the same tier become one
     operation (engines often remove blocks one event at a time); order is kept.
+    This runs for every event the indexer sees: events are grouped in C by
+    the fields that make them one operation, and Python runs once per group.
     """
     ops: list[Op] = []
-    merged: list[BlockHash] | None = None  # the hash list of ops[-1], once we own it
-    for event in batch.events:
-        if type(event) is AllBlocksCleared:
-            ops.append(ClearMedium(GPU))
+    for (cls, medium, ownership, group_idx, locality, kind), run in groupby(
+        batch.events, _SIGNATURE
+    ):
+        if cls is AllBlocksCleared:
+            ops.extend(_CLEAR_GPU for _ in run)
             continue
-        tier = Tier(normalise_medium(event.medium), event.ownership, event.group_idx or 0)
-        if type(event) is BlockStored:
-            kind, chunk = event.kv_cache_spec_kind, _chunk_blocks(tier, event)
-            op = TierOp(tier, 1, event.block_hashes, event.locality, kind, chunk)
-        else:
-            op = TierOp(tier, -1, event.block_hashes, event.locality)
-        last = ops[-1] if ops else None
-        if type(last) is TierOp and last[:2] == op[:2] and last[3:] == op[3:]:
-            if merged is None:
-                merged = list(last.hashes)
-                ops[-1] = last._replace(hashes=merged)
-            merged.extend(op.hashes)
-        else:
-            ops.append(op)
-            merged = None
+        tier = _TIERS.get((medium, ownership, group_idx)) or _tier(medium, ownership, group_idx)
+        if cls is BlockRemoved:
+            _add(ops, tier, -1, list(run), locality, None, None)
+        elif tier.medium == GPU or not is_scored(kind):
+            _add(ops, tier, 1, list(run), locality, kind, None)
+        else:  # lower-tier stores: self-describing chunks teach the chunk size
+            for chunk, stores in groupby(run, _chunk_blocks):
+                _add(ops, tier, 1, list(stores), locality, kind, chunk)
     return ops
 
 
-def _chunk_blocks(tier: Tier, event: BlockStored) -> int | None:
-    """Blocks per offloaded chunk, if this store is a self-describing chunk.
+def _add(
+    ops: list[Op],
+    tier: Tier,
+    delta: int,
+    events: list[Event],
+    locality: str | None,
+    kind: str | None,
+    chunk: int | None,
+) -> None:
+    """Append the events' operation, or fold it into the last one if only hashes differ.
 
-    Only full-attention groups publish whole chunks; recurrent groups may
-    publish partial tails, which say nothing about the chunk size.
+    Events group by their raw fields, so two spellings of one tier (``cpu``
+    and ``CPU``, group nil and 0) meet here. A lone event's hash list is
+    used as it is, not copied.
     """
-    if tier.medium == GPU or event.block_size <= 0 or not is_scored(event.kv_cache_spec_kind):
-        return None
-    return len(event.block_hashes)
+    last = ops[-1] if ops else None
+    if (
+        type(last) is TierOp
+        and last.tier is tier
+        and last[1] == delta
+        and last[3:] == (locality, kind, chunk)
+    ):
+        hashes = [*last.hashes, *chain.from_iterable(map(_hashes, events))]
+        ops[-1] = _new(TierOp, (tier, delta, hashes, locality, kind, chunk))
+        return
+    hashes = (
+        events[0].block_hashes if len(events) == 1 else [*chain.from_iterable(map(_hashes, events))]
+    )
+    ops.append(_new(TierOp, (tier, delta, hashes, locality, kind, chunk)))
+
+
+def _chunk_blocks(event: BlockStored) -> int | None:
+    """Blocks per offloaded chunk, if this lower-tier store is a self-describing chunk.
+
+    Placeholders (``block_size`` 0) carry only the chunk end. Only
+    full-attention groups publish whole chunks (the caller checks the kind);
+    recurrent groups may publish partial tails, which say nothing about it.
+    """
+    return len(event.block_hashes) if event.block_size > 0 else None
+
+
+_UNSEEN = object()
 
 
 @dataclass(slots=True)
@@ -145,28 +206,43 @@ class RankResidency:
     def apply(self, ops: Iterable[Op]) -> int:
         """Apply operations in order; returns the number of block operations."""
         applied = 0
+        tables = self.tables
         for op in ops:
             if type(op) is ClearMedium:
                 self.clear((op.medium,))
                 continue
-            table = self.tables.get(op.tier)
+            tier, delta, hashes, locality, kind, chunk = op
+            table = tables.get(tier)
             if table is None:
-                table = self.tables[op.tier] = TierTable()
-            if op.locality is not None:
-                table.locality = op.locality
-            if op.delta > 0:
-                self._learn(op)
-                _increment(table.counts, op.hashes)
+                table = tables[tier] = TierTable()
+            if locality is not None:
+                table.locality = locality
+            if delta > 0:
+                if self.group_kinds.get(tier.group_idx, _UNSEEN) != kind:
+                    self._learn(op)
+                if chunk and self.chunk_blocks is None:
+                    self.chunk_blocks = chunk
+                self._store(tier, table.counts, hashes)
             else:
-                self.unknown_removals += _decrement(table.counts, op.hashes)
-            applied += len(op.hashes)
+                self.unknown_removals += self._remove(tier, table.counts, hashes)
+            applied += len(hashes)
         return applied
+
+    # The two hooks below are where counts change. They are methods so that a
+    # store keeping an index of residency (the embedded store's holder index)
+    # can see which hashes a tier gained or lost, in the same pass.
+
+    def _store(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
+        """Add one reference per hash."""
+        _count_elements(counts, hashes)
+
+    def _remove(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> int:
+        """Drop one reference per hash; returns the removals of unknown hashes."""
+        return _decrement(counts, hashes)
 
     def _learn(self, op: TierOp) -> None:
         if op.kind is not None or op.tier.group_idx not in self.group_kinds:
             self.group_kinds[op.tier.group_idx] = op.kind
-        if op.chunk_blocks and self.chunk_blocks is None:
-            self.chunk_blocks = op.chunk_blocks
 
     def clear(self, media: Iterable[str]) -> None:
         for medium in media:
@@ -189,14 +265,25 @@ class RankResidency:
         return len(set().union(*tables))
 
 
-def _increment(counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
-    get = counts.get
-    for h in hashes:
-        counts[h] = get(h, 0) + 1
+def _decrement(
+    counts: dict[BlockHash, int], hashes: Sequence[BlockHash], gone: list | None = None
+) -> int:
+    """Remove one reference per hash, never below zero; returns unknown removals.
 
-
-def _decrement(counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> int:
-    """Remove one reference per hash, never below zero; returns unknown removals."""
+    ``gone``, if given, receives the hashes whose last reference this removed.
+    Most removals drop a block's only reference: pop them all in C, and only
+    if some count was above one put the pops back and go hash by hash (when
+    every count was at most one, popping in order is exactly the rule).
+    """
+    popped = list(map(counts.pop, hashes, repeat(0)))
+    unknown = popped.count(0)
+    if unknown + popped.count(1) == len(popped):
+        if gone is not None:
+            gone.extend(compress(hashes, popped))
+        return unknown
+    for h, n in zip(reversed(hashes), reversed(popped), strict=True):
+        if n:  # in reverse, so a hash listed twice gets its count from before the first pop
+            counts[h] = n
     unknown = 0
     for h in hashes:
         n = counts.get(h, 0)
@@ -204,6 +291,8 @@ def _decrement(counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> int
             counts[h] = n - 1
         elif n == 1:
             del counts[h]
+            if gone is not None:
+                gone.append(h)
         else:
             unknown += 1
     return unknown

@@ -2,24 +2,20 @@
 
 The default for ``kvindex serve``. It forgets everything on exit; run with a
 Redis URL for an index that survives restarts and serves many API replicas.
+
+Each rank's exact refcounts live in its :class:`~indexer.model.RankResidency`
+(here the :class:`~indexer.stores.holders.IndexedResidency` flavour); prefix
+queries read the shared :class:`~indexer.stores.holders.HolderIndex`, which
+walks a chain once for all ranks instead of once per rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from indexer.model import (
-    GPU,
-    LOWER_TIERS,
-    MEDIA,
-    PrefixMatch,
-    RankId,
-    RankResidency,
-    leading_run,
-    match_prefix,
-    plan_batch,
-)
+from indexer.model import MEDIA, PrefixMatch, RankId, plan_batch
 from indexer.stores.base import ApplyResult, Residency, Watermark
+from indexer.stores.holders import HolderIndex, IndexedResidency
 from indexer.wire import BlockHash, EventBatch
 
 
@@ -27,13 +23,15 @@ class MemoryStore:
     """Implements :class:`indexer.stores.Store` with plain dicts."""
 
     def __init__(self) -> None:
-        self._ranks: dict[RankId, RankResidency] = {}
+        self._ranks: dict[RankId, IndexedResidency] = {}
         self._watermarks: dict[RankId, Watermark] = {}
+        self._holders = HolderIndex()
 
-    def _rank(self, rank: RankId) -> RankResidency:
+    def _rank(self, rank: RankId) -> IndexedResidency:
         state = self._ranks.get(rank)
         if state is None:
-            state = self._ranks[rank] = RankResidency()
+            holders = self._holders
+            state = self._ranks[rank] = IndexedResidency(index=holders, bit=holders.take_bit())
         return state
 
     async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
@@ -55,7 +53,9 @@ class MemoryStore:
             self._watermarks.pop(rank, None)
 
     async def forget(self, rank: RankId) -> None:
-        self._ranks.pop(rank, None)
+        state = self._ranks.pop(rank, None)
+        if state is not None:
+            state.release()
         self._watermarks.pop(rank, None)
 
     async def block_residency(self, block_hash: BlockHash) -> list[Residency]:
@@ -69,11 +69,12 @@ class MemoryStore:
     async def prefix_match(
         self, chain: Sequence[BlockHash], chunk_blocks: Mapping[str, int | None]
     ) -> dict[RankId, PrefixMatch]:
-        return {
-            rank: _match(state, chain, chunk_blocks[rank.engine] or state.chunk_blocks)
+        ranks = [
+            (rank, state.bit, chunk_blocks[rank.engine] or state.chunk_blocks)
             for rank, state in self._ranks.items()
             if rank.engine in chunk_blocks
-        }
+        ]
+        return self._holders.match(chain, ranks)
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         state = self._ranks.get(rank)
@@ -91,32 +92,3 @@ class MemoryStore:
 
     async def close(self) -> None:
         return None
-
-
-def _match(
-    state: RankResidency, chain: Sequence[BlockHash], chunk_blocks: int | None
-) -> PrefixMatch:
-    gpu_tables = state.scored_tables(GPU)
-    gpu = leading_run(chain, gpu_tables) if gpu_tables else 0
-    lower = {m: _membership(state.scored_tables(m)) for m in LOWER_TIERS}
-    if not chunk_blocks or not any(lower.values()):
-        return match_prefix(len(chain), gpu, None, _nowhere)
-
-    def chunk_in(medium: str, j: int) -> bool:
-        contains = lower[medium]
-        return contains is not None and contains(chain[(j + 1) * chunk_blocks - 1])
-
-    return match_prefix(len(chain), gpu, chunk_blocks, chunk_in)
-
-
-def _membership(tables: list[dict[BlockHash, int]]) -> Callable[[BlockHash], bool] | None:
-    """The fastest "is this hash in any table" test; None when there are no tables."""
-    if not tables:
-        return None
-    if len(tables) == 1:
-        return tables[0].__contains__
-    return lambda h: any(h in t for t in tables)
-
-
-def _nowhere(medium: str, j: int) -> bool:
-    return False

@@ -1,0 +1,174 @@
+"""Item 6: GET /prefix-match over HTTP, by tokens and by block hashes, 8k-token prompts.
+
+A uvicorn server runs in a forked child with the whole fleet applied to its
+memory store and every engine registered (sha256, as the simulated engines
+hash, so ``tokens`` queries are hashed server-side). This process drives it
+over keep-alive connections at a fixed concurrency with a minimal HTTP/1.1
+client, so the client costs little next to the server. Each scenario gives
+requests/s and p50/p99, against ``GET /bare``: an endpoint of the same app
+(same middleware, server and run) that does no work. Token hashing cost per
+1k tokens is measured in process for every algorithm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from urllib.parse import quote
+
+import uvicorn
+
+from api import ApiSettings, create_app
+from bench.fleet import BLOCK_SIZE, CHUNK_BLOCKS, Fleet, rank_of
+from bench.measure import latency_ms
+from bench.query import load
+from bench.report import Figure, Report
+from indexer.engines import EngineRegistry, EngineSpec, RankStatus
+from indexer.hashing import HASH_ALGOS, HashSpec, block_hashes
+from indexer.stores import MemoryStore
+from tests.servers import free_port
+
+SECTION = "6"
+TOKENS = 8192
+
+
+class AllConnected:
+    """The consumer view of a healthy fleet: every rank connected, nothing degraded."""
+
+    def rank_status(self, engine: str) -> list[RankStatus]:
+        return [RankStatus(dp_rank=0, connected=True)]
+
+    def running(self) -> bool:
+        return True
+
+
+def _serve(fleet: Fleet, port: int) -> None:
+    store, registry = MemoryStore(), EngineRegistry()
+
+    async def fill() -> None:
+        await load(store, fleet.stream)
+        for e in range(fleet.config.engines):
+            name = rank_of(e).engine
+            spec = EngineSpec(name, "tcp://127.0.0.1:1", "m", blocks_per_chunk=CHUNK_BLOCKS)
+            await registry.add(spec)
+
+    asyncio.run(fill())
+    app = create_app(store, registry, AllConnected(), ApiSettings())
+
+    @app.get("/bare", include_in_schema=False)
+    async def bare() -> dict:
+        return {}
+
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", h11_max_incomplete_event_size=1 << 20
+    )
+    uvicorn.Server(config).run()
+
+
+async def _request(reader, writer, raw: bytes) -> float:
+    started = time.perf_counter()
+    writer.write(raw)
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    await reader.readexactly(length)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}")
+    return time.perf_counter() - started
+
+
+async def scenario(port: int, raws: list[bytes], concurrency: int, requests: int) -> dict:
+    """``requests`` requests over ``concurrency`` keep-alive connections."""
+    latencies: list[float] = []
+    todo = iter(range(requests))
+
+    async def worker() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
+        for n in todo:
+            latencies.append(await _request(reader, writer, raws[n % len(raws)]))
+        writer.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {**latency_ms(latencies), "req_per_s": len(latencies) / (time.perf_counter() - started)}
+
+
+def _get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode()
+
+
+def requests_for(fleet: Fleet, count: int) -> dict[str, list[bytes]]:
+    prompts = fleet.prompts(TOKENS, count)
+    spec = fleet.spec()
+    tokens = [",".join(map(str, p)) for p in prompts]
+    hashes = [",".join(map(str, block_hashes(spec, p))) for p in prompts]
+    return {
+        "bare": [_get("/bare")],
+        "tokens": [_get(f"/prefix-match?tokens={quote(t, safe=',')}") for t in tokens],
+        "block_hashes": [_get(f"/prefix-match?block_hashes={h}") for h in hashes],
+    }
+
+
+def hashing_us_per_1k_tokens(rounds: int = 100) -> dict[str, float]:
+    """Microseconds to hash 1k tokens (64 blocks of 16) per algorithm, in process."""
+    tokens = list(range(100_000, 101_024))
+    cost = {}
+    for algo in HASH_ALGOS:
+        spec = HashSpec(algo, "0", BLOCK_SIZE)
+        block_hashes(spec, tokens)
+        started = time.perf_counter()
+        for _ in range(rounds):
+            block_hashes(spec, tokens)
+        cost[algo] = 1e6 * (time.perf_counter() - started) / rounds
+    return cost
+
+
+async def _drive(port: int, raws: dict[str, list[bytes]], concurrency: int, requests: int) -> dict:
+    for _ in range(200):  # the child loads the fleet before it listens
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            break
+        except OSError:
+            await asyncio.sleep(0.2)
+    out = {}
+    for name, batch in raws.items():
+        await scenario(port, batch, concurrency, max(20, requests // 10))  # warm up
+        out[name] = await scenario(port, batch, concurrency, requests)
+    return out
+
+
+def run(report: Report, fleet: Fleet, concurrency: int, requests: int) -> dict:
+    port = free_port()
+    child = multiprocessing.get_context("fork").Process(target=_serve, args=(fleet, port))
+    child.start()
+    try:
+        results = asyncio.run(_drive(port, requests_for(fleet, 16), concurrency, requests))
+    finally:
+        child.terminate()
+        child.join(10)
+    bare = results["bare"]
+    for by in ("tokens", "block_hashes"):
+        r = results[by]
+        report.add(
+            Figure(SECTION, f"HTTP GET by {by}, 8k tokens, c={concurrency}: req/s", r["req_per_s"],
+                   "req/s", "bare endpoint, same server", bare["req_per_s"]),
+            Figure(SECTION, f"HTTP GET by {by}, 8k tokens, c={concurrency}: p50", r["p50_ms"], "ms",
+                   "bare endpoint p50", bare["p50_ms"]),
+            Figure(SECTION, f"HTTP GET by {by}, 8k tokens, c={concurrency}: p99", r["p99_ms"], "ms",
+                   "bare endpoint p99", bare["p99_ms"]),
+        )  # fmt: skip
+    hashing = hashing_us_per_1k_tokens()
+    for algo, us in hashing.items():
+        report.add(Figure(SECTION, f"token hashing, {algo}", us, "us/1k tokens"))
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "scenarios": results,
+        "hash_us_per_1k_tokens": hashing,
+    }

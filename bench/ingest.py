@@ -1,0 +1,112 @@
+"""Item 1: ingest into the embedded store, from raw payloads, on one core.
+
+Everything replays the same fleet payloads (in the order an indexer would
+receive them) from bytes in memory: no sockets, no sequencing beyond the
+store's own watermark check. Candidates run in turn, repeated, and each
+figure is a median:
+
+- kvindex: :func:`~indexer.wire.decode_batch` then
+  :meth:`MemoryStore.apply_batch <indexer.stores.MemoryStore.apply_batch>`;
+- naive consumer: untyped ``msgspec.msgpack.decode`` and a dict of counts,
+  what one writes first (goal: kvindex >= 1.5x it);
+- decode floor: msgspec's typed decoding of the payloads into kvindex's
+  wire structs (:class:`~indexer.wire.EventBatch`) and nothing else: no
+  checks, no apply (goal: >= 0.7x it, i.e. validating, planning and
+  applying cost at most ~40% on top of decoding);
+- Dynamo's RadixTree, for reference (see :mod:`bench.dynamo`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import msgspec
+
+from bench import dynamo
+from bench.measure import interleaved
+from bench.report import Figure, Goal, Report
+from indexer.model import RankId
+from indexer.stores import MemoryStore
+from indexer.wire import EventBatch, decode_batch
+
+Stream = Sequence[tuple[RankId, int, bytes]]
+SECTION = "1"
+
+
+async def _apply_all(store: MemoryStore, stream: Stream) -> int:
+    ops = 0
+    for rank, seq, payload in stream:
+        ops += (await store.apply_batch(rank, seq, decode_batch(payload))).block_ops
+    return ops
+
+
+def kvindex(stream: Stream) -> int:
+    """Decode and apply the stream into a fresh store; the block operations applied."""
+    return asyncio.run(_apply_all(MemoryStore(), stream))
+
+
+def decode_floor(stream: Stream) -> None:
+    decode = msgspec.msgpack.Decoder(EventBatch).decode
+    for _, _, payload in stream:
+        decode(payload)
+
+
+def naive(stream: Stream) -> dict:
+    """Untyped decoding and one dict of counts keyed by (rank, medium, hash)."""
+    counts: dict[tuple, int] = {}
+    decode = msgspec.msgpack.decode
+    for rank, _, payload in stream:
+        for event in decode(payload)[1]:
+            kind = event["type"]
+            if kind == "AllBlocksCleared":
+                for key in [k for k in counts if k[0] == rank and k[1] == "GPU"]:
+                    del counts[key]
+                continue
+            medium = (event.get("medium") or "GPU").upper()
+            for h in event["block_hashes"]:
+                key = (rank, medium, h)
+                n = counts.get(key, 0)
+                if kind == "BlockStored":
+                    counts[key] = n + 1
+                elif n > 1:
+                    counts[key] = n - 1
+                elif n == 1:
+                    del counts[key]
+    return counts
+
+
+def run(report: Report, stream: Stream, repeats: int) -> dict:
+    """Measure, add the figures, return the raw numbers."""
+    ops = kvindex(stream)
+    candidates = {
+        "kvindex": lambda: kvindex(stream),
+        "naive": lambda: naive(stream),
+        "decode_floor": lambda: decode_floor(stream),
+    }
+    events: list = []
+    if dynamo.available():
+        events = dynamo.convert(stream)
+        candidates["dynamo"] = lambda: dynamo.Tree().apply(events)
+    times = interleaved(repeats, candidates)
+    rates = {name: ops / t for name, t in times.items()}
+    details: dict = {"batches": len(stream), "block_ops": ops, "block_ops_per_s": rates}
+    what = "block-ops/s, decode + apply"
+    report.add(
+        Figure(SECTION, f"ingest, embedded: {what}", rates["kvindex"], "ops/s",
+               "naive consumer", rates["naive"], Goal(1.5)),
+        Figure(SECTION, f"ingest, embedded: {what}", rates["kvindex"], "ops/s",
+               "decode floor (typed, no apply)", rates["decode_floor"], Goal(0.7)),
+    )  # fmt: skip
+    if events:
+        tree = dynamo.Tree()
+        tree.apply(events)
+        dynamo_ops = dynamo.block_ops(events)
+        rates["dynamo"] = dynamo_ops / times["dynamo"]
+        details.update(dynamo_events=len(events), dynamo_refused=tree.refused)
+        report.add(
+            Figure(SECTION, f"ingest, embedded: {what}", rates["kvindex"], "ops/s",
+                   "Dynamo RadixTree.apply_event (binding)", rates["dynamo"],
+                   note=f"{tree.refused} of {len(events)} events refused by Dynamo"),
+        )  # fmt: skip
+    return details

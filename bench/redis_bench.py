@@ -1,0 +1,177 @@
+"""Items 2, 5 and 7 (Redis): ingest, prefix match and memory of the Redis store.
+
+A private ``redis-server`` (no persistence, a free port) serves one run; the
+baselines come from the same server in the same run:
+
+- ingest: the fleet's stream applied through one :class:`RedisStore` by every
+  engine rank at once (decode, plan, exactly-once apply and commit), in
+  block-ops/s, against ``redis-benchmark -P 64`` HINCRBY (the better of a run
+  before and one after: the conservative ratio; goal >= 0.5). A second
+  figure applies the fleet's final residency as a few large batches per rank
+  (bulk loads, e.g. a restarted indexer catching up);
+- query: ``prefix_match`` of chains of each length with every engine listed,
+  against the same number of pipelined HGETALLs of the chain's block keys
+  (goal: p50 within 2x);
+- memory: growth of ``used_memory`` over the bulk load, per resident entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from bench.fleet import CHUNK_BLOCKS, Fleet
+from bench.measure import latency_ms
+from bench.query import LENGTHS, entries
+from bench.report import Figure, Goal, Report
+from indexer.model import RankId
+from indexer.stores import MemoryStore
+from indexer.stores.redis import RedisConfig, RedisStore
+from indexer.wire import BlockStored, EventBatch, decode_batch
+from tests.servers import RedisServer, free_port
+
+SECTION_INGEST, SECTION_QUERY, SECTION_MEMORY = "2", "5", "7"
+
+
+def available() -> bool:
+    return bool(shutil.which("redis-server") and shutil.which("redis-benchmark"))
+
+
+def hincrby_rate(port: int, requests: int) -> float:
+    """``redis-benchmark -P 64`` HINCRBY on random hashes of one field: requests/s."""
+    command = ["redis-benchmark", "-p", str(port), "-P", "64", "-n", str(requests)]
+    command += ["-r", "1000000", "--csv", "HINCRBY", "bench-hincrby:__rand_int__", "f", "1"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return float(list(csv.DictReader(io.StringIO(out)))[-1]["rps"])
+
+
+async def apply_stream(store: RedisStore, stream: list) -> tuple[int, float]:
+    """Every rank's batches in order, all ranks at once; (block ops, seconds)."""
+    by_rank: dict[RankId, list] = {}
+    for rank, seq, payload in stream:
+        by_rank.setdefault(rank, []).append((seq, payload))
+
+    async def one(rank: RankId, batches: list) -> int:
+        ops = 0
+        for seq, payload in batches:
+            ops += (await store.apply_batch(rank, seq, decode_batch(payload))).block_ops
+        return ops
+
+    started = time.perf_counter()
+    ops = sum(await asyncio.gather(*(one(r, b) for r, b in by_rank.items())))
+    return ops, time.perf_counter() - started
+
+
+async def residency_batches(reference: MemoryStore) -> list:
+    """A store's final residency as one batch per rank of 4096-hash placeholder stores."""
+    stream = []
+    for rank, state in reference._ranks.items():
+        events = []
+        for tier, table in state.tables.items():
+            hashes = list(table.counts)
+            for i in range(0, len(hashes), 4096):
+                events.append(BlockStored(hashes[i : i + 4096], medium=tier.medium))
+        stream.append((rank, 0, EventBatch(time.time(), events, 0)))
+    return stream
+
+
+async def bulk_load(store: RedisStore, batches: list) -> tuple[int, float]:
+    async def one(rank: RankId, seq: int, batch: EventBatch) -> int:
+        return (await store.apply_batch(rank, seq, batch)).block_ops
+
+    started = time.perf_counter()
+    ops = sum(await asyncio.gather(*(one(*b) for b in batches)))
+    return ops, time.perf_counter() - started
+
+
+async def query(store: RedisStore, url: str, fleet: Fleet, queries: int) -> dict:
+    listed = {f"engine-{i:04d}": CHUNK_BLOCKS for i in range(fleet.config.engines)}
+    client = Redis.from_url(url)
+    out = {}
+    try:
+        for blocks in LENGTHS:
+            ours, baseline = [], []
+            for chain in fleet.chains(blocks, queries):
+                started = time.perf_counter()
+                await store.prefix_match(chain, listed)
+                ours.append(time.perf_counter() - started)
+                pipe = client.pipeline(transaction=False)
+                for h in chain:
+                    pipe.hgetall(store.block_key(h))
+                started = time.perf_counter()
+                await pipe.execute()
+                baseline.append(time.perf_counter() - started)
+            out[blocks] = {"kvindex": latency_ms(ours), "hgetall": latency_ms(baseline)}
+    finally:
+        await client.aclose()
+    return out
+
+
+async def _run(
+    server: RedisServer, fleet: Fleet, reference: MemoryStore, resident: int, quick: bool
+) -> dict:
+    requests = 500_000 if quick else 2_000_000
+    client = Redis.from_url(server.url)
+    before = hincrby_rate(server.port, requests)
+    store = RedisStore(RedisConfig(server.url, prefix="bench-stream", sweep_interval=None))
+    stream = fleet.stream_of(16 if quick else fleet.config.engines)
+    ops, seconds = await apply_stream(store, stream)
+    await store.close()
+    hincrby = max(before, hincrby_rate(server.port, requests))
+    await client.flushall()
+
+    store = RedisStore(RedisConfig(server.url, prefix="bench", sweep_interval=None))
+    memory_before = (await client.info("memory"))["used_memory"]
+    bulk_ops, bulk_seconds = await bulk_load(store, await residency_batches(reference))
+    grown = (await client.info("memory"))["used_memory"] - memory_before
+    latency = await query(store, server.url, fleet, 30 if quick else 100)
+    await store.close()
+    await client.aclose()
+    return {
+        "hincrby_P64_per_s": hincrby,
+        "stream": {"block_ops": ops, "block_ops_per_s": ops / seconds},
+        "bulk": {"block_ops": bulk_ops, "block_ops_per_s": bulk_ops / bulk_seconds},
+        "memory": {"entries": resident, "bytes_per_entry": grown / resident},
+        "query": latency,
+    }
+
+
+def run(report: Report, fleet: Fleet, reference: MemoryStore, quick: bool) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="bench-redis-"))
+    server = RedisServer(workdir, free_port()).start()
+    try:
+        details = asyncio.run(_run(server, fleet, reference, entries(reference), quick))
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    hincrby = details["hincrby_P64_per_s"]
+    report.add(
+        Figure(SECTION_INGEST, "ingest, Redis: fleet stream, block-ops/s (exactly-once)",
+               details["stream"]["block_ops_per_s"], "ops/s", "redis-benchmark -P 64 HINCRBY",
+               hincrby, Goal(0.5)),
+        Figure(SECTION_INGEST, "ingest, Redis: bulk load (4096-hash events), block-ops/s",
+               details["bulk"]["block_ops_per_s"], "ops/s", "redis-benchmark -P 64 HINCRBY",
+               hincrby, Goal(0.5)),
+    )  # fmt: skip
+    for blocks, q in details["query"].items():
+        report.add(
+            Figure(SECTION_QUERY, f"query, Redis: {blocks}-block chain p50", q["kvindex"]["p50_ms"],
+                   "ms", f"{blocks} pipelined HGETALL p50", q["hgetall"]["p50_ms"],
+                   Goal(2.0, at_least=False)),
+            Figure(SECTION_QUERY, f"query, Redis: {blocks}-block chain p99", q["kvindex"]["p99_ms"],
+                   "ms", f"{blocks} pipelined HGETALL p99", q["hgetall"]["p99_ms"]),
+        )  # fmt: skip
+    m = details["memory"]
+    report.add(
+        Figure(SECTION_MEMORY, f"memory, Redis: fleet state ({m['entries']:,} entries)",
+               m["bytes_per_entry"], "B/entry"),
+    )  # fmt: skip
+    return details

@@ -1,0 +1,129 @@
+"""The embedded store's holder index against the residency model it is derived from.
+
+The index must say, for every hash and medium, exactly which ranks hold it in
+a scored table, whatever the history (refcounts above one, groups changing
+kind, clears, forgotten ranks whose bits are reused), and its one-walk prefix
+match must equal :func:`~indexer.model.match_prefix` over each rank's tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.model import (
+    CPU,
+    GPU,
+    LOWER_TIERS,
+    MEDIA,
+    RankId,
+    RankResidency,
+    chunk_end,
+    leading_run,
+    match_prefix,
+)
+from indexer.stores import MemoryStore
+from indexer.wire import AllBlocksCleared, BlockStored, EventBatch
+
+from .events import removed, stored
+
+RANKS = [RankId("a", 0), RankId("a", 1), RankId("b", 0)]
+KINDS = [None, "full_attention", "sliding_window"]
+
+
+def reference_match(state: RankResidency, chain: list[int], chunk_blocks: int | None):
+    """The per-rank walk the index replaces: leading GPU run, then lower-tier chunks."""
+    gpu_tables = state.scored_tables(GPU)
+    gpu = leading_run(chain, gpu_tables) if gpu_tables else 0
+    lower = {m: state.scored_tables(m) for m in LOWER_TIERS}
+
+    def chunk_in(medium: str, j: int) -> bool:
+        return any(chunk_end(chain, chunk_blocks, j) in t for t in lower[medium])
+
+    return match_prefix(len(chain), gpu, chunk_blocks if any(lower.values()) else None, chunk_in)
+
+
+def check_index(store: MemoryStore) -> None:
+    holders = store._holders.media
+    for medium in MEDIA:
+        want: dict[int, int] = {}
+        for state in store._ranks.values():
+            for table in state.scored_tables(medium):
+                for h in table:
+                    want[h] = want.get(h, 0) | state.bit
+        assert holders[medium] == want, medium
+
+
+_hashes = st.lists(st.integers(1, 12), min_size=1, max_size=6)
+_event = st.one_of(
+    st.builds(
+        stored,
+        _hashes,
+        medium=st.sampled_from(["GPU", "GPU", "CPU", "STORAGE"]),
+        owner=st.sampled_from([None, None, "kvcr"]),
+        group=st.sampled_from([0, 0, 1]),
+        kind=st.sampled_from(KINDS),
+        block_size=st.sampled_from([0, 4]),
+    ),
+    st.builds(
+        removed,
+        _hashes,
+        medium=st.sampled_from(["GPU", "CPU", "STORAGE"]),
+        owner=st.sampled_from([None, "kvcr"]),
+        group=st.sampled_from([0, 1]),
+    ),
+    st.just(AllBlocksCleared()),
+)
+_step = st.one_of(
+    st.tuples(st.just("batch"), st.sampled_from(RANKS), st.lists(_event, max_size=5)),
+    st.tuples(st.just("clear"), st.sampled_from(RANKS), st.sampled_from([[CPU], [GPU, CPU]])),
+    st.tuples(st.just("forget"), st.sampled_from(RANKS), st.none()),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_step, max_size=25), st.sampled_from([None, 2, 3]))
+def test_index_and_matches_follow_the_model(steps, declared) -> None:
+    store = MemoryStore()
+    chains = [list(range(1, 13)), list(range(12, 0, -1)), [1, 2, 3, 7, 8, 9, 10, 11, 12]]
+
+    async def run() -> None:
+        seqs = dict.fromkeys(RANKS, 0)
+        for what, rank, arg in steps:
+            if what == "batch":
+                seqs[rank] += 1
+                await store.apply_batch(rank, seqs[rank], EventBatch(1.0, arg, 0))
+            elif what == "clear":
+                await store.clear(rank, arg)
+            else:
+                await store.forget(rank)
+            check_index(store)
+        engines = {"a": declared, "b": None}
+        for chain in chains:
+            found = await store.prefix_match(chain, engines)
+            assert set(found) == set(store._ranks)
+            for rank, match in found.items():
+                state = store._ranks[rank]
+                want = reference_match(state, chain, engines[rank.engine] or state.chunk_blocks)
+                assert match == want, (rank, chain)
+
+    asyncio.run(run())
+
+
+def test_a_forgotten_ranks_bit_is_reused_clean() -> None:
+    store = MemoryStore()
+
+    async def run() -> None:
+        first, second = RankId("x", 0), RankId("y", 0)
+        await store.apply_batch(first, 0, EventBatch(1.0, [BlockStored([1, 2], medium="GPU")]))
+        bit = store._ranks[first].bit
+        await store.forget(first)
+        assert store._holders.media[GPU] == {}
+        await store.apply_batch(second, 0, EventBatch(1.0, [BlockStored([2], medium="GPU")]))
+        assert store._ranks[second].bit == bit
+        found = await store.prefix_match([1, 2], {"y": None})
+        assert found[second].gpu_blocks == 0
+
+    asyncio.run(run())
