@@ -151,7 +151,7 @@ class LocalCluster:
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A standalone redis-server shared by the session (tests use unique prefixes)."""
     if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
+        pytest.fail("redis-server not installed: run make setup (scripts/ensure-redis.sh)")
     server = RedisServer(tmp_path_factory.mktemp("redis"), free_port()).start()
     yield server
     server.stop()
@@ -161,7 +161,9 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A local 3-master Redis Cluster shared by the session."""
     if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server/redis-cli not installed")
+        pytest.fail(
+            "redis-server/redis-cli not installed: run make setup (scripts/ensure-redis.sh)"
+        )
     cluster = LocalCluster.start(tmp_path_factory.mktemp("cluster"))
     yield cluster
     cluster.stop()
@@ -171,7 +173,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
 def durable_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A private server with AOF ``appendfsync always``, for tests that restart it."""
     if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed")
+        pytest.fail("redis-server not installed: run make setup (scripts/ensure-redis.sh)")
     aof = ("--appendonly", "yes", "--appendfsync", "always")
     server = RedisServer(tmp_path / "redis", free_port(), aof).start()
     yield server

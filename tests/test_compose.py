@@ -27,7 +27,7 @@ COMPOSE = shutil.which("docker-compose")
 
 def compose(*args: str) -> subprocess.CompletedProcess:
     if COMPOSE is None:
-        pytest.skip("docker-compose not installed (make setup installs it)")
+        pytest.fail("docker-compose not installed: run make setup (scripts/ensure-compose.sh)")
     return subprocess.run(
         [COMPOSE, "-f", str(ROOT / "docker-compose.yml"), *args],
         capture_output=True,
