@@ -12,19 +12,18 @@ replicas and indexer workers. ``RankStatus`` is what operators see of each rank.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal, Protocol
 
 import msgspec
 
 from indexer.hashing import HASH_ALGOS
+from indexer.wire import offset_endpoint
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
 Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp://[^\s:]+:\d{1,5}|ipc://\S+|inproc://\S+)$")]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
-_TCP_PORT = re.compile(r"^(tcp://.+):(\d+)$")
 
 
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -46,17 +45,17 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     blocks_per_chunk: Positive | None = None
     bind: bool = False  # True: kvindex binds and the engine connects
 
+    def __post_init__(self) -> None:
+        for endpoint in (self.endpoint, self.replay_endpoint):
+            if self.dp_ranks > 1 and endpoint and endpoint.startswith("ipc://"):
+                raise ValueError(
+                    f"{endpoint}: vLLM gives each data-parallel rank its own tcp port or"
+                    " inproc name, never an ipc path; use tcp:// for dp_ranks > 1"
+                )
+
     def rank_endpoint(self, dp_rank: int, replay: bool = False) -> str | None:
-        """The endpoint of one rank: vLLM adds the rank to a tcp port."""
-        base = self.replay_endpoint if replay else self.endpoint
-        if base is None or dp_rank == 0:
-            return base
-        if base.startswith("inproc://"):
-            return f"{base}_dp{dp_rank}"
-        match = _TCP_PORT.match(base)
-        if match is None:
-            return base
-        return f"{match.group(1)}:{int(match.group(2)) + dp_rank}"
+        """The endpoint of one rank, offset as vLLM offsets it."""
+        return offset_endpoint(self.replay_endpoint if replay else self.endpoint, dp_rank)
 
 
 def parse_engine_flag(text: str) -> EngineSpec:

@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import heapq
 import logging
-import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass
@@ -60,7 +59,15 @@ from indexer import metrics
 from indexer.engines import EngineSpec, Gap, RankStatus
 from indexer.model import CPU, GPU, RankId
 from indexer.stores.base import ApplyResult, Fenced, Watermark
-from indexer.wire import SEQ_BYTES, EventBatch, WireError, decode_batch, decode_frames
+from indexer.wire import (
+    SEQ_BYTES,
+    EventBatch,
+    WireError,
+    batch_ts,
+    decode_batch,
+    decode_frames,
+    split_replay,
+)
 
 log = logging.getLogger("kvindex.subscriber")
 
@@ -110,8 +117,6 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 # _HELD: a replayed seq already held or applied, not even looked at.
 _LIVE, _REPLAY, _HELD, _END, _WAKE = range(5)
 _Item = tuple[int, int, int, bytes, float]
-_END_SEQ = b"\xff" * SEQ_BYTES  # -1 as 8 signed bytes
-_FLOAT64 = struct.Struct(">d")
 #: Readers and the sequencer yield to the event loop this often, so a flood
 #: of batches never starves the API sharing the loop.
 _YIELD_EVERY = 64
@@ -136,36 +141,6 @@ async def _messages(sock: zmq.asyncio.Socket) -> AsyncIterator[list[bytes]]:
                 yield drain(zmq.NOBLOCK)
             except zmq.Again:
                 break
-
-
-def batch_ts(payload: bytes) -> float:
-    """A payload's batch ts, without decoding its events.
-
-    vLLM encodes a batch as a 2- or 3-element array led by the ts as a
-    float64 (``0x92``/``0x93``, ``0xcb``, 8 bytes big-endian); any other
-    shape is decoded in full (raises :class:`WireError` if it is no batch).
-    """
-    if len(payload) > 10 and payload[0] in (0x92, 0x93) and payload[1] == 0xCB:
-        return _FLOAT64.unpack_from(payload, 2)[0]
-    return decode_batch(payload).ts
-
-
-def split_replay(frames: list[bytes]) -> tuple[int | None, bytes]:
-    """Seq (None for the end marker) and payload of one replay answer.
-
-    vLLM's DEALER side receives ``[b"", seq, payload]``; some versions add the
-    topic, ``[b"", topic, seq, payload]``. Both are accepted.
-    """
-    if len(frames) in (3, 4) and frames[0] == b"":
-        frames = frames[1:]
-    if len(frames) == 3:
-        frames = frames[1:]
-    if len(frames) != 2:
-        raise WireError("replay_frame_count", str(len(frames)))
-    seq, payload = frames
-    if len(seq) != SEQ_BYTES:
-        raise WireError("bad_seq", f"{len(seq)} bytes")
-    return (None if seq == _END_SEQ else int.from_bytes(seq, "big")), payload
 
 
 @dataclass(slots=True)

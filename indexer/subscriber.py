@@ -26,13 +26,11 @@ from indexer.rank_consumer import (
     RankStore,
     Shared,
     SubscriberSettings,
-    batch_ts,
-    split_replay,
 )
 from indexer.stores.base import Store
 from indexer.wire import EventBatch
 
-__all__ = ["RankPool", "Subscriber", "SubscriberSettings", "batch_ts", "split_replay"]
+__all__ = ["RankPool", "Subscriber", "SubscriberSettings"]
 
 log = logging.getLogger("kvindex.subscriber")
 

@@ -11,6 +11,7 @@ with a short machine-readable ``reason`` the consumer counts.
 
 from __future__ import annotations
 
+import struct
 from operator import attrgetter
 from typing import Annotated, ClassVar, Literal, Union
 
@@ -218,6 +219,9 @@ def encode_batch(batch: EventBatch) -> bytes:
 _encoder = msgspec.msgpack.Encoder()
 
 SEQ_BYTES = 8
+#: The seq frame that ends a replay answer: -1 as 8 signed big-endian bytes.
+REPLAY_END = b"\xff" * SEQ_BYTES
+_FLOAT64 = struct.Struct(">d")
 
 
 def decode_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:
@@ -228,3 +232,47 @@ def decode_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:
     if len(seq) != SEQ_BYTES:
         raise WireError("bad_seq", f"{len(seq)} bytes")
     return topic, int.from_bytes(seq, "big"), payload
+
+
+def batch_ts(payload: bytes) -> float:
+    """A payload's batch ts, without decoding its events.
+
+    vLLM encodes a batch as a 2- or 3-element array led by the ts as a
+    float64 (``0x92``/``0x93``, ``0xcb``, 8 bytes big-endian); any other
+    shape is decoded in full (raises :class:`WireError` if it is no batch).
+    """
+    if len(payload) > 10 and payload[0] in (0x92, 0x93) and payload[1] == 0xCB:
+        return _FLOAT64.unpack_from(payload, 2)[0]
+    return decode_batch(payload).ts
+
+
+def split_replay(frames: list[bytes]) -> tuple[int | None, bytes]:
+    """Seq (None for the end marker) and payload of one replay answer.
+
+    vLLM's DEALER side receives ``[b"", seq, payload]``; some versions add the
+    topic, ``[b"", topic, seq, payload]``. Both are accepted.
+    """
+    if len(frames) in (3, 4) and frames[0] == b"":
+        frames = frames[1:]
+    if len(frames) == 3:
+        frames = frames[1:]
+    if len(frames) != 2:
+        raise WireError("replay_frame_count", str(len(frames)))
+    seq, payload = frames
+    if len(seq) != SEQ_BYTES:
+        raise WireError("bad_seq", f"{len(seq)} bytes")
+    return (None if seq == REPLAY_END else int.from_bytes(seq, "big")), payload
+
+
+def offset_endpoint(endpoint: str | None, dp_rank: int) -> str | None:
+    """vLLM's per-rank endpoint: tcp port + rank, or an ``_dp{rank}`` inproc suffix."""
+    if not endpoint or dp_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{dp_rank}"
+    if "tcp" in endpoint and ":" in endpoint:
+        base, port = endpoint.rsplit(":", 1)
+        return f"{base}:{int(port) + dp_rank}"
+    if "tcp" in endpoint:
+        return endpoint
+    raise ValueError(f"invalid endpoint {endpoint!r}: must be tcp or inproc")

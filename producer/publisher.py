@@ -36,27 +36,9 @@ from typing import NamedTuple
 import msgspec
 import zmq
 
-from indexer.wire import EventBatch, encode_batch
+from indexer.wire import REPLAY_END, EventBatch, encode_batch, offset_endpoint
 
 log = logging.getLogger("kvindex.publisher")
-
-#: The replay stream's end marker: seq -1 as a signed 8-byte integer.
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def offset_endpoint(endpoint: str | None, dp_rank: int) -> str | None:
-    """vLLM's per-rank endpoint: tcp port + rank, or an ``_dp{rank}`` inproc suffix."""
-    if not endpoint or dp_rank == 0:
-        return endpoint
-    if "inproc" in endpoint:
-        return f"{endpoint}_dp{dp_rank}"
-    if "tcp" in endpoint and ":" in endpoint:
-        base, port = endpoint.rsplit(":", 1)
-        return f"{base}:{int(port) + dp_rank}"
-    if "tcp" in endpoint:
-        return endpoint
-    raise ValueError(f"invalid endpoint {endpoint!r}: must be tcp or inproc")
-
 
 def binds_by_default(endpoint: str) -> bool:
     """vLLM's heuristic: bind wildcard, ipc and inproc endpoints, connect the rest."""
@@ -255,4 +237,4 @@ class Publisher:
         for seq, payload in self._buffer:
             if seq >= start:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+        self._replay.send_multipart((client, b"", REPLAY_END, b""))

@@ -17,8 +17,8 @@ from indexer.engines import EngineRegistry, EngineSpec
 from indexer.model import RankId
 from indexer.stores import MemoryStore
 from indexer.subscriber import Subscriber, SubscriberSettings
-from indexer.wire import EventBatch, decode_batch, decode_frames
-from producer.publisher import END_SEQ, Publisher, offset_endpoint
+from indexer.wire import REPLAY_END, EventBatch, decode_batch, decode_frames, offset_endpoint
+from producer.publisher import Publisher
 
 from .conftest import FIXTURES, assert_matches_trace, free_ports, trace_batches, wait_until
 
@@ -88,7 +88,7 @@ def test_replay_answers_with_the_buffer_then_the_end_marker(ctx: zmq.Context) ->
         assert pub.flush()
         everything, tail = replay(ctx, endpoint, 0), replay(ctx, endpoint, 25)
         assert replay(ctx, endpoint, 30) == [END]
-    assert END_SEQ == b"\xff" * 8
+    assert (-1).to_bytes(8, "big", signed=True) == REPLAY_END  # vLLM's end marker
     assert seqs(everything) == list(range(10, 30))  # the buffer keeps the last 20
     assert seqs(tail) == list(range(25, 30))
     assert [decode_batch(p) for _, _, p in everything[:-1]] == items[10:]

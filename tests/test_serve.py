@@ -242,3 +242,9 @@ async def test_listening_socket_gets_tcp_nodelay_on_accept() -> None:
         writer.close()
         server.close()
     assert accepted == [1]
+
+
+def test_ipc_endpoint_takes_a_single_rank() -> None:
+    assert parse_engine_flag("a=ipc:///tmp/kv").rank_endpoint(0) == "ipc:///tmp/kv"
+    with pytest.raises(ValueError, match="dp_ranks > 1"):
+        parse_engine_flag("a=ipc:///tmp/kv,dp_ranks=2")

@@ -21,8 +21,15 @@ from indexer.engines import EngineRegistry, EngineSpec, UnknownEngine
 from indexer.model import CPU, GPU, RankId
 from indexer.replay import load_trace
 from indexer.stores import ApplyResult, MemoryStore, StoreUnavailable
-from indexer.subscriber import Subscriber, SubscriberSettings, batch_ts, split_replay
-from indexer.wire import EventBatch, WireError, decode_batch, encode_batch
+from indexer.subscriber import Subscriber, SubscriberSettings
+from indexer.wire import (
+    EventBatch,
+    WireError,
+    batch_ts,
+    decode_batch,
+    encode_batch,
+    split_replay,
+)
 from producer.publisher import Publisher
 
 from .conftest import (
