@@ -25,7 +25,6 @@ Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp://[^\s:]+:\d{1,5}|ipc://\
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
-
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One engine as declared by an operator (vLLM's ``--kv-events-config``).
 

@@ -40,6 +40,7 @@ from indexer.wire import REPLAY_END, EventBatch, encode_batch, offset_endpoint
 
 log = logging.getLogger("kvindex.publisher")
 
+
 def binds_by_default(endpoint: str) -> bool:
     """vLLM's heuristic: bind wildcard, ipc and inproc endpoints, connect the rest."""
     return (
