@@ -362,7 +362,9 @@ def match_prefix(
     for j in range(chunks):
         grow = extending and j >= first
         if not grow and runs[CPU] is not None and runs[STORAGE] is not None:
-            break
+            if not extending:
+                break
+            continue  # the GPU run still covers chunk j: nothing to ask until `first`
         source = None  # the first lower tier holding chunk j, once asked
         for medium in LOWER_TIERS:
             if runs[medium] is None or (grow and source is None):

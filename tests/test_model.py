@@ -133,6 +133,9 @@ def _chunks(present: dict[str, set[int]]):
         (5, {CPU: {1}}, PrefixMatch(5, 0, 0, 8, 3, 0)),
         # CPU preferred over STORAGE chunk by chunk; STORAGE fills a CPU hole.
         (0, {CPU: {0, 2}, STORAGE: {0, 1, 2, 3}}, PrefixMatch(0, 4, 16, 16, 8, 8)),
+        # Both lower-tier runs end at chunk 0, inside the GPU run; the prefix still
+        # extends past the GPU run, from STORAGE and then CPU.
+        (8, {STORAGE: {2}, CPU: {3}}, PrefixMatch(8, 0, 0, 16, 4, 4)),
         # Nothing past the GPU run.
         (7, {}, PrefixMatch(7, 0, 0, 7, 0, 0)),
     ],

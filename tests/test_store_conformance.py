@@ -321,6 +321,17 @@ async def test_prefix_combines_gpu_blocks_with_lower_tier_chunks(store: Store) -
     assert await store.prefix_match(chain, {"engine-b": None}) == {}
 
 
+async def test_prefix_extends_past_the_gpu_run_when_lower_runs_end_inside_it(
+    store: Store,
+) -> None:
+    chain = list(range(200, 216))  # 4 chunks of 4; chunks 0-1 on GPU only
+    await apply(
+        store, 0, stored(chain[:8]), stored(chain[8:12], "STORAGE"), stored(chain[12:], "CPU")
+    )
+    match = await store.prefix_match(chain, {"engine-a": 4})
+    assert match[RANK] == PrefixMatch(8, 0, 0, 16, 4, 4)
+
+
 async def test_long_chains_match_to_their_end(store: Store) -> None:
     rng = random.Random(3)
     chain = [rng.getrandbits(64) for _ in range(600)]
