@@ -19,8 +19,9 @@ object, so the index costs one dict slot per distinct hash and medium.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial, reduce
 from itertools import accumulate, compress, filterfalse, repeat
 from operator import and_, ne, neg, or_
 
@@ -53,16 +54,24 @@ class HolderIndex:
         self._free: list[int] = []
         self._slots = 0
         self._matches: dict[tuple, PrefixMatch] = {}
+        self._owners: dict[int, RankId] = {}
+        self._digits: _Digits | None = None  # rebuilt when a bit changes hands
 
-    def take_bit(self) -> int:
+    def take_bit(self, owner: RankId) -> int:
         """A bit no live rank uses (its hashes were all discarded when it was released)."""
         if self._free:
-            return self._free.pop()
-        self._slots += 1
-        return 1 << (self._slots - 1)
+            bit = self._free.pop()
+        else:
+            self._slots += 1
+            bit = 1 << (self._slots - 1)
+        self._owners[bit] = owner
+        self._digits = None
+        return bit
 
     def release_bit(self, bit: int) -> None:
         self._free.append(bit)
+        del self._owners[bit]
+        self._digits = None
 
     def add(self, medium: str, bit: int, hashes: Iterable[BlockHash]) -> None:
         """Set ``bit`` on every hash (idempotent). A new hash gets ``bit`` itself.
@@ -88,58 +97,102 @@ class HolderIndex:
             index.update(zip(compress(hashes, rest), compress(rest, rest), strict=True))
 
     def match(
-        self, chain: Sequence[BlockHash], ranks: Sequence[tuple[RankId, int, int | None]]
+        self,
+        chain: Sequence[BlockHash],
+        ranks: Sequence[RankId],
+        bits: Sequence[int],
+        sizes: Sequence[int | None],
     ) -> dict[RankId, PrefixMatch]:
-        """The prefix match of each ``(rank, bit, chunk_blocks)``.
+        """The prefix match of each rank, given its bit (from :meth:`take_bit`) and chunk size.
+
+        A chunk size of None or 0 means the rank is matched on GPU only.
 
         Same answers as :func:`~indexer.model.match_prefix` over each rank's
         own tables (the conformance suite and ``tests/test_holders.py`` hold
-        it to that). A rank holding neither the first block nor the first
-        chunk of any tier matches nothing: it gets the shared empty answer
-        without further work, so a query costs what the ranks that hold
-        something cost.
+        it to that). Every run is found for all ranks at once, on bitmasks
+        (see :func:`_segments`); ranks are then split into the few classes
+        that share every run length, and each class gets one (shared) answer.
+        A rank holding neither the first block nor the first chunk of any
+        tier matches nothing and gets the shared empty answer.
+
+        The prefix is the GPU run extended by the chunks after it that a
+        lower tier holds: the leading run of chunks each either wholly
+        inside the rank's GPU run or on CPU or STORAGE. With no STORAGE
+        chunk on that way, every extending chunk comes from CPU; a rank that
+        has one is combined chunk by chunk (:meth:`_lower`), CPU first.
         """
-        out = dict.fromkeys([rank for rank, _, _ in ranks], _EMPTY)
-        if not chain:
+        out = dict.fromkeys(ranks, _EMPTY)
+        if not chain or not ranks:
             return out
         gpu_index, cpu, storage = self.media[GPU], self.media[CPU], self.media[STORAGE]
-        first = {None: gpu_index.get(chain[0], 0)}  # chunk size -> who holds anything at all
-        for _, _, size in ranks:
-            if size not in first:
-                end = chain[size - 1] if size <= len(chain) else None
-                first[size] = first[None] | cpu.get(end, 0) | storage.get(end, 0)
-        relevant = [(rank, bit, size) for rank, bit, size in ranks if bit & first[size or None]]
-        if not relevant:
-            return out
+        distinct = set(sizes)
+        if len(distinct) == 1:
+            groups = {distinct.pop() or 0: reduce(or_, bits)}
+        else:
+            groups = {}
+            for bit, size in zip(bits, sizes, strict=True):
+                groups[size or 0] = groups.get(size or 0, 0) | bit
+        head = gpu_index.get(chain[0], 0)
         everyone = 0
-        for _, bit, _ in relevant:
-            everyone |= bit
-        gpu = _runs(gpu_index, chain, everyone & first[None])
-        lower: dict[int, tuple] = {}  # chunk size -> chunk ends, CPU runs, STORAGE runs
-        for rank, bit, size in relevant:
-            held = gpu.get(bit, 0)
-            if not size:
-                out[rank] = self._cached(held, 0, 0, held, 0, 0)
+        for size, group in groups.items():
+            if size:
+                end = chain[size - 1] if size <= len(chain) else None
+                group &= head | cpu.get(end, 0) | storage.get(end, 0)
+            else:
+                group &= head
+            groups[size] = group
+            everyone |= group
+        if not everyone:
+            return out
+        owners = self._digits or self._owned()
+        gpu = _segments(partial(_read, gpu_index.get, chain), len(chain), everyone)
+        for size, group in groups.items():
+            if not group:
                 continue
-            tiers = lower.get(size)
-            if tiers is None:
-                ends = chain[size - 1 :: size]
-                group = 0
-                for _, b, s in relevant:
-                    group |= b if s == size else 0
-                tiers = lower[size] = (
-                    ends,
-                    _runs(cpu, ends, group),
-                    _runs(storage, ends, group) if storage else {},
-                )
-            out[rank] = self._lower(bit, held, size, *tiers)
+            classes = [(group & m, n) for n, m in gpu if group & m]
+            if not size:
+                for mask, g in classes:
+                    if g:
+                        owners.assign(out, mask, self._cached(g, 0, 0, g, 0, 0))
+                continue
+            ends = chain[size - 1 :: size]
+            chunks = len(ends)
+            on_cpu_masks = _Lookup(cpu, ends)  # read once: the CPU run is found from the same masks
+            on_storage_masks = _Lookup(storage, ends) if storage else None
+            steps = _segments(
+                partial(_either, on_cpu_masks, on_storage_masks, _covered(gpu, size, chunks)),
+                chunks,
+                group,
+            )
+            on_cpu = _segments(on_cpu_masks, chunks, group)
+            on_storage = (
+                _segments(on_storage_masks, chunks, group) if on_storage_masks else [(0, group)]
+            )
+            mixed = 0  # ranks with a STORAGE chunk where the prefix may extend
+            if on_storage_masks:
+                reach = max(n for n, _ in steps)
+                mixed = group & reduce(or_, on_storage_masks(0, reach), 0)
+            for mask, (g, n, c, s) in _refine(classes, steps, on_cpu, on_storage):
+                if mask & mixed:
+                    for bit in _bits(mask & mixed):
+                        owners.assign(out, bit, self._lower(bit, g, size, ends, c, s))
+                    mask &= ~mixed
+                    if not mask:
+                        continue
+                prefix = max(g, n * size)
+                if prefix or c or s:  # the rest already have the (equal) empty answer
+                    match = self._cached(g, c * size, s * size, prefix, prefix - g, 0)
+                    owners.assign(out, mask, match)
         return out
 
+    def _owned(self) -> _Digits:
+        digits = self._digits = _Digits(self._owners, self._slots)
+        return digits
+
     def _lower(
-        self, bit: int, gpu: int, size: int, ends: Sequence, cpu_runs: dict, storage_runs: dict
+        self, bit: int, gpu: int, size: int, ends: Sequence, cpu_run: int, storage_run: int
     ) -> PrefixMatch:
         """Lower-tier runs and the prefix: the GPU run extended by whole chunks, CPU first."""
-        cpu_run, storage_run = cpu_runs.get(bit, 0), storage_runs.get(bit, 0)
         prefix, from_cpu, from_storage = gpu, 0, 0
         cpu, storage = self.media[CPU], self.media[STORAGE]
         j = gpu // size
@@ -167,40 +220,112 @@ class HolderIndex:
         return match
 
 
-def _runs(index: dict[BlockHash, int], keys: Sequence[BlockHash], active: int) -> dict[int, int]:
-    """``bit -> length`` of the leading run of ``keys`` each bit of ``active`` holds.
+def _segments(
+    masks: Callable[[int, int], list[int]], length: int, active: int
+) -> list[tuple[int, int]]:
+    """``(run length, bits)`` pairs: how many leading positions each bit of ``active`` holds.
 
-    Bits that hold not even the first key are left out. The masks are read
-    and and-ed in C, in slices that grow, so a short match stops early; the
-    and-ed masks only lose bits (so they only decrease), and each point where
-    bits drop out is found by bisection.
+    ``masks(a, b)`` gives the bitmask of each position ``a .. b - 1`` (fewer
+    past ``length``). The pairs partition ``active`` (a bit holding nothing
+    has length 0). The masks are and-ed in C, in slices that grow, so a
+    short match stops early; the and-ed masks only lose bits (so they only
+    decrease), and each point where bits drop out is found by bisection. A
+    slice held by exactly the bits still running (past a shared prefix,
+    typically one rank) needs no and-ing at all.
     """
-    out: dict[int, int] = {}
-    get = index.get
-    if keys:
-        active &= get(keys[0], 0)
+    out: list[tuple[int, int]] = []
     pos, step = 0, 16
-    while active and pos < len(keys):
-        piece = keys[pos : pos + step]
-        masks = list(accumulate(map(get, piece, repeat(0)), and_, initial=active))
-        k = 0
-        while masks[-1] != active:
-            k = bisect_right(masks, -active, k, key=neg)  # the first mask below ``active``
-            _record(out, active & ~masks[k], pos + k - 1)
-            active = masks[k]
+    while active and pos < length:
+        piece = masks(pos, pos + step)
         pos += len(piece)
         step = min(2 * step, _MAX_STEP)
-    _record(out, active, len(keys))
+        if piece.count(active) == len(piece):
+            continue
+        acc = list(accumulate(piece, and_, initial=active))
+        start = pos - len(piece)
+        k = 0
+        while acc[-1] != active:
+            k = bisect_right(acc, -active, k, key=neg)  # the first mask below ``active``
+            out.append((start + k - 1, active & ~acc[k]))
+            active = acc[k]
+    if active:
+        out.append((length, active))
     return out
 
 
-def _record(out: dict[int, int], bits: int, length: int) -> None:
-    if not length:
-        return
-    while bits:
-        low = bits & -bits
-        out[low] = length
-        bits ^= low
+class _Lookup:
+    """``(a, b)`` -> the masks of ``keys[a:b]`` in ``index``, each read once and kept."""
+
+    __slots__ = ("get", "keys", "seen")
+
+    def __init__(self, index: dict[BlockHash, int], keys: Sequence[BlockHash]) -> None:
+        self.get, self.keys, self.seen = index.get, keys, []
+
+    def __call__(self, a: int, b: int) -> list[int]:
+        seen = self.seen
+        if b > len(seen):
+            seen.extend(map(self.get, self.keys[len(seen) : b], repeat(0)))
+        return seen[a:b]
+
+
+def _read(get: Callable, keys: Sequence[BlockHash], a: int, b: int) -> list[int]:
+    return list(map(get, keys[a:b], repeat(0)))
+
+
+def _either(cpu: _Lookup, storage: _Lookup | None, covered: list[int], a: int, b: int) -> list[int]:
+    """Per chunk ``a .. b - 1``: the bits holding it on CPU, on STORAGE or in their GPU run."""
+    held = map(or_, cpu(a, b), covered[a:b])
+    return list(map(or_, held, storage(a, b)) if storage else held)
+
+
+def _covered(gpu: list[tuple[int, int]], size: int, chunks: int) -> list[int]:
+    """Per chunk, the bits whose GPU run holds the whole chunk."""
+    out: list[int] = []
+    rest = 0
+    for _, bits in gpu:
+        rest |= bits
+    for n, bits in sorted(gpu):
+        first = min(n // size, chunks)
+        if first > len(out):
+            out.extend(repeat(rest, first - len(out)))
+        rest &= ~bits
+    out.extend(repeat(0, chunks - len(out)))
+    return out
+
+
+def _refine(
+    classes: list[tuple[int, int]], *runs: list[tuple[int, int]]
+) -> list[tuple[int, tuple]]:
+    """Split ``(bits, GPU run)`` classes until each shares every run's length too."""
+    out = [(bits, (n,)) for bits, n in classes]
+    for run in runs:
+        out = [(bits & m, (*key, n)) for bits, key in out for n, m in run if bits & m]
+    return out
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low
+        mask ^= low
+
+
+_FLAGS = bytes.maketrans(b"01", b"\x00\x01")
+
+
+class _Digits:
+    """Which rank each binary digit of a mask is, to hand a whole class its answer in C."""
+
+    __slots__ = ("by_digit", "spec")
+
+    def __init__(self, owners: dict[int, RankId], width: int) -> None:
+        self.by_digit = [owners.get(1 << i) for i in reversed(range(width))]
+        self.spec = f"0{width}b"
+
+    def assign(self, out: dict[RankId, PrefixMatch], mask: int, match: PrefixMatch) -> None:
+        """``out[rank] = match`` for each rank whose bit is in ``mask``."""
+        flags = format(mask, self.spec).encode().translate(_FLAGS)
+        out.update(zip(compress(self.by_digit, flags), repeat(match)))
 
 
 @dataclass

@@ -26,12 +26,15 @@ class MemoryStore:
         self._ranks: dict[RankId, IndexedResidency] = {}
         self._watermarks: dict[RankId, Watermark] = {}
         self._holders = HolderIndex()
+        #: ranks, their engines and their bits, in step with ``_ranks``; None when stale
+        self._listing: tuple[list[RankId], list[str], list[int]] | None = None
 
     def _rank(self, rank: RankId) -> IndexedResidency:
         state = self._ranks.get(rank)
         if state is None:
             holders = self._holders
-            state = self._ranks[rank] = IndexedResidency(index=holders, bit=holders.take_bit())
+            state = self._ranks[rank] = IndexedResidency(index=holders, bit=holders.take_bit(rank))
+            self._listing = None
         return state
 
     async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
@@ -56,6 +59,7 @@ class MemoryStore:
         state = self._ranks.pop(rank, None)
         if state is not None:
             state.release()
+            self._listing = None
         self._watermarks.pop(rank, None)
 
     async def block_residency(self, block_hash: BlockHash) -> list[Residency]:
@@ -69,12 +73,26 @@ class MemoryStore:
     async def prefix_match(
         self, chain: Sequence[BlockHash], chunk_blocks: Mapping[str, int | None]
     ) -> dict[RankId, PrefixMatch]:
-        ranks = [
-            (rank, state.bit, chunk_blocks[rank.engine] or state.chunk_blocks)
-            for rank, state in self._ranks.items()
-            if rank.engine in chunk_blocks
-        ]
-        return self._holders.match(chain, ranks)
+        listing = self._listing
+        if listing is None:
+            ranks = list(self._ranks)
+            listing = self._listing = (
+                ranks,
+                [rank.engine for rank in ranks],
+                [state.bit for state in self._ranks.values()],
+            )
+        ranks, engines, bits = listing
+        sizes = list(map(chunk_blocks.get, engines))
+        if not all(sizes):  # an engine not asked about, or one whose chunk size is learned
+            listed = [
+                (rank, state.bit, chunk_blocks[rank.engine] or state.chunk_blocks)
+                for rank, state in self._ranks.items()
+                if rank.engine in chunk_blocks
+            ]
+            ranks = [rank for rank, _, _ in listed]
+            bits = [bit for _, bit, _ in listed]
+            sizes = [size for _, _, size in listed]
+        return self._holders.match(chain, ranks, bits, sizes)
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         state = self._ranks.get(rank)
