@@ -74,6 +74,7 @@ from indexer.model import (
     RankId,
     RankResidency,
     Tier,
+    TierOp,
     TierTable,
     chunk_end,
     is_scored,
@@ -193,6 +194,7 @@ class RankMeta(msgspec.Struct, array_like=True, frozen=True):
 
 
 _encode = msgspec.msgpack.Encoder().encode
+_new_op = tuple.__new__  # a TierOp without its Python-level __new__
 _decode_meta = msgspec.msgpack.Decoder(RankMeta).decode
 
 
@@ -281,23 +283,26 @@ def plan_writes(meta: RankMeta, ops: Iterable[Op], seq: int, ts: float) -> _Plan
         chunk_blocks=meta.chunk,
     )
     clears: Counter[str] = Counter()
+    taught: list[Op] = []  # the operations without their hashes, replayed once at the end
     for op in ops:
         if type(op) is ClearMedium:
-            scratch.apply((op,))
+            taught.append(op)
             clears[op.medium] += 1
             gens.pop(op.medium, None)
             tids = {t: i for t, i in tids.items() if t.medium != op.medium}
             continue
-        scratch.apply((op._replace(hashes=()),))
-        tier, medium = op.tier, op.tier.medium
+        tier, delta, hashes = op[:3]
+        taught.append(_new_op(TierOp, (tier, delta, (), *op[3:])))
+        medium = tier.medium
         if medium not in gens:
             gens[medium], generation[medium] = take("gen", medium, clears[medium])
         tid = tids.get(tier)
         if tid is None:
             tid = tids[tier] = take("tier", *tier, generation[medium])[0]
             plan.members[gens[medium]].append(tid)
-        plan.writes.append((tid, gens[medium], op.delta, op.hashes))
-        plan.block_ops += len(op.hashes)
+        plan.writes.append((tid, gens[medium], delta, hashes))
+        plan.block_ops += len(hashes)
+    scratch.apply(taught)
     plan.meta = RankMeta(
         meta.rid,
         meta.epoch,
@@ -328,6 +333,12 @@ def _bucket_tags(buckets: int) -> list[str]:
 _TAGS = _bucket_tags(BUCKETS)
 
 
+#: ``h & _LOW == h % BUCKETS`` for every int, BUCKETS being a power of two.
+_LOW = BUCKETS - 1
+if BUCKETS & _LOW:
+    raise ImportError("BUCKETS must be a power of two")
+
+
 def bucket_of(block_hash: BlockHash) -> int:
     if type(block_hash) is int:
         return block_hash % BUCKETS
@@ -350,6 +361,7 @@ class RedisStore:
         #: The engine registry's hash: in the metadata's slot, so a claim can check it.
         self.registry_key = f"{{{self._meta_key}}}:engines"
         self._bucket_keys = [f"{config.prefix}:{{{tag}}}" for tag in _TAGS]
+        self._encoded_bucket_keys = [key.encode() for key in self._bucket_keys]  # spares redis-py
         self._block_prefixes = [f"{key}:" for key in self._bucket_keys]
         self._shas = {name: _sha(src) for name, src in SCRIPTS.items()}
         self._cache: dict[RankId, tuple[bytes, RankMeta]] = {}
@@ -510,28 +522,40 @@ class RedisStore:
             return await self._cas({name: old, **guard}, {name: new})
         tiers: list[list] = []
         tier_index: dict[int, int] = {}
-        sections: dict[int, list[list]] = {}
+        # Per bucket, one flat list in event order: a marker (+t or -t: tier t, delta +1 or
+        # -1) whenever the operation changes for that bucket, then hash names.
+        sections: list[list] = [[] for _ in range(BUCKETS)]
+        appends = [section.append for section in sections]
+        last = [0] * BUCKETS
+        markers = [0] * BUCKETS
         for tid, gid, delta, hashes in plan.writes:
             t = tier_index.get(tid)
             if t is None:
                 siblings = [str(m) for m in plan.members[gid] if m != tid]
                 tiers.append([str(tid), gid, *siblings])
                 t = tier_index[tid] = len(tiers)
-            runs: list[list | None] = [None] * BUCKETS
-            for h in hashes:
-                b = h % BUCKETS if type(h) is int else bucket_of(h)
-                run = runs[b]
-                if run is None:
-                    run = runs[b] = [t, delta]
-                    sections.setdefault(b, []).append(run)
-                run.append(str(h) if type(h) is int else _name(h))
+            marker = t if delta > 0 else -t
+            try:  # block hashes are ints, except in rare deployments: one pass in C first
+                buckets = [h & _LOW for h in hashes]
+            except TypeError:
+                buckets = list(map(bucket_of, hashes))
+                names = map(_name, hashes)
+            else:
+                names = map(str, hashes)
+            for b, n in zip(buckets, names, strict=True):
+                if last[b] != marker:
+                    last[b] = marker
+                    markers[b] += 1
+                    appends[b](marker)
+                appends[b](n)
+        sizes = {b: len(sec) - markers[b] for b, sec in enumerate(sections) if sec}
         mark, tiers_blob = f"{meta.epoch}:{seq}", _encode(tiers)
         fence = next(iter(guard.items()), ("", ""))
-        calls = self._calls(sections)
+        calls = self._calls(sizes)
         one_step = len(calls) == 1 and not self.config.cluster
         commands = []
         for group in calls:
-            keys = [self._bucket_keys[b] for b in group]
+            keys = [self._encoded_bucket_keys[b] for b in group]
             args = [mark, meta.rid, tiers_blob, _encode([sections[b] for b in group]), *fence]
             if one_step:
                 keys.append(self._meta_key)
@@ -544,14 +568,16 @@ class RedisStore:
             return results[0] >= 0
         return await self._cas({name: old, **guard}, {name: new})
 
-    def _calls(self, sections: dict[int, list[list]]) -> list[list[int]]:
-        """Buckets per script call: one per call on a cluster (one slot each)."""
+    def _calls(self, sizes: dict[int, int]) -> list[list[int]]:
+        """Buckets per script call: one per call on a cluster (one slot each).
+
+        ``sizes``: block operations per bucket that has any.
+        """
         if self.config.cluster:
-            return [[b] for b in sections]
+            return [[b] for b in sizes]
         calls: list[list[int]] = [[]]
         size = 0
-        for b, runs in sections.items():
-            ops = sum(len(run) - 2 for run in runs)
+        for b, ops in sizes.items():
             if calls[-1] and size + ops > OPS_PER_CALL:
                 calls.append([])
                 size = 0

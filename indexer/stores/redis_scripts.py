@@ -20,8 +20,9 @@ APPLY_OPS = """
 --   its unknown removals)
 -- ARGV[3]: msgpack tiers, each {field, gid, sibling fields...} (siblings: the other tiers of
 --   the same rank medium generation, for distinct counting)
--- ARGV[4]: msgpack sections, one per KEYS entry, in order: runs {tier, delta, hash, ...} of
---   +1/-1 operations in event order; block key = KEYS[i] .. ":" .. hash
+-- ARGV[4]: msgpack sections, one per KEYS entry, in order: a flat list in event order of
+--   markers (number t: +1 per following hash in tier t; -t: -1) and hashes (strings, each
+--   operated on under the last marker before it); block key = KEYS[i] .. ":" .. hash
 -- ARGV[5], ARGV[6]: the rank's fence field and the writer's lease token ("" and "": unfenced);
 --   when any bucket (or the metadata hash) holds a newer token in that field, nothing is
 --   written and -2 is returned: another owner has claimed the rank.
@@ -72,38 +73,46 @@ end
 
 local applied = 0
 for i = 1, buckets do
-  local bucket, runs = KEYS[i], sections[i]
+  local bucket, section = KEYS[i], sections[i]
   local prefix, gens, unknown = KEYS[i] .. ':', {}, 0
-  for r = 1, #runs do
-    local run = runs[r]
-    local tier, delta = tiers[run[1]], run[2]
-    local g = gens[tier[2]]
-    if g == nil then
-      local v = call('HGET', bucket, 'g' .. tier[2])
-      g = {skip = v and covers(v), n = v and tonumber(string.match(v, '(%d+)$')) or 0}
-      gens[tier[2]] = g
-    end
-    if not g.skip then
-      local field = tier[1]
-      for x = 3, #run do
-        local key = prefix .. run[x]
-        local c = call('HINCRBY', key, field, delta)
-        if delta > 0 then
-          if c == 1 and not shared(key, tier) then g.n = g.n + 1 end
-        elseif c <= 0 then
-          call('HDEL', key, field)
-          if c < 0 then
+  local tier, field, g, stores, siblings
+  for x = 1, #section do
+    local v = section[x]
+    if type(v) == 'number' then
+      stores = v > 0
+      tier = tiers[stores and v or -v]
+      field, siblings = tier[1], #tier >= 3
+      g = gens[tier[2]]
+      if g == nil then
+        local m = call('HGET', bucket, 'g' .. tier[2])
+        g = {skip = m and covers(m), n = m and tonumber(string.match(m, '(%d+)$')) or 0}
+        gens[tier[2]] = g
+      end
+    elseif not g.skip then
+      local key = prefix .. v
+      if stores then
+        if call('HINCRBY', key, field, 1) == 1 and not (siblings and shared(key, tier)) then
+          g.n = g.n + 1
+        end
+      else  -- read first: most removals drop the last reference, some an unknown one
+        local held = call('HGET', key, field)
+        local c = held and tonumber(held) or 0
+        if c > 1 then
+          call('HINCRBY', key, field, -1)
+        else
+          if held then call('HDEL', key, field) end
+          if c < 1 then
             unknown = unknown + 1
-          elseif not shared(key, tier) then
+          elseif not (siblings and shared(key, tier)) then
             g.n = g.n - 1
           end
         end
       end
-      applied = applied + #run - 2
+      applied = applied + 1
     end
   end
-  for gid, g in pairs(gens) do
-    if not g.skip then call('HSET', bucket, 'g' .. gid, mark .. ':' .. g.n) end
+  for gid, gen in pairs(gens) do
+    if not gen.skip then call('HSET', bucket, 'g' .. gid, mark .. ':' .. gen.n) end
   end
   if unknown > 0 then call('HINCRBY', bucket, 'u' .. ARGV[2], unknown) end
 end
