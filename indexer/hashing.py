@@ -38,7 +38,6 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
 _PICKLE_PROTOCOL = 5
-_INT64_MASK = (1 << 64) - 1
 
 HashFn = Callable[[Any], bytes]
 
@@ -154,35 +153,13 @@ class HashSpec:
         return self._none_hash
 
 
-def published_int(digest: bytes) -> int:
-    """The form vLLM publishes with int block hashes: the digest's low 64 bits, unsigned."""
-    return int.from_bytes(digest, "big") & _INT64_MASK
-
-
 _LOW_8 = slice(-8, None)
 
 
 def published_ints(digests: Iterable[bytes]) -> list[int]:
-    """:func:`published_int` of each digest, in C: its last 8 bytes, big-endian."""
+    """The form vLLM publishes with int block hashes: each digest's low 64 bits,
+    unsigned (its last 8 bytes, big-endian), converted in C."""
     return list(map(int.from_bytes, map(getitem, digests, repeat(_LOW_8)), repeat("big")))
-
-
-def chain_extend(
-    spec: HashSpec,
-    parent: bytes | None,
-    block_tokens: Sequence[int],
-    extra_keys: tuple[Any, ...] | None = None,
-) -> bytes:
-    """Digest of one full block given its parent's digest (None/empty: chain start).
-
-    Lets callers that learn chains block by block reuse the engine's hash.
-    ``extra_keys`` is the tagged tuple vLLM hashes (``("lora", name, path)``,
-    ``("mm", identifier, offset_in_block)``, ``("cache_salt", salt)``), not
-    the untagged form events publish. Token ids must be plain ``int`` (not
-    numpy scalars or bools): pickle and CBOR encode other types differently,
-    so the digest would silently differ.
-    """
-    return spec._fn((parent or spec.none_hash, tuple(block_tokens), extra_keys))
 
 
 def block_hashes(
@@ -197,7 +174,9 @@ def block_hashes(
 ) -> list[int] | list[bytes]:
     """The hashes an engine publishes for a prompt's full blocks, in order.
 
-    Token ids must be plain ``int`` (see :func:`chain_extend`). A LoRA needs
+    Token ids must be plain ``int`` (not numpy scalars or bools): pickle and
+    CBOR encode other types differently, so the digest would silently differ.
+    A LoRA needs
     both name and path because vLLM keys blocks by both.
     """
     if (lora_name is None) != (lora_path is None):

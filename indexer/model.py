@@ -58,15 +58,6 @@ class Tier(NamedTuple):
     group_idx: int
 
 
-class ResidencyKey(NamedTuple):
-    engine: str
-    dp_rank: int
-    medium: str
-    ownership: str | None
-    group_idx: int
-    block_hash: BlockHash
-
-
 class TierOp(NamedTuple):
     """+1 (``delta=1``) or -1 for each hash of one tier, in order.
 

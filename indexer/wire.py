@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import struct
 from operator import attrgetter
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Union
 
 import msgspec
 
 MEDIA = ("GPU", "CPU", "STORAGE")
-Medium = Literal["GPU", "CPU", "STORAGE"]
 
 #: A published block hash: the low 64 bits of the digest, or the raw digest.
 BlockHash = Annotated[int, msgspec.Meta(ge=0)] | bytes

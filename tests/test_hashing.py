@@ -17,8 +17,6 @@ from indexer.hashing import (
     NotReproducible,
     UnknownHashAlgo,
     block_hashes,
-    chain_extend,
-    published_int,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.33.0"
@@ -64,29 +62,6 @@ def test_published_ints_match_vllm(case: dict) -> None:
     assert _hash_case(case, as_bytes=False) == case["block_hashes_int64"]
 
 
-CHAINABLE = [case for case in CASES if case["case"] in ("plain", "lora")]
-
-
-@pytest.mark.parametrize("case", CHAINABLE, ids=_case_id)
-def test_chain_extend_reproduces_the_chain(case: dict) -> None:
-    spec = HashSpec(case["algo"], case["PYTHONHASHSEED"], case["block_size"])
-    size = spec.block_size
-    extra = (("lora", case["lora_name"], case["lora_path"]),) if case["lora_name"] else None
-    parent = None
-    for i, want in enumerate(case["block_hashes_hex"]):
-        parent = chain_extend(spec, parent, case["tokens"][i * size : (i + 1) * size], extra)
-        assert parent.hex() == want
-    assert published_int(parent) == case["block_hashes_int64"][-1]
-
-
-def test_chain_extend_treats_empty_parent_as_chain_start() -> None:
-    spec = HashSpec("sha256", None, 4)
-    assert chain_extend(spec, b"", [1, 2, 3, 4]) == chain_extend(spec, None, [1, 2, 3, 4])
-    assert (
-        chain_extend(spec, None, [1, 2, 3, 4]) == block_hashes(spec, [1, 2, 3, 4], as_bytes=True)[0]
-    )
-
-
 def test_unknown_algo_is_a_clear_value_error() -> None:
     with pytest.raises(UnknownHashAlgo, match=r"'md5'.*sha256") as excinfo:
         HashSpec("md5", None, 16)
@@ -99,8 +74,6 @@ def test_xxhash_without_seed_is_not_reproducible(algo: str) -> None:
     assert spec.reproducible is False
     with pytest.raises(NotReproducible, match="PYTHONHASHSEED"):
         block_hashes(spec, range(32))
-    with pytest.raises(NotReproducible):
-        chain_extend(spec, None, range(16))
 
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
