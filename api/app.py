@@ -39,7 +39,11 @@ Every error is `{"error": "<what was wrong>"}`.
 class Observable(Protocol):
     """A consumer view that also reports each applied batch (the subscriber)."""
 
-    def add_observer(self, observer: Callable[[RankId, EventBatch], None]) -> None: ...
+    def add_observer(
+        self,
+        observer: Callable[[RankId, EventBatch], None],
+        reads_tokens: Callable[[str], bool] | None = None,
+    ) -> None: ...
 
 
 def _learns_from(registry: Registry) -> Callable[[str], bool]:
@@ -67,7 +71,7 @@ def create_app(
     if token_index is None:
         token_index = TokenIndex(settings.token_index_capacity, _learns_from(registry))
         if isinstance(consumers, Observable):
-            consumers.add_observer(token_index.observe)
+            consumers.add_observer(token_index.observe, token_index.learns)
     ctx = ApiContext(GuardedStore(store), registry, consumers, token_index, settings)
 
     app = FastAPI(title="kvindex", version="0.1.0", description=DESCRIPTION)

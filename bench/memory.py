@@ -19,15 +19,19 @@ import gc
 import multiprocessing
 import random
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from bench.fleet import Fleet, rank_of
 from bench.query import entries, load
 from bench.report import Figure, Report
+from indexer.model import RankId
 from indexer.stores import MemoryStore
 from indexer.wire import BlockStored, EventBatch
 
 SECTION = "7"
+#: Full-run sizes; quick runs measure the first only.
+SIZES = (1_000_000, 10_000_000)
+Batch = tuple[RankId, int, EventBatch]
 _SHARED_PROMPTS = [[random.Random(p).getrandbits(64) for _ in range(2048)] for p in range(16)]
 
 
@@ -54,26 +58,27 @@ def measured(fill: Callable[[MemoryStore], None]) -> dict:
     return {"entries": count, "bytes": grown, "bytes_per_entry": grown / max(1, count)}
 
 
+def synthetic_batches(engines: int, blocks: int, seed: int = 1) -> Iterator[Batch]:
+    """``engines`` ranks, each storing ``blocks`` entries (half GPU, half CPU) in one batch."""
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) ** 1.1 for i in range(len(_SHARED_PROMPTS))]
+    for e in range(engines):
+        half = blocks // 2
+        (prompt,) = rng.choices(_SHARED_PROMPTS, weights)
+        shared = prompt[: min(len(prompt), half // 3)]
+        chain = shared + [rng.getrandbits(64) for _ in range(half - len(shared))]
+        events = [BlockStored(chain, medium="GPU"), BlockStored(chain, medium="CPU")]
+        yield rank_of(e), 0, EventBatch(0.0, events, 0)
+
+
 def synthetic(engines: int, blocks: int, seed: int = 1) -> Callable[[MemoryStore], None]:
-    """Fill: ``engines`` ranks, each holding ``blocks`` entries (half GPU, half CPU)."""
+    """Fill: :func:`synthetic_batches` applied in turn."""
 
-    def fill(store: MemoryStore) -> None:
-        rng = random.Random(seed)
-        weights = [1 / (i + 1) ** 1.1 for i in range(len(_SHARED_PROMPTS))]
+    async def go(store: MemoryStore) -> None:
+        for batch in synthetic_batches(engines, blocks, seed):
+            await store.apply_batch(*batch)
 
-        async def go() -> None:
-            for e in range(engines):
-                half = blocks // 2
-                (prompt,) = rng.choices(_SHARED_PROMPTS, weights)
-                shared = prompt[: min(len(prompt), half // 3)]
-                own = [rng.getrandbits(64) for _ in range(half - len(shared))]
-                chain = shared + own
-                events = [BlockStored(chain, medium="GPU"), BlockStored(chain, medium="CPU")]
-                await store.apply_batch(rank_of(e), 0, EventBatch(0.0, events, 0))
-
-        asyncio.run(go())
-
-    return fill
+    return lambda store: asyncio.run(go(store))
 
 
 def fleet_fill(fleet: Fleet) -> Callable[[MemoryStore], None]:
@@ -82,7 +87,7 @@ def fleet_fill(fleet: Fleet) -> Callable[[MemoryStore], None]:
 
 def run(report: Report, fleet: Fleet, full: bool) -> dict:
     details: dict = {"fleet": measured(fleet_fill(fleet))}
-    sizes = [1_000_000, 10_000_000] if full else [1_000_000]
+    sizes = SIZES if full else SIZES[:1]
     for size in sizes:
         details[f"synthetic_{size}"] = measured(synthetic(64, size // 64))
     details["by_engines"] = {e: measured(synthetic(e, 4096)) for e in (8, 32, 128, 512)}

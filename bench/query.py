@@ -26,7 +26,7 @@ LENGTHS = (64, 512, 2048)
 
 async def load(store: MemoryStore, stream: Sequence) -> None:
     for rank, seq, payload in stream:
-        await store.apply_batch(rank, seq, decode_batch(payload))
+        await store.apply_batch(rank, seq, decode_batch(payload, tokens=False))
 
 
 def entries(store: MemoryStore) -> int:

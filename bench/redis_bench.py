@@ -12,7 +12,9 @@ baselines come from the same server in the same run:
 - query: ``prefix_match`` of chains of each length with every engine listed,
   against the same number of pipelined HGETALLs of the chain's block keys
   (goal: p50 within 2x);
-- memory: growth of ``used_memory`` over the bulk load, per resident entry.
+- memory: growth of ``used_memory`` over the bulk load, per resident entry;
+  and over bulk loads of the embedded store's synthetic fills (1M entries,
+  and 10M in a full run; see :mod:`bench.memory`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from redis.asyncio import Redis
 
 from bench.fleet import CHUNK_BLOCKS, Fleet
 from bench.measure import latency_ms
+from bench.memory import SIZES, synthetic_batches
 from bench.query import LENGTHS, entries
 from bench.report import Figure, Goal, Report
 from indexer.model import RankId
@@ -62,7 +65,8 @@ async def apply_stream(store: RedisStore, stream: list) -> tuple[int, float]:
     async def one(rank: RankId, batches: list) -> int:
         ops = 0
         for seq, payload in batches:
-            ops += (await store.apply_batch(rank, seq, decode_batch(payload))).block_ops
+            batch = decode_batch(payload, tokens=False)
+            ops += (await store.apply_batch(rank, seq, batch)).block_ops
         return ops
 
     started = time.perf_counter()
@@ -134,14 +138,31 @@ async def _run(
     grown = (await client.info("memory"))["used_memory"] - memory_before
     latency = await query(store, server.url, fleet, 30 if quick else 100)
     await store.close()
+    synthetic = {}
+    for size in SIZES[:1] if quick else SIZES:
+        await client.flushall()
+        synthetic[size] = await synthetic_memory(server.url, client, size)
     await client.aclose()
     return {
+        "synthetic_memory": synthetic,
         "hincrby_P64_per_s": hincrby,
         "stream": {"block_ops": ops, "block_ops_per_s": ops / seconds},
         "bulk": {"block_ops": bulk_ops, "block_ops_per_s": bulk_ops / bulk_seconds},
         "memory": {"entries": resident, "bytes_per_entry": grown / resident},
         "query": latency,
     }
+
+
+async def synthetic_memory(url: str, client: Redis, size: int) -> dict:
+    """``used_memory`` growth over a bulk load of ``size`` synthetic entries (64 engines)."""
+    batches = list(synthetic_batches(64, size // 64))
+    count = sum(len(e.block_hashes) for _, _, batch in batches for e in batch.events)
+    store = RedisStore(RedisConfig(url, prefix="bench-memory", sweep_interval=None))
+    before = (await client.info("memory"))["used_memory"]
+    await bulk_load(store, batches)
+    grown = (await client.info("memory"))["used_memory"] - before
+    await store.close()
+    return {"entries": count, "bytes_per_entry": grown / count}
 
 
 def run(report: Report, fleet: Fleet, reference: MemoryStore, quick: bool) -> dict:
@@ -174,4 +195,9 @@ def run(report: Report, fleet: Fleet, reference: MemoryStore, quick: bool) -> di
         Figure(SECTION_MEMORY, f"memory, Redis: fleet state ({m['entries']:,} entries)",
                m["bytes_per_entry"], "B/entry"),
     )  # fmt: skip
+    for size, m in details["synthetic_memory"].items():
+        report.add(
+            Figure(SECTION_MEMORY, f"memory, Redis: {size / 1e6:g}M entries, 64 engines",
+                   m["bytes_per_entry"], "B/entry"),
+        )  # fmt: skip
     return details

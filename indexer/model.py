@@ -16,7 +16,7 @@ from collections import _count_elements
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, groupby, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 from indexer.wire import (
@@ -89,6 +89,7 @@ _SIGNATURE = attrgetter(
     "__class__", "medium", "ownership", "group_idx", "locality", "kv_cache_spec_kind"
 )
 _hashes = attrgetter("block_hashes")
+_block_size = attrgetter("block_size")
 _new = tuple.__new__  # a NamedTuple without its Python-level __new__: ops are built per group
 
 
@@ -107,26 +108,90 @@ def plan_batch(batch: EventBatch) -> list[Op]:
     """Translate a decoded batch into store operations, in event order.
 
     Consecutive events that do the same thing to the same tier become one
-    operation (engines often remove blocks one event at a time); order is kept.
+    operation (engines often remove blocks one event at a time). Within a
+    stretch of events on one tier, removals go first when that changes no
+    count, so that a pool evicting one chunk per chunk it stores gives two
+    operations, not one per event; otherwise order is kept.
     This runs for every event the indexer sees: events are grouped in C by
     the fields that make them one operation, and Python runs once per group.
     """
     ops: list[Op] = []
-    for (cls, medium, ownership, group_idx, locality, kind), run in groupby(
-        batch.events, _SIGNATURE
-    ):
-        if cls is AllBlocksCleared:
-            ops.extend(_CLEAR_GPU for _ in run)
-            continue
-        tier = _TIERS.get((medium, ownership, group_idx)) or _tier(medium, ownership, group_idx)
-        if cls is BlockRemoved:
-            _add(ops, tier, -1, list(run), locality, None, None)
-        elif tier.medium == GPU or not is_scored(kind):
-            _add(ops, tier, 1, list(run), locality, kind, None)
-        else:  # lower-tier stores: self-describing chunks teach the chunk size
-            for chunk, stores in groupby(run, _chunk_blocks):
-                _add(ops, tier, 1, list(stores), locality, kind, chunk)
+    runs = groupby(batch.events, _SIGNATURE)
+    for _, stretch in groupby(runs, _place):
+        alike = [(signature, list(run)) for signature, run in stretch]
+        for signature, events in _removals_first(alike) if len(alike) > 2 else alike:
+            _plan_run(ops, signature, events)
     return ops
+
+
+Run = tuple[tuple, list[Event]]
+
+
+def _place(run: tuple[tuple, object]) -> tuple:
+    """Where a run's events act: runs of one place act on one tier."""
+    return run[0][1:5]
+
+
+def _removals_first(runs: list[Run]) -> list[Run]:
+    """The runs with every removal moved ahead of every store, if that changes nothing.
+
+    Counts of distinct hashes do not interact, so the move changes nothing
+    unless the stretch clears, or removes a hash after storing it (an
+    eviction of a block stored moments before; evicting, then storing again,
+    keeps its order). Runs left next to a run alike are joined.
+    """
+    classes = [signature[0] for signature, _ in runs]
+    if AllBlocksCleared in classes or BlockRemoved not in classes:
+        return runs
+    removed = [run for run in runs if run[0][0] is BlockRemoved]
+    stored = [run for run in runs if run[0][0] is not BlockRemoved]
+    if not stored:
+        return runs
+    both = set(_all_hashes(removed))
+    both.intersection_update(_all_hashes(stored))
+    if both and _removed_after_stored(runs, both):
+        return runs
+    return [
+        (signature, [*chain.from_iterable(events for _, events in alike)])
+        for signature, alike in groupby(removed + stored, itemgetter(0))
+    ]
+
+
+def _all_hashes(runs: list[Run]) -> Iterable[BlockHash]:
+    return chain.from_iterable(map(_hashes, chain.from_iterable(map(itemgetter(1), runs))))
+
+
+def _removed_after_stored(runs: list[Run], hashes: set[BlockHash]) -> bool:
+    """Whether some run removes one of ``hashes`` after an earlier run stored it."""
+    stored: set[BlockHash] = set()
+    for signature, events in runs:
+        for event in events:
+            if signature[0] is BlockRemoved:
+                if not stored.isdisjoint(event.block_hashes):
+                    return True
+            else:
+                stored.update(hashes.intersection(event.block_hashes))
+    return False
+
+
+def _plan_run(ops: list[Op], signature: tuple, events: list[Event]) -> None:
+    """Append the operation of a run of alike events (several for lower-tier stores)."""
+    cls, medium, ownership, group_idx, locality, kind = signature
+    if cls is AllBlocksCleared:
+        ops.extend(repeat(_CLEAR_GPU, len(events)))
+        return
+    tier = _TIERS.get((medium, ownership, group_idx)) or _tier(medium, ownership, group_idx)
+    if cls is BlockRemoved:
+        _add(ops, tier, -1, events, locality, None, None)
+    elif tier.medium == GPU or not is_scored(kind):
+        _add(ops, tier, 1, events, locality, kind, None)
+    else:  # lower-tier stores: self-describing chunks teach the chunk size
+        sizes = list(map(len, map(_hashes, events)))
+        if sizes.count(sizes[0]) == len(sizes) and min(map(_block_size, events)) > 0:
+            _add(ops, tier, 1, events, locality, kind, sizes[0])  # all one chunk size
+            return
+        for chunk, stores in groupby(events, _chunk_blocks):
+            _add(ops, tier, 1, list(stores), locality, kind, chunk)
 
 
 def _add(

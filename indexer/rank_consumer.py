@@ -176,6 +176,8 @@ class Shared:
     context: zmq.asyncio.Context
     replay_slots: asyncio.Semaphore
     notify: Observer
+    #: Whether an observer reads an engine's token ids (else batches are decoded without them).
+    reads_tokens: Callable[[str], bool]
 
 
 class RankConsumer:
@@ -481,7 +483,7 @@ class RankConsumer:
         """Decode and apply one batch; an undecodable one stays missing (replay may
         bring a good copy, or its attempts run out and the seq is given up)."""
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, tokens=self._shared.reads_tokens(self.rank.engine))
         except WireError as e:
             self._reject(e)
             return

@@ -58,7 +58,8 @@ async def apply_trace(store: Store, rank: RankId, trace: Trace) -> ReplayStats:
     """Decode and apply every batch of a trace in order, as one engine rank."""
     block_ops, started = 0, time.perf_counter()
     for seq, payload in trace:
-        block_ops += (await store.apply_batch(rank, seq, decode_batch(payload))).block_ops
+        batch = decode_batch(payload, tokens=False)
+        block_ops += (await store.apply_batch(rank, seq, batch)).block_ops
     return ReplayStats(len(trace), block_ops, time.perf_counter() - started)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import zmq.asyncio
 
@@ -42,12 +42,22 @@ class RankPool:
         self.settings = settings or SubscriberSettings()
         self._ranks: dict[RankId, RankConsumer] = {}
         self._observers: list[Observer] = []
+        self._token_readers: list[Callable[[str], bool]] = []
         self._failed_observers: set[int] = set()
         self._shared: Shared | None = None
 
-    def add_observer(self, observer: Observer) -> None:
-        """Call ``observer(rank, batch)`` after every applied batch."""
+    def add_observer(
+        self, observer: Observer, reads_tokens: Callable[[str], bool] | None = None
+    ) -> None:
+        """Call ``observer(rank, batch)`` after every applied batch.
+
+        Batches come with token ids only for engines some observer's
+        ``reads_tokens(engine)`` asks them of: decoding them is half the
+        cost of decoding a batch, and only the learned token index needs them.
+        """
         self._observers.append(observer)
+        if reads_tokens is not None:
+            self._token_readers.append(reads_tokens)
 
     def open(self) -> None:
         """Make the shared ZMQ context; report rank gauges from now on."""
@@ -56,6 +66,7 @@ class RankPool:
             zmq.asyncio.Context(),
             asyncio.Semaphore(self.settings.max_concurrent_replays),
             self._notify,
+            self._reads_tokens,
         )
         metrics.watch(self)
 
@@ -110,6 +121,9 @@ class RankPool:
         for rank, consumer in list(self._ranks.items()):
             yield rank.engine, consumer.snapshot()
 
+    def _reads_tokens(self, engine: str) -> bool:
+        return any(reads(engine) for reads in self._token_readers)
+
     def _notify(self, rank: RankId, batch: EventBatch) -> None:
         for observer in self._observers:
             try:
@@ -139,9 +153,11 @@ class Subscriber:
         self._pool = RankPool(settings)
         self._listening = False
 
-    def add_observer(self, observer: Observer) -> None:
-        """Call ``observer(rank, batch)`` after every applied batch."""
-        self._pool.add_observer(observer)
+    def add_observer(
+        self, observer: Observer, reads_tokens: Callable[[str], bool] | None = None
+    ) -> None:
+        """See :meth:`RankPool.add_observer`."""
+        self._pool.add_observer(observer, reads_tokens)
 
     async def start(self) -> None:
         """Start consuming every registered engine, and follow the registry."""

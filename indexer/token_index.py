@@ -34,7 +34,7 @@ import msgspec
 
 from indexer.hashing import MMFeature, block_extra_keys
 from indexer.model import RankId
-from indexer.wire import BlockHash, BlockStored, EventBatch
+from indexer.wire import STORED, BlockHash, BlockStored, EventBatch
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -64,7 +64,7 @@ class TokenIndex:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self._capacity = capacity
-        self._learns = learns
+        self.learns = learns
         self._entries: OrderedDict[bytes, BlockHash] = OrderedDict()
         self._ranks: dict[str, set[int]] = {}
         self._bytes_hashes: dict[str, bool] = {}
@@ -76,12 +76,12 @@ class TokenIndex:
         """Learn from one applied batch (a subscriber observer)."""
         learns = None
         for event in batch.events:
-            if type(event) is not BlockStored or not event.block_hashes:
+            if type(event) not in STORED or not event.block_hashes:
                 continue
             self._bytes_hashes[rank.engine] = type(event.block_hashes[0]) is bytes
             if learns is None:
-                learns = self._learns(rank.engine)
-            if learns:
+                learns = self.learns(rank.engine)
+            if learns and type(event) is BlockStored:  # decoded with its token ids
                 self._learn(rank, event)
 
     def _learn(self, rank: RankId, event: BlockStored) -> None:

@@ -107,19 +107,57 @@ def _default(field: msgspec.structs.FieldInfo) -> object:
     return field.default
 
 
-def _variant(cls: type, *, required: int, **options) -> type:
+def _variant(
+    cls: type, *, required: int, keep: tuple[str, ...] | None = None, name: str = "", **options
+) -> type:
     """Derive another shape of an event struct from its one field list.
 
     ``required`` leading fields lose their defaults, as in vLLM's own structs;
     with ``omit_defaults`` that reproduces vLLM's encoding byte for byte.
+    ``keep``, if given, names the only fields the variant has.
     """
     fields = [
         (f.name, f.type) if i < required else (f.name, f.type, _default(f))
         for i, f in enumerate(msgspec.structs.fields(cls))
+        if keep is None or f.name in keep
     ]
     return msgspec.defstruct(
-        cls.__name__, fields, tag=cls.__struct_config__.tag, tag_field="type", gc=False, **options
+        name or cls.__name__,
+        fields,
+        tag=cls.__struct_config__.tag,
+        tag_field="type",
+        gc=False,
+        **options,
     )
+
+
+#: What the index itself reads of a ``BlockStored``: its hashes and its tier.
+_INDEXED_FIELDS = (
+    "block_hashes",
+    "block_size",
+    "medium",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "locality",
+    "ownership",
+)
+
+#: A ``BlockStored`` decoded for the index alone. Token ids are ten times a
+#: payload's hashes (16 per block), and building them as Python ints was half
+#: of decoding; msgspec steps over the fields a struct lacks without building
+#: them (and so without validating them). Only the learned token index reads them.
+StoredHashes = _variant(
+    BlockStored, required=1, keep=_INDEXED_FIELDS, name="StoredHashes", frozen=True
+)
+
+#: Stored events, in either form.
+STORED = (BlockStored, StoredHashes)
+
+
+class IndexedBatch(EventBatch, array_like=True, gc=False, frozen=True):
+    """A batch whose stores are :data:`StoredHashes`: what ingest decodes by default."""
+
+    events: list[StoredHashes | BlockRemoved | AllBlocksCleared]  # type: ignore[valid-type]
 
 
 # Positional (pre-0.33) events: the same fields in the same order, tag first,
@@ -161,6 +199,7 @@ _VllmBatch = msgspec.defstruct(
 )
 
 _decode_map = msgspec.msgpack.Decoder(EventBatch).decode
+_decode_indexed = msgspec.msgpack.Decoder(IndexedBatch).decode
 _decode_legacy = msgspec.msgpack.Decoder(list).decode
 
 
@@ -187,13 +226,15 @@ def _check(batch: EventBatch) -> EventBatch:
     return batch
 
 
-def decode_batch(payload: bytes) -> EventBatch:
+def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
     """Decode one batch payload (the third frame) into typed events.
 
     Media are validated here but left as sent; use :func:`normalise_medium`.
+    ``tokens=False`` decodes stores as :data:`StoredHashes` (an
+    :class:`IndexedBatch`), skipping what only the token index reads.
     """
     try:
-        return _check(_decode_map(payload))
+        return _check((_decode_map if tokens else _decode_indexed)(payload))
     except msgspec.DecodeError as map_error:
         legacy = _legacy_batch(payload, map_error)
     events = [_from_positional(e) for e in legacy[1]]

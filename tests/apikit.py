@@ -42,7 +42,7 @@ class FakeConsumers:
     def running(self) -> bool:
         return self.is_running
 
-    def add_observer(self, observer: Observer) -> None:
+    def add_observer(self, observer: Observer, reads_tokens: object = None) -> None:
         self.observers.append(observer)
 
     async def apply(self, rank: RankId, seq: int, batch: EventBatch) -> None:

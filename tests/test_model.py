@@ -47,17 +47,20 @@ _ops = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(_ops)
-def test_random_interleavings_match_a_naive_reference(ops) -> None:
+@settings(max_examples=400, deadline=None)
+@given(_ops, st.integers(1, 60))
+def test_random_interleavings_match_a_naive_reference(ops, per_batch: int) -> None:
+    """Event by event, or many per batch (where planning may reorder them)."""
     state, naive, unknown = RankResidency(), Counter(), 0
+    events = [
+        stored(hashes, medium, group, owner=owner)
+        if is_store
+        else removed(hashes, medium, group, owner)
+        for is_store, medium, owner, group, hashes in ops
+    ]
+    for start in range(0, len(events), per_batch):
+        apply(state, *events[start : start + per_batch])
     for is_store, medium, owner, group, hashes in ops:
-        event = (
-            stored(hashes, medium, group, owner=owner)
-            if is_store
-            else removed(hashes, medium, group, owner)
-        )
-        apply(state, event)
         for h in hashes:
             key = (medium, owner, group, h)
             if is_store:
@@ -169,12 +172,27 @@ def test_plan_batch_merges_runs_on_one_tier_and_keeps_order() -> None:
         ],
     )
     ops = plan_batch(batch)
-    assert [(getattr(op, "delta", None), list(getattr(op, "hashes", []))) for op in ops] == [
-        (-1, [1, 2]),
+    assert _summary(ops) == [
+        (-1, [1, 2, 4]),  # no hash both stored and removed: removals first
         (1, [3]),
-        (-1, [4]),
         (-1, [5]),
         (None, []),
         (-1, [6, 7]),
     ]
     assert batch.events[0].block_hashes == [1]  # the decoded events are left as they were
+
+
+def _summary(ops: list) -> list[tuple[int | None, list]]:
+    return [(getattr(op, "delta", None), list(getattr(op, "hashes", []))) for op in ops]
+
+
+def test_plan_batch_keeps_order_when_a_hash_is_removed_after_it_was_stored() -> None:
+    evict_then_store = [removed([1]), stored([1]), removed([2]), stored([3])]
+    assert _summary(plan_batch(EventBatch(1.0, evict_then_store))) == [(-1, [1, 2]), (1, [1, 3])]
+    store_then_evict = [removed([2]), stored([1]), removed([1]), stored([3])]
+    assert _summary(plan_batch(EventBatch(1.0, store_then_evict))) == [
+        (-1, [2]),
+        (1, [1]),
+        (-1, [1]),
+        (1, [3]),
+    ]

@@ -23,7 +23,10 @@ from indexer.replay import load_trace
 from indexer.stores import ApplyResult, MemoryStore, StoreUnavailable
 from indexer.subscriber import Subscriber, SubscriberSettings
 from indexer.wire import (
+    STORED,
+    BlockStored,
     EventBatch,
+    StoredHashes,
     WireError,
     batch_ts,
     decode_batch,
@@ -430,13 +433,21 @@ async def test_lag_is_measured_while_behind(engine) -> None:
     assert (st.lag_batches, st.lag_seconds) == (0, 0.0)
 
 
-async def test_registry_changes_at_runtime_and_observers(engine) -> None:
+@pytest.mark.parametrize("reads_tokens", [False, True])
+async def test_registry_changes_at_runtime_and_observers(engine, reads_tokens: bool) -> None:
+    """Observers see every applied batch, with token ids only if one of them reads them."""
     e = engine()
     registry = EngineRegistry()
     store = MemoryStore()
     sub = Subscriber(store, registry, FAST)
     observed: list[tuple[RankId, float]] = []
-    sub.add_observer(lambda rank, batch: observed.append((rank, batch.ts)))
+    stores: set[type] = set()
+
+    def observe(rank: RankId, batch: EventBatch) -> None:
+        observed.append((rank, batch.ts))
+        stores.update(type(event) for event in batch.events if type(event) in STORED)
+
+    sub.add_observer(observe, (lambda name: name == "e") if reads_tokens else None)
     await sub.start()
     try:
         assert sub.running()
@@ -445,6 +456,7 @@ async def test_registry_changes_at_runtime_and_observers(engine) -> None:
         await publish(e.publisher(), items)
         await applied(sub, 199)
         assert observed == [(RANK, b.ts) for b in items]
+        assert stores == {BlockStored if reads_tokens else StoredHashes}
         series = ("kvindex_ingest_batches_total", {"engine": "e", "dp_rank": "0"})
         assert REGISTRY.get_sample_value(*series) >= len(items)
         await registry.remove("e")

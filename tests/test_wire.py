@@ -10,10 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer.wire import (
+    STORED,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
+    IndexedBatch,
+    StoredHashes,
     WireError,
     decode_batch,
     decode_frames,
@@ -68,6 +71,19 @@ def _default(field: msgspec.structs.FieldInfo) -> object:
     if field.default_factory is not msgspec.NODEFAULT:
         return field.default_factory()
     return field.default
+
+
+@pytest.mark.parametrize("path", [p for p in WIRE if p.stem != "legacy_positional"], ids=str)
+def test_decoding_without_tokens_keeps_every_field_the_index_reads(path) -> None:
+    raw = path.read_bytes()
+    full, indexed = decode_batch(raw), decode_batch(raw, tokens=False)
+    assert isinstance(indexed, IndexedBatch)
+    assert (indexed.ts, indexed.data_parallel_rank) == (full.ts, full.data_parallel_rank)
+    assert len(indexed.events) == len(full.events)
+    for lean, event in zip(indexed.events, full.events, strict=True):
+        assert type(lean) is (StoredHashes if type(event) is BlockStored else type(event))
+        for name in lean.__struct_fields__:
+            assert getattr(lean, name) == getattr(event, name), name
 
 
 @pytest.mark.parametrize("path", [p for p in WIRE if p.stem != "legacy_positional"], ids=str)
@@ -175,11 +191,12 @@ _event_like = st.fixed_dictionaries(
     )
 )
 def test_random_payloads_never_crash_the_decoder(payload: bytes) -> None:
-    try:
-        batch = decode_batch(payload)
-    except WireError as error:
-        assert error.reason
-    else:
-        assert isinstance(batch, EventBatch)
-        for event in batch.events:
-            assert isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared)
+    for tokens in (True, False):
+        try:
+            batch = decode_batch(payload, tokens=tokens)
+        except WireError as error:
+            assert error.reason
+        else:
+            assert isinstance(batch, EventBatch)
+            for event in batch.events:
+                assert isinstance(event, (*STORED, BlockRemoved, AllBlocksCleared))
