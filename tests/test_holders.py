@@ -127,3 +127,23 @@ def test_a_forgotten_ranks_bit_is_reused_clean() -> None:
         assert found[second].gpu_blocks == 0
 
     asyncio.run(run())
+
+
+def test_more_answer_classes_than_one_byte_counts() -> None:
+    """Every rank its own GPU run length: 300 classes, past the 255 spread in one pass."""
+    chain = list(range(1, 301))
+    store = MemoryStore()
+
+    async def run() -> dict:
+        for i in range(len(chain)):
+            batch = EventBatch(0.0, [BlockStored(chain[: i + 1])])
+            await store.apply_batch(RankId(f"e{i}", 0), 1, batch)
+        await store.apply_batch(RankId("cold", 0), 1, EventBatch(0.0, [BlockStored([999])]))
+        engines = {f"e{i}": None for i in range(len(chain))} | {"cold": None}
+        return await store.prefix_match(chain, engines)
+
+    matches = asyncio.run(run())
+    assert {rank.engine: m.gpu_blocks for rank, m in matches.items()} == {
+        **{f"e{i}": i + 1 for i in range(len(chain))},
+        "cold": 0,
+    }

@@ -18,12 +18,10 @@ object, so the index costs one dict slot per distinct hash and medium.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial, reduce
-from itertools import accumulate, compress, filterfalse, repeat
-from operator import and_, ne, neg, or_
+from itertools import compress, count, filterfalse, repeat
+from operator import and_, ne, or_
 
 from indexer.model import (
     CPU,
@@ -42,8 +40,9 @@ from indexer.wire import BlockHash
 
 _MATCHES_CACHED = 4096
 _EMPTY = PrefixMatch()
-#: Blocks looked up per C pass of a walk: more passes cost Python, longer ones overshoot.
-_MAX_STEP = 64
+#: Keys looked up per C pass of a walk: more passes cost Python, longer ones overshoot.
+#: A walk starts with a short pass (many end at once), or as far as it guesses it goes.
+_MIN_STEP, _MAX_STEP = 16, 64
 
 
 class HolderIndex:
@@ -54,24 +53,18 @@ class HolderIndex:
         self._free: list[int] = []
         self._slots = 0
         self._matches: dict[tuple, PrefixMatch] = {}
-        self._owners: dict[int, RankId] = {}
-        self._digits: _Digits | None = None  # rebuilt when a bit changes hands
+        self._digits: _Digits | None = None  # rebuilt when the number of slots grows
 
-    def take_bit(self, owner: RankId) -> int:
+    def take_bit(self) -> int:
         """A bit no live rank uses (its hashes were all discarded when it was released)."""
         if self._free:
-            bit = self._free.pop()
-        else:
-            self._slots += 1
-            bit = 1 << (self._slots - 1)
-        self._owners[bit] = owner
+            return self._free.pop()
+        self._slots += 1
         self._digits = None
-        return bit
+        return 1 << (self._slots - 1)
 
     def release_bit(self, bit: int) -> None:
         self._free.append(bit)
-        del self._owners[bit]
-        self._digits = None
 
     def add(self, medium: str, bit: int, hashes: Iterable[BlockHash]) -> None:
         """Set ``bit`` on every hash (idempotent). A new hash gets ``bit`` itself.
@@ -110,83 +103,80 @@ class HolderIndex:
         Same answers as :func:`~indexer.model.match_prefix` over each rank's
         own tables (the conformance suite and ``tests/test_holders.py`` hold
         it to that). Every run is found for all ranks at once, on bitmasks
-        (see :func:`_segments`); ranks are then split into the few classes
-        that share every run length, and each class gets one (shared) answer.
+        (see :func:`_segments`): the GPU run here, the lower tiers' in
+        :meth:`_chunked`. Ranks sharing every run length form a class and
+        share one answer; :meth:`_Digits.spread` hands each rank its class's.
         A rank holding neither the first block nor the first chunk of any
         tier matches nothing and gets the shared empty answer.
-
-        The prefix is the GPU run extended by the chunks after it that a
-        lower tier holds: the leading run of chunks each either wholly
-        inside the rank's GPU run or on CPU or STORAGE. With no STORAGE
-        chunk on that way, every extending chunk comes from CPU; a rank that
-        has one is combined chunk by chunk (:meth:`_lower`), CPU first.
         """
-        out = dict.fromkeys(ranks, _EMPTY)
         if not chain or not ranks:
-            return out
+            return dict.fromkeys(ranks, _EMPTY)
         gpu_index, cpu, storage = self.media[GPU], self.media[CPU], self.media[STORAGE]
-        distinct = set(sizes)
-        if len(distinct) == 1:
-            groups = {distinct.pop() or 0: reduce(or_, bits)}
-        else:
-            groups = {}
-            for bit, size in zip(bits, sizes, strict=True):
-                groups[size or 0] = groups.get(size or 0, 0) | bit
         head = gpu_index.get(chain[0], 0)
-        everyone = 0
-        for size, group in groups.items():
-            if size:
+        groups: dict[int, int] = {}
+        for size, group in _groups(bits, sizes).items():
+            if size:  # a chunk size longer than the chain means GPU only, like size 0
                 end = chain[size - 1] if size <= len(chain) else None
                 group &= head | cpu.get(end, 0) | storage.get(end, 0)
             else:
                 group &= head
-            groups[size] = group
-            everyone |= group
-        if not everyone:
-            return out
-        owners = self._digits or self._owned()
-        gpu = _segments(partial(_read, gpu_index.get, chain), len(chain), everyone)
+            if group:
+                groups[size] = group
+        if not groups:
+            return dict.fromkeys(ranks, _EMPTY)
+        everyone = sum(groups.values())  # the groups are disjoint
+        gpu = _segments(gpu_index.get, chain, everyone & head)
+        if everyone & ~head:
+            gpu.append((0, everyone & ~head))
+        answers: list[tuple[int, PrefixMatch]] = []
         for size, group in groups.items():
-            if not group:
-                continue
-            classes = [(group & m, n) for n, m in gpu if group & m]
-            if not size:
-                for mask, g in classes:
-                    if g:
-                        owners.assign(out, mask, self._cached(g, 0, 0, g, 0, 0))
-                continue
-            ends = chain[size - 1 :: size]
-            chunks = len(ends)
-            on_cpu_masks = _Lookup(cpu, ends)  # read once: the CPU run is found from the same masks
-            on_storage_masks = _Lookup(storage, ends) if storage else None
-            steps = _segments(
-                partial(_either, on_cpu_masks, on_storage_masks, _covered(gpu, size, chunks)),
-                chunks,
-                group,
-            )
-            on_cpu = _segments(on_cpu_masks, chunks, group)
-            on_storage = (
-                _segments(on_storage_masks, chunks, group) if on_storage_masks else [(0, group)]
-            )
-            mixed = 0  # ranks with a STORAGE chunk where the prefix may extend
-            if on_storage_masks:
-                reach = max(n for n, _ in steps)
-                mixed = group & reduce(or_, on_storage_masks(0, reach), 0)
-            for mask, (g, n, c, s) in _refine(classes, steps, on_cpu, on_storage):
-                if mask & mixed:
-                    for bit in _bits(mask & mixed):
-                        owners.assign(out, bit, self._lower(bit, g, size, ends, c, s))
-                    mask &= ~mixed
-                    if not mask:
-                        continue
-                prefix = max(g, n * size)
-                if prefix or c or s:  # the rest already have the (equal) empty answer
-                    match = self._cached(g, c * size, s * size, prefix, prefix - g, 0)
-                    owners.assign(out, mask, match)
-        return out
+            if 0 < size <= len(chain):
+                self._chunked(answers, gpu, chain, size, group)
+            else:
+                answers += [
+                    (m & group, self._cached(g, 0, 0, g, 0, 0)) for g, m in gpu if g and m & group
+                ]
+        return (self._digits or self._owned()).spread(answers, ranks, bits)
+
+    def _chunked(
+        self,
+        answers: list[tuple[int, PrefixMatch]],
+        gpu: list[tuple[int, int]],
+        chain: Sequence[BlockHash],
+        size: int,
+        group: int,
+    ) -> None:
+        """Add the answers of the ``group`` ranks, matched in chunks of ``size`` blocks.
+
+        The prefix is the GPU run extended by the chunks after it that a
+        lower tier holds, CPU first. Were CPU the only lower tier, a rank's
+        prefix would stop at a chunk found by :func:`_extended`. Only a rank
+        holding that chunk on STORAGE goes further: it is combined chunk by
+        chunk (:meth:`_lower`); everyone else's extension is all from CPU.
+        """
+        ends = chain[size - 1 :: size]
+        cpu, storage = self.media[CPU], self.media[STORAGE]
+        on_first = group & cpu.get(ends[0], 0)
+        # CPU runs mostly follow GPU runs: read that far in one slice
+        guess = max([g for g, m in gpu if m & on_first], default=0) // size + 1
+        on_cpu = _runs(cpu.get, ends, group, on_first, max(guess, _MIN_STEP))
+        on_storage = (
+            _runs(storage.get, ends, group, group & storage.get(ends[0], 0))
+            if storage
+            else [(0, group)]
+        )
+        classes = _classes(gpu, on_cpu, on_storage, group)
+        for mask, g, c, s, n in _extended(classes, cpu.get, ends, size):
+            mixed = mask & storage.get(ends[n], 0) if storage and n < len(ends) else 0
+            for bit in _bits(mixed):
+                answers.append((bit, self._lower(bit, g, size, ends, c, s)))
+            mask &= ~mixed
+            prefix = max(g, n * size)
+            if mask and (prefix or c or s):  # an empty answer is the default
+                answers.append((mask, self._cached(g, c * size, s * size, prefix, prefix - g, 0)))
 
     def _owned(self) -> _Digits:
-        digits = self._digits = _Digits(self._owners, self._slots)
+        digits = self._digits = _Digits(self._slots)
         return digits
 
     def _lower(
@@ -220,86 +210,120 @@ class HolderIndex:
         return match
 
 
-def _segments(
-    masks: Callable[[int, int], list[int]], length: int, active: int
-) -> list[tuple[int, int]]:
-    """``(run length, bits)`` pairs: how many leading positions each bit of ``active`` holds.
+def _groups(bits: Sequence[int], sizes: Sequence[int | None]) -> dict[int, int]:
+    """Chunk size (0: GPU only) -> the bits of the ranks matched with it."""
+    if sizes.count(sizes[0]) == len(sizes):
+        return {sizes[0] or 0: sum(bits)}  # bits are distinct powers of two
+    groups: dict[int, int] = {}
+    for bit, size in zip(bits, sizes, strict=True):
+        groups[size or 0] = groups.get(size or 0, 0) | bit
+    return groups
 
-    ``masks(a, b)`` gives the bitmask of each position ``a .. b - 1`` (fewer
-    past ``length``). The pairs partition ``active`` (a bit holding nothing
-    has length 0). The masks are and-ed in C, in slices that grow, so a
-    short match stops early; the and-ed masks only lose bits (so they only
-    decrease), and each point where bits drop out is found by bisection. A
-    slice held by exactly the bits still running (past a shared prefix,
-    typically one rank) needs no and-ing at all.
+
+def _segments(
+    get: Callable[[BlockHash], int | None],
+    keys: Sequence[BlockHash],
+    active: int,
+    step: int = _MIN_STEP,
+    start: int = 0,
+) -> list[tuple[int, int]]:
+    """``(end, bits)`` pairs: where each bit of ``active`` stops holding ``keys[start:]``.
+
+    ``get`` gives a key's holder mask (None: no holder). The pairs partition
+    ``active``; a bit holding every key ends at ``len(keys)``. Keys are read
+    in C, a slice at a time (``step`` keys, doubling up to ``_MAX_STEP``), so
+    a walk ends within a slice of where the last bit drops out. Masks come in long
+    runs of equal values (a shared system prompt, then one rank's turns):
+    a slice that only repeats the last mask is passed over in C (``count``),
+    and elsewhere only the positions where the mask changes are looked at.
     """
     out: list[tuple[int, int]] = []
-    pos, step = 0, 16
+    pos, last, length = start, None, len(keys)
     while active and pos < length:
-        piece = masks(pos, pos + step)
-        pos += len(piece)
+        piece = list(map(get, keys[pos : pos + step]))
         step = min(2 * step, _MAX_STEP)
-        if piece.count(active) == len(piece):
-            continue
-        acc = list(accumulate(piece, and_, initial=active))
-        start = pos - len(piece)
-        k = 0
-        while acc[-1] != active:
-            k = bisect_right(acc, -active, k, key=neg)  # the first mask below ``active``
-            out.append((start + k - 1, active & ~acc[k]))
-            active = acc[k]
+        if piece.count(last) != len(piece):
+            for i in compress(count(pos), map(ne, piece, [last, *piece])):
+                kept = active & (piece[i - pos] or 0)
+                if kept != active:
+                    out.append((i, active ^ kept))
+                    active = kept
+                    if not active:
+                        break
+            last = piece[-1]
+        pos += len(piece)
     if active:
         out.append((length, active))
     return out
 
 
-class _Lookup:
-    """``(a, b)`` -> the masks of ``keys[a:b]`` in ``index``, each read once and kept."""
+def _runs(
+    get: Callable[[BlockHash], int | None],
+    keys: Sequence[BlockHash],
+    group: int,
+    first: int,
+    step: int = _MIN_STEP,
+) -> list[tuple[int, int]]:
+    """:func:`_segments` over ``group``, given ``first``, the mask of ``keys[0]``.
 
-    __slots__ = ("get", "keys", "seen")
-
-    def __init__(self, index: dict[BlockHash, int], keys: Sequence[BlockHash]) -> None:
-        self.get, self.keys, self.seen = index.get, keys, []
-
-    def __call__(self, a: int, b: int) -> list[int]:
-        seen = self.seen
-        if b > len(seen):
-            seen.extend(map(self.get, self.keys[len(seen) : b], repeat(0)))
-        return seen[a:b]
-
-
-def _read(get: Callable, keys: Sequence[BlockHash], a: int, b: int) -> list[int]:
-    return list(map(get, keys[a:b], repeat(0)))
-
-
-def _either(cpu: _Lookup, storage: _Lookup | None, covered: list[int], a: int, b: int) -> list[int]:
-    """Per chunk ``a .. b - 1``: the bits holding it on CPU, on STORAGE or in their GPU run."""
-    held = map(or_, cpu(a, b), covered[a:b])
-    return list(map(or_, held, storage(a, b)) if storage else held)
-
-
-def _covered(gpu: list[tuple[int, int]], size: int, chunks: int) -> list[int]:
-    """Per chunk, the bits whose GPU run holds the whole chunk."""
-    out: list[int] = []
-    rest = 0
-    for _, bits in gpu:
-        rest |= bits
-    for n, bits in sorted(gpu):
-        first = min(n // size, chunks)
-        if first > len(out):
-            out.extend(repeat(rest, first - len(out)))
-        rest &= ~bits
-    out.extend(repeat(0, chunks - len(out)))
+    Most walks of a lower tier end at once: those cost no slice.
+    """
+    active = group & first
+    out = _segments(get, keys, active, step) if active else []
+    if group != active:
+        out.append((0, group & ~active))
     return out
 
 
-def _refine(
-    classes: list[tuple[int, int]], *runs: list[tuple[int, int]]
-) -> list[tuple[int, tuple]]:
-    """Split ``(bits, GPU run)`` classes until each shares every run's length too."""
-    out = [(bits, (n,)) for bits, n in classes]
-    for run in runs:
-        out = [(bits & m, (*key, n)) for bits, key in out for n, m in run if bits & m]
+def _classes(
+    gpu: list[tuple[int, int]],
+    on_cpu: list[tuple[int, int]],
+    on_storage: list[tuple[int, int]],
+    group: int,
+) -> list[tuple[int, int, int, int]]:
+    """``(bits, GPU run, CPU run, STORAGE run)``: the ``group`` ranks sharing all three runs."""
+    out = []
+    for g, on_gpu in gpu:
+        on_gpu &= group
+        for c, bits in on_cpu:
+            if on_gpu & bits:
+                for s, more in on_storage:
+                    if on_gpu & bits & more:
+                        out.append((on_gpu & bits & more, g, c, s))
+    return out
+
+
+def _extended(
+    classes: list[tuple[int, int, int, int]],
+    get: Callable[[BlockHash], int | None],
+    ends: Sequence[BlockHash],
+    size: int,
+) -> list[tuple[int, int, int, int, int]]:
+    """Each class with ``n``, the chunk where its prefix stops if only CPU may extend it.
+
+    Chunk ``g // size`` is the first not wholly inside the GPU run. A CPU
+    run reaching it ends there too; otherwise the CPU run starting at that
+    chunk is walked (once for all the classes starting there), and the
+    classes split by it.
+    """
+    out = []
+    later: dict[int, list[tuple[int, int, int, int]]] = {}
+    for bits, g, c, s in classes:
+        if c >= g // size:
+            out.append((bits, g, c, s, c))
+        else:
+            later.setdefault(g // size, []).append((bits, g, c, s))
+    for first, waiting in later.items():
+        active = sum(bits for bits, *_ in waiting)
+        if first < len(ends):
+            on = active & (get(ends[first]) or 0)
+            runs = _segments(get, ends, on, _MIN_STEP, first) if on else []
+            if active != on:
+                runs.append((first, active & ~on))
+        else:
+            runs = [(first, active)]
+        for bits, g, c, s in waiting:
+            out += [(bits & held, g, c, s, n) for n, held in runs if bits & held]
     return out
 
 
@@ -310,22 +334,35 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
-_FLAGS = bytes.maketrans(b"01", b"\x00\x01")
+#: ``_CLASS[k]`` turns a mask's binary digits into bytes: k for each 1, 0 for each 0.
+_CLASS = [bytes.maketrans(b"01", bytes((0, k))) for k in range(256)]
 
 
 class _Digits:
-    """Which rank each binary digit of a mask is, to hand a whole class its answer in C."""
+    """The binary digits of a rank mask, to hand whole classes of ranks their answer in C."""
 
-    __slots__ = ("by_digit", "spec")
+    __slots__ = ("spec", "width")
 
-    def __init__(self, owners: dict[int, RankId], width: int) -> None:
-        self.by_digit = [owners.get(1 << i) for i in reversed(range(width))]
-        self.spec = f"0{width}b"
+    def __init__(self, width: int) -> None:
+        self.width, self.spec = width, f"0{width}b"
 
-    def assign(self, out: dict[RankId, PrefixMatch], mask: int, match: PrefixMatch) -> None:
-        """``out[rank] = match`` for each rank whose bit is in ``mask``."""
-        flags = format(mask, self.spec).encode().translate(_FLAGS)
-        out.update(zip(compress(self.by_digit, flags), repeat(match)))
+    def spread(
+        self, answers: list[tuple[int, PrefixMatch]], ranks: Sequence[RankId], bits: Sequence[int]
+    ) -> dict[RankId, PrefixMatch]:
+        """Each rank's answer: that of the (disjoint) mask holding its bit, else the empty one.
+
+        Class k numbers its digits k in one byte string (up to 255 classes;
+        the rest, rare, one bit at a time); a rank then reads its digit.
+        """
+        table, ids = [_EMPTY], 0
+        for mask, match in answers[:255]:
+            ids |= int.from_bytes(format(mask, self.spec).encode().translate(_CLASS[len(table)]))
+            table.append(match)
+        by_bit = [_EMPTY, *map(table.__getitem__, ids.to_bytes(self.width)[::-1])]
+        for mask, match in answers[255:]:
+            for bit in _bits(mask):
+                by_bit[bit.bit_length()] = match
+        return dict(zip(ranks, map(by_bit.__getitem__, map(int.bit_length, bits)), strict=True))
 
 
 @dataclass

@@ -33,7 +33,7 @@ class MemoryStore:
         state = self._ranks.get(rank)
         if state is None:
             holders = self._holders
-            state = self._ranks[rank] = IndexedResidency(index=holders, bit=holders.take_bit(rank))
+            state = self._ranks[rank] = IndexedResidency(index=holders, bit=holders.take_bit())
             self._listing = None
         return state
 
