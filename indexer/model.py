@@ -145,8 +145,6 @@ def _removals_first(runs: list[Run]) -> list[Run]:
         return runs
     removed = [run for run in runs if run[0][0] is BlockRemoved]
     stored = [run for run in runs if run[0][0] is not BlockRemoved]
-    if not stored:
-        return runs
     both = set(_all_hashes(removed))
     both.intersection_update(_all_hashes(stored))
     if both and _removed_after_stored(runs, both):
