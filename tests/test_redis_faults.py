@@ -230,6 +230,28 @@ async def test_redis_restart_mid_stream_loses_and_doubles_nothing(
         await check_trace_state(store, TRACE)
 
 
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+async def test_more_concurrent_batches_than_connections_wait_for_one(request, kind: str) -> None:
+    """Ranks outnumbering the pool, on a server that has not loaded the scripts yet."""
+    server = server_for(request, kind)
+    client = Redis.from_url(server.url)
+    await client.script_flush()  # every node of a cluster: the first writes all reload them
+    await client.aclose()
+    config = dataclasses.replace(
+        redis_config(server.url, cluster=kind == "cluster"), max_connections=2
+    )
+    store = RedisStore(config)
+    ranks = [RankId(f"e{i}", 0) for i in range(24)]
+    try:
+        results = await asyncio.gather(
+            *(store.apply_batch(rank, 0, batch(stored([i + 1]))) for i, rank in enumerate(ranks))
+        )
+        assert all(result.applied for result in results)
+        assert [(await store.block_counts(rank))["GPU"] for rank in ranks] == [1] * len(ranks)
+    finally:
+        await store.close()
+
+
 async def test_unreachable_redis_raises_store_unavailable() -> None:
     port = free_port()
     for cluster in (False, True):

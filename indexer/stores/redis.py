@@ -397,13 +397,13 @@ class RedisStore:
     async def _run(self, commands: Sequence[tuple]) -> list:
         """Send commands in one pipeline (one round trip per node); load scripts once."""
         for attempt in (1, 2):
-            try:
-                async with self._connections:
+            async with self._connections:  # loading scripts takes a connection too
+                try:
                     return await self._send(commands)
-            except rex.NoScriptError:
-                if attempt == 2:
-                    raise
-                await self._load_scripts()
+                except rex.NoScriptError:
+                    if attempt == 2:
+                        raise
+                    await self._load_scripts()
         raise AssertionError("unreachable")
 
     async def _send(self, commands: Sequence[tuple]) -> list:
