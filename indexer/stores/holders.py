@@ -4,9 +4,9 @@ A prefix query asks how far each of many engine ranks holds one chain, per
 tier. Walking every rank's own tables costs a Python loop per rank per
 block (64 engines x 512 blocks: ~3 ms). This index answers for all ranks in
 one walk: per medium, ``hash -> bitmask`` of the rank slots whose *scored*
-tables of that medium hold the hash; a chain is walked once, in C
-(``accumulate`` of ``and`` over the masks), and each rank's run ends where
-its bit drops out.
+tables of that medium hold the hash; a chain is walked once, its masks
+read in C a slice at a time, and each rank's run ends where its bit drops
+out.
 
 The index is derived, never the source of truth: :class:`IndexedResidency`
 keeps :class:`~indexer.model.RankResidency`'s exact per-tier refcounts and
