@@ -27,7 +27,7 @@ from indexer.replay import apply_trace, load_trace
 from indexer.stores import StoreUnavailable
 from indexer.stores import redis as redis_store
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.wire import AllBlocksCleared, decode_batch
+from indexer.wire import AllBlocksCleared, EventBatch, decode_batch
 
 from .conftest import trace_path
 from .servers import RedisServer, free_port
@@ -64,6 +64,14 @@ def crashing(store: RedisStore, budget: int) -> RedisStore:
 
     store._run = limited
     return store
+
+
+async def crash_before_commit(config: RedisConfig, seq: int, crashed: EventBatch) -> None:
+    """Apply ``crashed`` with a store that dies after its block writes, before its commit."""
+    store = crashing_before_commit(RedisStore(config))
+    with pytest.raises(Crash):
+        await store.apply_batch(RANK, seq, crashed)
+    await store.close()
 
 
 def crashing_before_commit(store: RedisStore) -> RedisStore:
@@ -310,10 +318,7 @@ async def test_sweep_between_a_crash_and_redelivery_keeps_reserved_ids(
     async with reopened(config) as store:
         await store.apply_batch(RANK, 0, batch(stored([1, 2]), stored([3], "CPU")))
     cleared = batch(stored([4]), AllBlocksCleared(), stored([2, 5]), stored([6], "CPU"))
-    store = crashing_before_commit(RedisStore(config))
-    with pytest.raises(Crash):
-        await store.apply_batch(RANK, 1, cleared)
-    await store.close()
+    await crash_before_commit(config, 1, cleared)
     async with reopened(config) as store:
         assert await counts(store, 6) == {"CPU": 1}  # the crash came after the block writes
         await store.sweep()
@@ -332,10 +337,7 @@ async def test_a_clear_between_a_crash_and_redelivery_counts_once(
     async with reopened(config) as store:
         await store.apply_batch(RANK, 0, batch(stored([1]), stored([9], "CPU")))
     new_tier = batch(stored([2, 3], group=1), stored([4], "CPU"))
-    store = crashing_before_commit(RedisStore(config))
-    with pytest.raises(Crash):
-        await store.apply_batch(RANK, 1, new_tier)
-    await store.close()
+    await crash_before_commit(config, 1, new_tier)
     async with reopened(config) as store:
         assert await counts(store, 4) == {"CPU": 1}  # the crash came after the block writes
         await store.clear(RANK, ["GPU"])
