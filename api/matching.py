@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from api.chains import ChainComputer, Overrides, Prompt
 from api.context import ApiContext
@@ -21,6 +22,9 @@ from indexer.model import PrefixMatch, RankId
 from indexer.wire import BlockHash
 
 _NO_MATCH = PrefixMatch()
+_NONE: frozenset[int] = frozenset()
+_name = attrgetter("name")
+_score = attrgetter("score")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,32 +137,42 @@ class PrefixMatcher:
         statuses: dict[str, list[RankStatus]],
         found: dict[RankId, PrefixMatch],
     ) -> PrefixMatchResponse:
-        known: dict[str, set[int]] = {}
-        for rank in found:
-            known.setdefault(rank.engine, set()).add(rank.dp_rank)
+        """One entry per rank, best score first, then by engine and rank.
+
+        Runs per query for every rank of the fleet: entries are built in
+        (engine, rank) order so that one stable sort by score alone orders
+        them, and ranks are looked up by plain ``(engine, dp_rank)`` tuples
+        (equal to, and hashed like, :class:`RankId`).
+        """
+        extra: dict[str, set[int]] = {}  # ranks answered beyond the declared ones
+        for engine, dp_rank in found:
+            extra.setdefault(engine, set()).add(dp_rank)
         weights, entries, sizes = self._weights, [], set()
-        for spec in specs:
-            block_size = query.overrides.block_size_of(spec)
+        for spec in sorted(specs, key=_name):
+            name, model, block_size = spec.name, spec.model, query.overrides.block_size_of(spec)
             sizes.add(block_size)
-            by_rank = {s.dp_rank: s for s in statuses[spec.name]}
-            for dp_rank in sorted(set(range(spec.dp_ranks)) | known.get(spec.name, set())):
-                m = found.get(RankId(spec.name, dp_rank), _NO_MATCH)
+            degraded = {s.dp_rank: is_degraded(s) for s in statuses[name]}
+            dp_ranks = range(spec.dp_ranks)
+            if not extra.get(name, _NONE).issubset(dp_ranks):
+                dp_ranks = sorted(extra[name].union(dp_ranks))
+            for dp_rank in dp_ranks:
+                m = found.get((name, dp_rank), _NO_MATCH)
                 entries.append(
                     EngineMatch(
-                        engine=spec.name,
-                        dp_rank=dp_rank,
-                        model=spec.model,
-                        block_size=block_size,
-                        gpu_blocks=m.gpu_blocks,
-                        cpu_blocks=m.cpu_blocks,
-                        storage_blocks=m.storage_blocks,
-                        prefix_blocks=m.prefix_blocks,
-                        prefix_tokens=m.prefix_blocks * block_size,
-                        score=round(m.score(weights), 6),
-                        degraded=is_degraded(by_rank.get(dp_rank)),
+                        name,
+                        dp_rank,
+                        model,
+                        block_size,
+                        m.gpu_blocks,
+                        m.cpu_blocks,
+                        m.storage_blocks,
+                        m.prefix_blocks,
+                        m.prefix_blocks * block_size,
+                        round(m.score(weights), 6),
+                        degraded.get(dp_rank, True),
                     )
                 )
-        entries.sort(key=lambda e: (-e.score, e.engine, e.dp_rank))
+        entries.sort(key=_score, reverse=True)  # stable: ties keep (engine, rank) order
         block_size = next(iter(sizes)) if len(sizes) == 1 else query.overrides.block_size
         return PrefixMatchResponse(block_size, _num_blocks(query, block_size), entries)
 

@@ -160,10 +160,13 @@ async def serve_http(
     """Serve ``app`` on a listening socket until ``stop`` is set (or the server fails)."""
     # h11 refuses request heads over 16 KiB by default: too small for a GET
     # /prefix-match of an 8k-token prompt. Allow what the API itself allows.
+    # Named, not left to "auto": uvicorn's httptools backend, picked whenever
+    # it is installed, has no bound on a request head at all.
     limit = settings.max_body_bytes
-    server = _Server(
-        uvicorn.Config(app, log_config=None, access_log=False, h11_max_incomplete_event_size=limit)
+    config = uvicorn.Config(
+        app, http="h11", log_config=None, access_log=False, h11_max_incomplete_event_size=limit
     )
+    server = _Server(config)
     http = asyncio.create_task(server.serve(sockets=[sock]))
     host, port = sock.getsockname()[:2]
     log.info("serving", extra={"host": host, "port": port, **about})

@@ -13,12 +13,14 @@ keeps :class:`~indexer.model.RankResidency`'s exact per-tier refcounts and
 sets or clears the rank's bit when a hash enters or leaves the union of its
 scored tables of a medium (count 0 <-> above 0, clears, a group's kind
 turning scored or not). A hash held by one rank maps to that rank's own bit
-object, so the index costs one dict slot per distinct hash and medium.
+object, and masks several ranks share are pooled (one object per distinct
+value), so the index costs one dict slot per distinct hash and medium, and
+a walk compares runs of equal masks by identity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, count, filterfalse, repeat
 from operator import and_, ne, or_
@@ -39,6 +41,9 @@ from indexer.model import (
 from indexer.wire import BlockHash
 
 _MATCHES_CACHED = 4096
+#: Distinct masks kept as one shared object each; past this many the pool starts over
+#: (masks already in the index keep their objects: only sharing is lost, not answers).
+_POOLED_MASKS = 1 << 12
 _EMPTY = PrefixMatch()
 #: Keys looked up per C pass of a walk: more passes cost Python, longer ones overshoot.
 #: A walk starts with a short pass (many end at once), or as far as it guesses it goes.
@@ -53,6 +58,7 @@ class HolderIndex:
         self._free: list[int] = []
         self._slots = 0
         self._matches: dict[tuple, PrefixMatch] = {}
+        self._pool: dict[int, int] = {}  # mask -> the one object the index holds for it
         self._digits: _Digits | None = None  # rebuilt when the number of slots grows
 
     def take_bit(self) -> int:
@@ -61,7 +67,8 @@ class HolderIndex:
             return self._free.pop()
         self._slots += 1
         self._digits = None
-        return 1 << (self._slots - 1)
+        bit = 1 << (self._slots - 1)
+        return self._pool.setdefault(bit, bit)
 
     def release_bit(self, bit: int) -> None:
         self._free.append(bit)
@@ -77,7 +84,7 @@ class HolderIndex:
         before = list(map(index.setdefault, hashes, repeat(bit)))
         if before.count(bit) != len(before):
             shared = list(map(ne, before, repeat(bit)))
-            masks = map(or_, compress(before, shared), repeat(bit))
+            masks = self._pooled(map(or_, compress(before, shared), repeat(bit)))
             index.update(zip(compress(hashes, shared), masks, strict=True))
 
     def discard(self, medium: str, bit: int, hashes: Iterable[BlockHash]) -> None:
@@ -87,7 +94,17 @@ class HolderIndex:
         before = list(map(index.pop, hashes, repeat(0)))
         if before.count(bit) != len(before):
             rest = list(map(and_, before, repeat(~bit)))
-            index.update(zip(compress(hashes, rest), compress(rest, rest), strict=True))
+            masks = self._pooled(compress(rest, rest))
+            index.update(zip(compress(hashes, rest), masks, strict=True))
+
+    def _pooled(self, masks: Iterable[int]) -> Iterator[int]:
+        """The masks as the pool's objects: a walk compares runs of equal masks by
+        identity, and a mask many hashes share costs one int, not one per hash."""
+        pool = self._pool
+        if len(pool) > _POOLED_MASKS:
+            pool.clear()
+        masks = list(masks)
+        return map(pool.setdefault, masks, masks)
 
     def match(
         self,
