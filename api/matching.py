@@ -119,9 +119,10 @@ class PrefixMatcher:
 
     async def _run(self, lookups: list[_Lookup]) -> dict[RankId, PrefixMatch]:
         lookups = [lookup for lookup in lookups if lookup.chain and lookup.chunk_blocks]
-        answers = await asyncio.gather(
-            *(self._store.prefix_match(lookup.chain, lookup.chunk_blocks) for lookup in lookups)
-        )
+        calls = [self._store.prefix_match(lookup.chain, lookup.chunk_blocks) for lookup in lookups]
+        # One lookup (a fleet hashing alike) is awaited in place: gather would make it a
+        # task, a trip through the event loop that cost as much as an embedded match.
+        answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
         found: dict[RankId, PrefixMatch] = {}
         for lookup, answer in zip(lookups, answers, strict=True):
             if lookup.rank is None:
