@@ -160,8 +160,9 @@ async def serve_http(
     """Serve ``app`` on a listening socket until ``stop`` is set (or the server fails)."""
     # h11 refuses request heads over 16 KiB by default: too small for a GET
     # /prefix-match of an 8k-token prompt. Allow what the API itself allows.
-    # Named, not left to "auto": uvicorn's httptools backend, picked whenever
-    # it is installed, has no bound on a request head at all.
+    # h11 is named, not left to "auto": uvicorn would pick httptools whenever
+    # it is installed, whose parser refuses heads over a fixed ~80 KB whatever
+    # is configured here (a 16k-token GET prompt is about 100 KB).
     limit = settings.max_body_bytes
     config = uvicorn.Config(
         app, http="h11", log_config=None, access_log=False, h11_max_incomplete_event_size=limit

@@ -248,3 +248,35 @@ def test_ipc_endpoint_takes_a_single_rank() -> None:
     assert parse_engine_flag("a=ipc:///tmp/kv").rank_endpoint(0) == "ipc:///tmp/kv"
     with pytest.raises(ValueError, match="dp_ranks > 1"):
         parse_engine_flag("a=ipc:///tmp/kv,dp_ranks=2")
+
+
+async def test_request_heads_are_bounded_by_max_body_bytes() -> None:
+    """A GET prompt may be as long as a POST body, and no longer, whatever HTTP parser
+    is installed (h11 counts a head still arriving, so the refused one spans reads)."""
+    from fastapi import FastAPI
+
+    from api import ApiSettings
+    from indexer.serve import serve_http
+
+    app = FastAPI()
+
+    @app.get("/echo")
+    async def echo(q: str) -> int:
+        return len(q)
+
+    async def status(port: int, length: int) -> int:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET /echo?q={'x' * length} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+        line = await reader.readline()
+        writer.close()
+        return int(line.split()[1])
+
+    stop = asyncio.Event()
+    with listen("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        settings = ApiSettings(max_body_bytes=1 << 20)
+        served = asyncio.create_task(serve_http(app, settings, sock, stop))
+        codes = [await status(port, n) for n in (2048, 200_000, 2_000_000, 2048)]
+        stop.set()
+        await asyncio.wait_for(served, 10)
+    assert codes == [200, 200, 400, 200]
