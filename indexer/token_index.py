@@ -2,12 +2,23 @@
 
 Some engines' hashes cannot be recomputed here: xxhash without
 ``PYTHONHASHSEED`` seeds every chain with per-process random bytes, and an
-engine may not declare its algorithm at all. Their GPU and self-describing
-CPU/STORAGE ``BlockStored`` events still carry what defines each block —
-the parent hash, the block's token ids and its extra keys — next to the hash
-the engine computed. Remembering ``(rank, parent, tokens, extra keys) ->
-hash`` lets a ``tokens`` query walk a prompt block by block, with no hash
-algorithm involved, and stop at the first block no event described.
+engine may not declare its algorithm at all. Their GPU ``BlockStored``
+events still carry what defines each block — the parent hash, the block's
+token ids and its extra keys — next to the hash the engine computed.
+Remembering ``(rank, parent, tokens, extra keys) -> hash`` lets a ``tokens``
+query walk a prompt block by block, with no hash algorithm involved, and
+stop at the first block no event described.
+
+Only events that state every block's extra keys teach: a list with one entry
+per block (``None`` for a block without extras), naming the LoRA adapter in
+each block when the event has one. vLLM 0.33's GPU events do; its
+self-describing CPU/STORAGE events do not: they carry ``extra_keys = None``
+even for a request with a cache salt, a LoRA adapter or images (the adapter
+shows only in ``lora_name``). Read as "no extras", such an event would let a
+query without the salt match another tenant's blocks, so it teaches nothing;
+an offloaded chunk stays reachable through the entries its blocks' GPU
+events taught. (Releases whose events carry no extra keys at all teach
+nothing either: their tokens queries match nothing, never the wrong tenant.)
 
 Entries are kept per dp rank: each rank is its own process, with its own
 random seed. The index is bounded by an LRU over entries (learning or
@@ -88,11 +99,12 @@ class TokenIndex:
         size, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
         if size <= 0 or len(tokens) != size * len(hashes):
             return  # a placeholder (chunk end only) or a malformed store: nothing to learn
-        extras = event.extra_keys or ()
+        extras = _stated_extras(event)
+        if extras is None:
+            return  # whose blocks these are is unknown: see the module docstring
         parent = event.parent_block_hash
         entries = self._entries
-        for i, block_hash in enumerate(hashes):
-            extra = extras[i] if i < len(extras) else None
+        for i, (block_hash, extra) in enumerate(zip(hashes, extras, strict=True)):
             key = _key(rank, parent, tokens[i * size : (i + 1) * size], _normalised(extra))
             entries[key] = block_hash
             entries.move_to_end(key)
@@ -136,6 +148,22 @@ class TokenIndex:
     def publishes_bytes(self, engine: str) -> bool:
         """Whether the engine's events carry raw digests (int form until seen)."""
         return self._bytes_hashes.get(engine, False)
+
+
+def _stated_extras(event: BlockStored) -> list[list | None] | None:
+    """Each block's extra keys if the event states them all, else None (unknown).
+
+    ``None`` is not "no extras": vLLM's offload events leave the field out
+    whatever the request mixed into its hashes. A LoRA adapter is in every
+    block's extra keys, so an event naming one (or carrying only its id)
+    whose blocks do not list the name is incomplete too.
+    """
+    extras, lora = event.extra_keys, event.lora_name
+    if extras is None or len(extras) != len(event.block_hashes):
+        return None
+    if lora is None:
+        return None if event.lora_id is not None else extras
+    return extras if all(extra and lora in extra for extra in extras) else None
 
 
 def _key(

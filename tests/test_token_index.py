@@ -27,12 +27,14 @@ A, B = RankId("a", 0), RankId("a", 1)
 
 
 def stored(hashes, tokens, parent=None, size=4, **fields) -> EventBatch:
+    """A GPU-shaped store: every block's extra keys stated (none, unless given)."""
+    hashes = list(hashes)
     event = BlockStored(
-        block_hashes=list(hashes),
+        block_hashes=hashes,
         parent_block_hash=parent,
         token_ids=list(tokens),
         block_size=size,
-        **fields,
+        **{"extra_keys": [None] * len(hashes), **fields},
     )
     return EventBatch(1.0, [event], 0)
 
