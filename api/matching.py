@@ -78,7 +78,14 @@ class PrefixMatcher:
                 specs = [self._registry.get(name) for name in dict.fromkeys(names)]
             except UnknownEngine as e:
                 raise ApiError(404, f"unknown engine {e.args[0]!r}") from None
-        return specs if model is None else [s for s in specs if s.model == model]
+        if model is None:
+            return specs
+        serving = [s for s in specs if s.model == model]
+        # A model no engine serves is a typo or a stale router config, like an unknown engine;
+        # a known model that the named engines do not serve is an empty answer.
+        if not serving and all(s.model != model for s in self._registry.all()):
+            raise ApiError(404, f"unknown model {model!r}: no registered engine serves it")
+        return serving
 
     def _token_lookups(
         self, prompt: Prompt, overrides: Overrides, specs: list[EngineSpec]

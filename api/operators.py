@@ -20,7 +20,7 @@ from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.matching import is_degraded
 from api.openapi import answers, body
-from api.parsing import decode_body, hash_text, parse_hash
+from api.parsing import StrictQueryRoute, decode_body, hash_text, parse_hash
 from api.schemas import HASH_PATTERN, BlockResidencies, EngineState, RankState, Stats
 from indexer.engines import EngineExists, EngineSpec, RankStatus, UnknownEngine
 from indexer.model import MEDIA, RankId
@@ -102,7 +102,7 @@ def _total(counts: list[dict[str, int]]) -> dict[str, int]:
 
 def router(ctx: ApiContext) -> APIRouter:
     ops = Operators(ctx)
-    routes = APIRouter(tags=["operators"])
+    routes = APIRouter(tags=["operators"], route_class=StrictQueryRoute)
     guarded = require_token(ctx.settings.auth_token)
 
     @routes.get(

@@ -12,13 +12,17 @@ item by item, to parse it or to name the culprit.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import Annotated, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, TypeVar
 
 import msgspec
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 from starlette.requests import Request
+from starlette.responses import Response
 
-from api.errors import ApiError
+from api.errors import ApiError, ErrorBody
+from api.openapi import answers
 from api.schemas import HASH_PATTERN, MAX_TOKEN, MAX_UINT64, Token
 from indexer.wire import BlockHash
 
@@ -76,13 +80,21 @@ def parse_tokens(text: str, limit: int) -> list[int]:
         return tokens
     items = text.split(",")
     tokens = _decimals(items, 19)
-    if tokens is None:
-        i, item = next((i, t) for i, t in enumerate(items) if _TOKEN.fullmatch(t) is None)
-        raise ApiError(422, f"tokens[{i}] is not a non-negative integer: {item[:40]!r}")
-    if max(tokens) > MAX_TOKEN:
-        i = next(i for i, t in enumerate(tokens) if t > MAX_TOKEN)
-        raise ApiError(422, f"tokens[{i}] is out of range (0..2^63-1): {tokens[i]}")
+    if tokens is None or max(tokens) > MAX_TOKEN:
+        raise _first_bad_token(items)
     return tokens
+
+
+def _is_token(item: str) -> bool:
+    return _TOKEN.fullmatch(item) is not None and int(item) <= MAX_TOKEN
+
+
+def _first_bad_token(items: list[str]) -> ApiError:
+    """The 422 for the first item that is not a token, whether malformed or out of range."""
+    i, item = next((i, t) for i, t in enumerate(items) if not _is_token(t))
+    if _TOKEN.fullmatch(item) is None:
+        return ApiError(422, f"tokens[{i}] is not a non-negative integer: {item[:40]!r}")
+    return ApiError(422, f"tokens[{i}] is out of range (0..2^63-1): {item}")
 
 
 def parse_hash(item: int | str, where: str = "hash") -> BlockHash:
@@ -126,3 +138,52 @@ async def decode_body(request: Request, decode: Callable[[bytes], T], what: str)
         raise ApiError(422, f"invalid {what}: {e}") from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"body is not JSON: {e}") from None
+
+
+_UNKNOWN_QUERY = "an unknown query parameter"
+
+
+class StrictQueryRoute(APIRoute):
+    """A route that answers 422 to query parameters it does not take, naming them.
+
+    FastAPI ignores them, so a misspelt filter (``engine=`` for ``engines=``)
+    would answer as if no filter had been given: a wrong answer that looks
+    right. Bodies already refuse unknown fields; this makes query strings
+    agree. Every such route documents the 422 (added to its own, if any).
+    """
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        responses = dict(kwargs.get("responses") or {})
+        own = responses.get(422)
+        if own is None:
+            responses |= answers(_422=(ErrorBody, _UNKNOWN_QUERY))
+        else:
+            responses[422] = {**own, "description": f"{own['description']}; or {_UNKNOWN_QUERY}"}
+        super().__init__(path, endpoint, **{**kwargs, "responses": responses})
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        known = _query_names(self.dependant)
+
+        async def strict_handler(request: Request) -> Response:
+            unknown = [name for name in dict.fromkeys(request.query_params) if name not in known]
+            if unknown:
+                raise ApiError(422, _unknown_query_message(unknown, known))
+            return await handler(request)
+
+        return strict_handler
+
+
+def _query_names(dependant: Dependant) -> frozenset[str]:
+    """The query parameters a route reads, its dependencies' included."""
+    names = {param.alias for param in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return frozenset(names)
+
+
+def _unknown_query_message(unknown: list[str], known: frozenset[str]) -> str:
+    named = ", ".join(repr(name[:40]) for name in unknown[:5])
+    plural = "s" if len(unknown) > 1 else ""
+    takes = f"takes {', '.join(sorted(known))}" if known else "takes no query parameters"
+    return f"unknown query parameter{plural} {named}: this endpoint {takes}"

@@ -21,7 +21,14 @@ from api.matching import PrefixMatcher
 from api.matching import Query as MatchQuery
 from api.metrics import QUERY_SECONDS
 from api.openapi import answers, body
-from api.parsing import check_size, decode_body, parse_hashes, parse_tokens, split_list
+from api.parsing import (
+    StrictQueryRoute,
+    check_size,
+    decode_body,
+    parse_hashes,
+    parse_tokens,
+    split_list,
+)
 from api.schemas import (
     HASH_PATTERN,
     MAX_BLOCK_SIZE,
@@ -38,9 +45,9 @@ _decode_body = msgspec.json.Decoder(PrefixMatchBody).decode
 _ANSWERS = answers(
     _200=(PrefixMatchResponse, "every matching engine rank, best score first"),
     _400=(ErrorBody, "not exactly one of block_hashes and tokens"),
-    _404=(ErrorBody, "an engine named in `engines` is not registered"),
+    _404=(ErrorBody, "an engine in `engines` is not registered, or no engine serves `model`"),
     _413=(ErrorBody, "prompt or body over the configured maximum"),
-    _422=(ErrorBody, "a malformed field: non-integer token, hash out of range..."),
+    _422=(ErrorBody, "a malformed or unknown field: non-integer token, hash out of range..."),
     _503=(ErrorBody, "the store is unreachable"),
 )
 _CONTRACT = """\
@@ -49,8 +56,10 @@ Give exactly one of `block_hashes` (as the engines publish them) or `tokens`
 xxhash, xxhash_cbor, its seed, LoRA, cache salt and multimodal extra keys, in
 the int or bytes form it publishes; engines whose hash cannot be reproduced
 are matched through a token index learned from their events). `model` and
-`engines` filter; `block_size`, `hash_algo`, `hash_seed` override the
-engines' declared values for `tokens`.
+`engines` filter (an engine that is not registered, or a model no registered
+engine serves, is a 404); `block_size`, `hash_algo`, `hash_seed` override the
+engines' declared values for `tokens`. A query parameter or body field the
+endpoint does not take is a 422 that names it.
 
 Every rank of every matching engine is answered, best `score` first (then
 engine name, rank): `gpu_blocks` leading blocks on GPU; `cpu_blocks` /
@@ -89,7 +98,7 @@ def to_query(q: PrefixMatchBody, settings: ApiSettings) -> MatchQuery:
 
 def router(ctx: ApiContext) -> APIRouter:
     matcher, settings = PrefixMatcher(ctx), ctx.settings
-    routes = APIRouter(tags=["routers"])
+    routes = APIRouter(tags=["routers"], route_class=StrictQueryRoute)
 
     async def answer(q: PrefixMatchBody) -> Response:
         started = time.perf_counter()

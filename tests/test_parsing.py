@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from api.errors import ApiError
@@ -39,6 +39,7 @@ def strict(items: list[str], max_digits: int, ceiling: int) -> list[int] | int:
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(_ITEM, min_size=1, max_size=12))
+@example(["9223372036854775808", "\u0661"])  # out of range, then malformed: name the first
 def test_tokens_parse_as_the_strict_rules_say(items: list[str]) -> None:
     expected = [] if items == [""] else strict(items, 19, MAX_TOKEN)  # "" is no tokens
     if isinstance(expected, list):
