@@ -2,7 +2,9 @@
 
 ``/healthz`` only says the process serves HTTP. ``/readyz`` says it can
 answer queries truthfully: the store answers and event consumption runs;
-a load balancer should stop sending routers here otherwise.
+a load balancer should stop sending routers here otherwise. Ranks that have
+never had a publisher are listed in its answer; it is 503 only when that is
+every registered rank (nothing this process knows is being fed).
 """
 
 from __future__ import annotations
@@ -14,13 +16,25 @@ from api.context import ApiContext
 from api.errors import ErrorBody, error_response
 from api.metrics import metrics_response
 from api.openapi import answers
-from api.schemas import Status
+from api.schemas import Readiness, Status
 
 _OK = msgspec.json.encode(Status("ok"))
 
 
 def _ok() -> Response:
     return Response(_OK, media_type="application/json")
+
+
+def _without_publisher(ctx: ApiContext) -> tuple[list[str], int]:
+    """The ranks that never had a publisher (``engine/dp_rank endpoint``), and how
+    many ranks are registered."""
+    missing, ranks = [], 0
+    for spec in ctx.registry.all():
+        for status in ctx.consumers.rank_status(spec.name):
+            ranks += 1
+            if status.never_connected:
+                missing.append(f"{spec.name}/{status.dp_rank} {spec.rank_endpoint(status.dp_rank)}")
+    return missing, ranks
 
 
 def router(ctx: ApiContext) -> APIRouter:
@@ -34,7 +48,7 @@ def router(ctx: ApiContext) -> APIRouter:
     @routes.get(
         "/readyz",
         responses=answers(
-            _200=(Status, "store reachable and subscribers running"),
+            _200=(Readiness, "store reachable and subscribers running"),
             _503=(ErrorBody, "what is not ready"),
         ),
         summary="Readiness",
@@ -43,6 +57,12 @@ def router(ctx: ApiContext) -> APIRouter:
         await store.ping()  # any failure: the store handler answers 503
         if not consumers.running():
             return error_response(503, "event subscribers are not running")
+        missing, ranks = _without_publisher(ctx)
+        if missing and len(missing) == ranks:
+            return error_response(503, f"no engine rank has a publisher: {', '.join(missing)}")
+        if missing:
+            body = msgspec.json.encode(Readiness("ok", missing))
+            return Response(body, media_type="application/json")
         return _ok()
 
     @routes.get(

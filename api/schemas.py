@@ -136,3 +136,12 @@ class Stats(msgspec.Struct):
 
 class Status(msgspec.Struct):
     status: str
+
+
+class Readiness(msgspec.Struct, omit_defaults=True):
+    """``/readyz``'s answer. ``no_publisher``: the ranks (``engine/dp_rank
+    endpoint``) that have never had a publisher connected, most likely a
+    wrong endpoint or an engine that is not running (omitted when none)."""
+
+    status: str
+    no_publisher: list[str] = []

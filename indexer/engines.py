@@ -168,6 +168,9 @@ class RankStatus(msgspec.Struct):
 
     dp_rank: int
     connected: bool = False
+    # Nothing has connected since the consumer started, for longer than the
+    # subscriber's no_publisher_after: the endpoint is likely wrong or the engine down.
+    never_connected: bool = False
     last_seq: int | None = None  # newest seq received (live or replay)
     applied_seq: int | None = None
     degraded: bool = False

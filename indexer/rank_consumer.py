@@ -8,13 +8,24 @@ applies. Who decides which ranks run is not its business: the
 registered rank, an :class:`~indexer.workers.Worker` of ``kvindex indexer``
 the ranks it holds a lease on.
 
-Readers split frames as fast as they come into a bounded intake queue, so
-the newest received seq is known even while the store is slow: lag is that
-minus the applied seq (and the same in batch ``ts``). When the intake is full
-the readers stop reading, ZMQ's high-water marks fill and the publisher drops
-batches; the drops surface as gaps and are replayed. Batches stay encoded
-until they are applied (a decoded one takes six times the memory), only
-their ts is read on the way in.
+Readers split frames as fast as they come into an intake bounded in batches
+and in bytes, so the newest received seq is known even while the store is
+slow: lag is that minus the applied seq (and the same in batch ``ts``). When
+the intake is full the readers stop reading, ZMQ's high-water marks fill and
+the publisher drops batches; the drops surface as gaps and are replayed. A
+frame over ``max_message_bytes`` never reaches memory: ZeroMQ drops the
+connection when its header announces it, and the seq is a gap like any other.
+Batches stay encoded until they are applied (a decoded one takes six times
+the memory), only their ts is read on the way in; a batch changes what the
+consumer believes (the newest seq and ts, an engine restart) only once its
+whole payload decodes, so garbage is counted and has no other effect.
+
+A rank whose endpoint has no publisher costs nothing but ZeroMQ's reconnect
+attempts (backed off to ``reconnect_max``): replay is asked only while the
+SUB socket has a peer, the DEALER is opened only for a request, and probes
+that go unanswered are backed off. After ``no_publisher_after`` seconds
+without ever connecting, the rank says so once (a warning and
+``RankStatus.never_connected``).
 
 The sequencer applies strictly in seq order, each seq once:
 
@@ -43,10 +54,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import heapq
 import logging
+import resource
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol, TypeVar
 
@@ -91,10 +105,28 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
       also drops the rank's GPU/CPU counts.
     - ``probe_interval``: idle seconds after which a rank asks replay whether
       it missed anything (a lost last batch, a restart while idle); 0: never.
-    - ``intake_limit``: received batches held before the readers pause.
-    - ``max_pending``: batches held out of order behind a gap; beyond it the
-      gap is declared unfilled.
-    - ``sub_hwm``: ZMQ receive high-water mark of each SUB socket.
+    - ``probe_backoff_max``: a probe that goes unanswered doubles the wait
+      before the next one (``probe_interval``, twice that, ...), up to this.
+    - ``intake_limit``, ``intake_bytes``: received batches, and their bytes,
+      held before the readers pause.
+    - ``max_pending``, ``pending_bytes``: batches, and their bytes, held out
+      of order behind a gap; beyond either the gap is declared unfilled.
+    - ``max_message_bytes``: the largest frame accepted (ZeroMQ's
+      ``MAXMSGSIZE``: a peer announcing a larger one is disconnected before
+      it is read). vLLM publishes one batch per engine step; the largest
+      real one is a long prefill: 128k tokens are 8,192 blocks of 16, whose
+      ``BlockStored`` carries 8,192 hashes (32-byte digests: ~280 KB) and
+      131,072 token ids (up to 5 bytes each: ~660 KB), about 1 MB per KV
+      cache group, and as much again for the CPU offload's copy and the
+      evictions it causes: a few MB, ~10 MB for a hybrid model with several
+      groups. 64 MiB leaves room for six times that.
+    - ``sub_hwm``, ``replay_hwm``: ZMQ receive high-water marks (messages)
+      of each SUB and replay DEALER socket; with ``max_message_bytes`` they
+      bound what ZeroMQ itself queues while the readers pause.
+    - ``reconnect_max``: ZeroMQ retries a connection that fails after 0.1 s,
+      doubling the wait up to this many seconds.
+    - ``no_publisher_after``: seconds without any peer before a rank that
+      has never connected is reported (one warning, ``never_connected``).
     - ``store_retry_max``: cap of the store retry backoff, seconds.
     - ``stop_grace``: seconds to finish the batch in hand at shutdown.
     - ``max_missing``: unfilled ranges kept per rank for operators.
@@ -105,9 +137,16 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     max_concurrent_replays: _Count = 8
     gap_clear_threshold: _Count = 1000
     probe_interval: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    probe_backoff_max: _Seconds = 60.0
     intake_limit: _Count = 10_000
+    intake_bytes: _Count = 128 << 20
     max_pending: _Count = 20_000
+    pending_bytes: _Count = 128 << 20
+    max_message_bytes: _Count = 64 << 20
     sub_hwm: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    replay_hwm: _Count = 256
+    reconnect_max: _Seconds = 10.0
+    no_publisher_after: _Seconds = 10.0
     store_retry_max: _Seconds = 5.0
     stop_grace: _Seconds = 5.0
     max_missing: _Count = 100
@@ -115,7 +154,8 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
 
 # Intake items: (kind, replay generation, seq, payload, batch ts).
 # _HELD: a replayed seq already held or applied, not even looked at.
-_LIVE, _REPLAY, _HELD, _END, _WAKE = range(5)
+# _BAD: a replayed frame that was no batch (it still counts as answered).
+_LIVE, _REPLAY, _HELD, _END, _WAKE, _BAD = range(6)
 _Item = tuple[int, int, int, bytes, float]
 #: Readers and the sequencer yield to the event loop this often, so a flood
 #: of batches never starves the API sharing the loop.
@@ -128,6 +168,89 @@ T = TypeVar("T")
 
 class _Stopped(Exception):
     """The consumer is shutting down while the store is failing."""
+
+
+class SocketLimit(OSError):
+    """No more sockets can be opened: the message names the limit that was reached."""
+
+
+@contextlib.contextmanager
+def _socket_limit(context: zmq.Context) -> Iterator[None]:
+    """Turn ZeroMQ's "Too many open files" into an error naming both limits."""
+    try:
+        yield
+    except zmq.ZMQError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise SocketLimit(
+            errno.EMFILE,
+            f"no more sockets: ZeroMQ allows {context.get(zmq.MAX_SOCKETS)} per process"
+            f" and open files are limited to {soft} (hard limit {hard}); each rank takes"
+            " 3 sockets and 4 files (one more of each while replaying): raise the hard"
+            " limit (ulimit -n, LimitNOFILE=, docker --ulimit nofile=) or spread the"
+            " engines over kvindex indexer workers",
+        ) from None
+
+
+class _Intake:
+    """Received items for the sequencer, bounded in count and in payload bytes.
+
+    A reader waits while either bound is reached, so its socket stops being
+    read (ZeroMQ's high-water mark then bounds what queues behind it). One
+    item always fits in an empty intake: ``max_message_bytes`` bounds it.
+    Wake-ups are put without waiting: they carry no payload.
+    """
+
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        self._items: deque[_Item] = deque()
+        self._bytes = 0
+        self._max_items, self._max_bytes = max_items, max_bytes
+        self._ready = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def full(self) -> bool:
+        return len(self._items) >= self._max_items or self._bytes >= self._max_bytes
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def put(self, item: _Item) -> None:
+        while self.full():
+            self._room.clear()
+            await self._room.wait()
+        self.put_nowait(item)
+
+    def put_nowait(self, item: _Item) -> None:
+        self._items.append(item)
+        self._bytes += len(item[3])
+        self._ready.set()
+
+    def get_nowait(self) -> _Item | None:
+        if not self._items:
+            return None
+        item = self._items.popleft()
+        self._bytes -= len(item[3])
+        if not self.full():
+            self._room.set()
+        return item
+
+    async def get(self, timeout: float | None) -> _Item | None:
+        """The next item, or None after ``timeout`` seconds (None: no timeout)."""
+        item = self.get_nowait()
+        if item is not None or timeout == 0:
+            return item
+        self._ready.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        return self.get_nowait()
+
+    def clear(self) -> None:
+        """Drop everything queued (the consumer stopped: free the payloads now)."""
+        self._items.clear()
+        self._bytes = 0
+        self._room.set()
 
 
 async def _messages(sock: zmq.asyncio.Socket) -> AsyncIterator[list[bytes]]:
@@ -195,7 +318,7 @@ class RankConsumer:
         self._shared = shared
         self._settings = shared.settings
         self._store = store
-        self._intake: asyncio.Queue[_Item] = asyncio.Queue(shared.settings.intake_limit)
+        self._intake = _Intake(shared.settings.intake_limit, shared.settings.intake_bytes)
         self._delivered = 0
         self._stopping = False
         self.failed = False  # the sequencer died of a bug: the subscriber is not ready
@@ -205,6 +328,7 @@ class RankConsumer:
         self._seen: Watermark | None = None  # highest seq and highest ts received, this incarnation
         self._next = 0  # the seq to apply next
         self._pending: dict[int, tuple[bytes, float]] = {}  # held until ``_next`` reaches them
+        self._pending_bytes = 0
         self._heap: list[int] = []  # the held seqs, lowest first
         self._gap: Gap | None = None  # the missing range being repaired
         self._gap_missed = False  # some of it was given up
@@ -215,32 +339,41 @@ class RankConsumer:
         self._request: _Request | None = None
         self._replay_wanted = False
         self._attempts = 0
+        self._unanswered = 0  # replay requests in a row that got no frame at all
         self._replay_activity = 0.0
         self._last_received = self._last_probe = time.monotonic()
         self._received_ts: float | None = None  # ts of the newest received batch
+        self._queued: tuple[int, float] | None = None  # seq and ts of the newest live frame read
+        self._ever_connected = False
+        self._publisher_check: asyncio.TimerHandle | None = None
 
     # --- lifecycle -------------------------------------------------------------
 
     def start(self) -> None:
         """Open the sockets and start consuming (the watermark loads in the background)."""
-        ctx, endpoint = self._shared.context, self._spec.rank_endpoint(self.rank.dp_rank)
-        self._sub = ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.RCVHWM, self._settings.sub_hwm)
-        self._sub.setsockopt(zmq.LINGER, 0)
+        endpoint = self._spec.rank_endpoint(self.rank.dp_rank)
+        self._sub = self._socket(zmq.SUB, self._settings.sub_hwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._spec.topic.encode())
-        self._monitor = self._sub.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-        )
         try:
-            (self._sub.bind if self._spec.bind else self._sub.connect)(endpoint)
-        except zmq.ZMQError:
+            with _socket_limit(self._shared.context):
+                self._monitor = self._sub.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                )
+        except BaseException:
+            self._sub.close(linger=0)
+            raise
+        try:
+            with _socket_limit(self._shared.context):
+                (self._sub.bind if self._spec.bind else self._sub.connect)(endpoint)
+        except BaseException:
             self._sub.disable_monitor()
             self._monitor.close(linger=0)
             self._sub.close(linger=0)
             raise
-        if self._spec.replay_endpoint is not None:
-            self._open_dealer()
         name = f"{self.rank.engine}/{self.rank.dp_rank}"
+        self._publisher_check = asyncio.get_running_loop().call_later(
+            self._settings.no_publisher_after, self._check_publisher
+        )
         self._tasks = [
             asyncio.create_task(self._read_live(), name=f"live {name}"),
             asyncio.create_task(self._watch_connection(), name=f"monitor {name}"),
@@ -248,14 +381,15 @@ class RankConsumer:
         self._runner = asyncio.create_task(self._run(), name=f"sequencer {name}")
 
     async def stop(self) -> None:
-        """Finish the batch in hand (up to ``stop_grace``), then close everything."""
+        """Finish the batch in hand (up to ``stop_grace``), then close everything
+        and drop what is queued or held, so the memory is returned at once."""
         self._stopping = True
+        self._publisher_check.cancel()
         for task in self._tasks:
             task.cancel()
         if self._dealer_task is not None:
             self._dealer_task.cancel()
-        with contextlib.suppress(asyncio.QueueFull):  # if full, it is busy and sees the flag
-            self._intake.put_nowait((_WAKE, 0, 0, b"", 0.0))
+        self._wake()
         try:
             await asyncio.wait_for(self._runner, self._settings.stop_grace)
         except TimeoutError:
@@ -268,15 +402,35 @@ class RankConsumer:
         self._monitor.close(linger=0)
         self._sub.close(linger=0)
         self.status.connected = False
+        self._intake.clear()
+        self._forget_pending()
+
+    def _socket(self, kind: int, hwm: int) -> zmq.asyncio.Socket:
+        """A socket with the limits every consumer socket has."""
+        with _socket_limit(self._shared.context):
+            sock = self._shared.context.socket(kind)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._settings.max_message_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, round(self._settings.reconnect_max * 1000))
+        return sock
+
+    def _wake(self) -> None:
+        """Have the sequencer look at its state now (it may be waiting for a batch)."""
+        self._intake.put_nowait((_WAKE, 0, 0, b"", 0.0))
 
     def snapshot(self) -> RankStatus:
-        """A copy of the status, with lag computed now."""
+        """A copy of the status, with lag computed now (counting batches still queued)."""
         status, mark = self.status, self._mark
+        last_seq, received_ts = status.last_seq, self._received_ts
+        queued = self._queued
+        if queued is not None and not self._intake.empty() and queued[0] > (last_seq or -1):
+            last_seq, received_ts = queued
         lag, lag_seconds = 0, 0.0
-        if status.last_seq is not None:
-            lag = max(0, status.last_seq - (mark.seq if mark else -1))
-            if mark is not None and self._received_ts is not None:
-                lag_seconds = max(0.0, self._received_ts - mark.ts)
+        if last_seq is not None:
+            lag = max(0, last_seq - (mark.seq if mark else -1))
+            if mark is not None and received_ts is not None:
+                lag_seconds = max(0.0, received_ts - mark.ts)
         return msgspec.structs.replace(
             status,
             lag_batches=lag,
@@ -299,7 +453,7 @@ class RankConsumer:
                 # Live garbage may come from anyone on the topic: count it, ignore its seq.
                 self._reject(e)
                 continue
-            self._received(seq, ts, live=True)
+            self._queued = (seq, ts)
             await self._deliver((_LIVE, 0, seq, payload, ts))
 
     async def _read_replay(self, dealer: zmq.asyncio.Socket, generation: int) -> None:
@@ -316,8 +470,8 @@ class RankConsumer:
                 ts = batch_ts(payload)
             except WireError as e:
                 self._reject(e)  # the seq stays missing: replay attempts run out on it
+                await self._deliver((_BAD, generation, 0, b"", 0.0))
                 continue
-            self._received(seq, ts, live=False)
             await self._deliver((_REPLAY, generation, seq, payload, ts))
 
     def _holds(self, seq: int, generation: int) -> bool:
@@ -345,6 +499,7 @@ class RankConsumer:
             await asyncio.sleep(0)
 
     def _received(self, seq: int, ts: float, live: bool) -> None:
+        """A batch that decodes was received: the newest seq and ts may move."""
         status = self.status
         if live or status.last_seq is None or seq > status.last_seq:
             status.last_seq = seq
@@ -352,6 +507,11 @@ class RankConsumer:
         if status.last_event_ts is None or ts > status.last_event_ts:
             status.last_event_ts = ts
         self._last_received = time.monotonic()
+        seen = self._seen
+        if seen is None:
+            self._seen = Watermark(seq, ts)
+        elif seq > seen.seq or ts > seen.ts:
+            self._seen = Watermark(max(seq, seen.seq), max(ts, seen.ts))
 
     def _reject(self, error: WireError) -> None:
         rejected = self.status.rejected
@@ -371,6 +531,38 @@ class RankConsumer:
             if (peers > 0) != self.status.connected:
                 self.status.connected = peers > 0
                 log.info("rank connected" if peers else "rank disconnected", extra=self.ids())
+                if peers:
+                    self._connected()
+
+    def _connected(self) -> None:
+        """A publisher is there: ask it soon whether anything was missed while it was not."""
+        if self.status.never_connected:
+            log.info("publisher found", extra=self.ids(endpoint=self._endpoint()))
+        self._ever_connected = True
+        self.status.never_connected = False
+        self._unanswered = 0
+        self._last_probe = self._last_received = float("-inf")  # a probe is due now
+        self._wake()
+
+    def _check_publisher(self) -> None:
+        """Say once, in words, that a rank has had no publisher since it started."""
+        if self._ever_connected or self._stopping:
+            return
+        self.status.never_connected = True
+        endpoint, waited = self._endpoint(), self._settings.no_publisher_after
+        if self._spec.bind:
+            problem = f"no engine connected to {endpoint} in {waited:g} s"
+            fix = "point the engine's --kv-events-config endpoint at this address"
+        else:
+            problem = f"no publisher at {endpoint}: nothing answered in {waited:g} s"
+            fix = (
+                "check that the engine runs with --kv-events-config publishing on this"
+                " host and port (or set bind: true if the engine connects to kvindex)"
+            )
+        log.warning(f"{problem}; {fix}", extra=self.ids(endpoint=endpoint))
+
+    def _endpoint(self) -> str:
+        return self._spec.rank_endpoint(self.rank.dp_rank) or ""
 
     # --- the sequencer -----------------------------------------------------------
 
@@ -380,7 +572,7 @@ class RankConsumer:
             self._next = self._mark.seq + 1 if self._mark else 0
             self.status.applied_seq = self._mark.seq if self._mark else None
             log.info("rank consuming", extra=self.ids(next_seq=self._next))
-            self._replay_wanted = self._dealer is not None  # catch up from the watermark
+            self._replay_wanted = self._has_replay  # catch up from the watermark
             n = 0
             while not self._stopping:
                 await self._tend_replay()
@@ -400,23 +592,23 @@ class RankConsumer:
             log.exception("rank consumer failed", extra=self.ids())
 
     async def _take(self) -> _Item | None:
-        try:
-            return self._intake.get_nowait()
-        except asyncio.QueueEmpty:
-            pass
-        try:
-            return await asyncio.wait_for(self._intake.get(), self._idle_timeout())
-        except TimeoutError:
-            return None
+        return await self._intake.get(self._idle_timeout())
+
+    @property
+    def _has_replay(self) -> bool:
+        return self._spec.replay_endpoint is not None
 
     def _idle_timeout(self) -> float | None:
-        """Seconds until the replay machinery has something to do; None: nothing."""
+        """Seconds until the replay machinery has something to do; None: nothing
+        (no publisher connected: replay is asked again when one connects)."""
         now = time.monotonic()
         if self._request is not None:
             return max(0.0, self._replay_deadline() - now)
+        if not (self._has_replay and self.status.connected):
+            return None
         if self._replay_wanted:
             return _SLOT_POLL
-        if self._dealer is not None and self._settings.probe_interval:
+        if self._settings.probe_interval:
             return max(0.0, self._probe_due() - now)
         return None
 
@@ -424,41 +616,58 @@ class RankConsumer:
         self, kind: int, generation: int, seq: int, payload: bytes, ts: float
     ) -> None:
         if kind == _LIVE:
-            await self._offer(seq, payload, ts)
+            await self._offer(seq, payload, ts, live=True)
             return
         request = self._request
         if request is None or generation != self._generation:
             return  # a wake-up, or the answer to an abandoned request
+        self._unanswered = 0
         if kind == _END:
             await self._replay_finished()
             return
-        request.received += 1
+        request.received += 1  # garbage too: an answer with frames is no empty buffer
         self._replay_activity = time.monotonic()  # progress, even if the reader waits on us
+        if kind == _BAD:
+            return
         if request.first_new is None and seq >= request.want:
             request.first_new = seq
         if kind == _HELD:
             self._duplicate()
         elif seq >= request.want or self._is_restart(seq, ts):
-            await self._offer(seq, payload, ts)  # (an anchor offered is another incarnation's)
+            # (an anchor offered is another incarnation's)
+            await self._offer(seq, payload, ts, live=False)
 
-    async def _offer(self, seq: int, payload: bytes, ts: float) -> None:
-        """Take one received batch into the ordered stream."""
+    async def _offer(self, seq: int, payload: bytes, ts: float, live: bool) -> None:
+        """Take one received batch into the ordered stream.
+
+        Only a batch that decodes counts: a garbage payload behind a valid ts
+        must not pass for an engine restart, nor move the newest seen seq.
+        A batch applied at once is decoded once; one held behind a gap is
+        decoded to check it, then kept encoded.
+        """
+        batch = None
         if self._is_restart(seq, ts):
+            if (batch := self._decode(payload)) is None:
+                return
             await self._restart(seq)
         if seq < self._next or seq in self._pending:
             self._duplicate()
             return
-        seen = self._seen
-        if seen is None:
-            self._seen = Watermark(seq, ts)
-        elif seq > seen.seq or ts > seen.ts:
-            self._seen = Watermark(max(seq, seen.seq), max(ts, seen.ts))
-        if seq == self._next and not self._heap:
-            await self._apply(seq, payload, ts)
+        if batch is None and (batch := self._decode(payload)) is None:
             return
+        self._received(seq, ts, live)
+        if seq == self._next and not self._heap:
+            await self._apply(seq, batch, ts)
+            return
+        del batch
         self._pending[seq] = (payload, ts)
+        self._pending_bytes += len(payload)
         heapq.heappush(self._heap, seq)
-        if len(self._pending) > self._settings.max_pending and self._heap[0] > self._next:
+        settings = self._settings
+        if (
+            len(self._pending) > settings.max_pending
+            or self._pending_bytes > settings.pending_bytes
+        ) and self._heap[0] > self._next:
             await self._give_up(self._next, self._heap[0] - 1, "too many batches held")
         await self._drain()
         await self._watch_gap()
@@ -479,14 +688,16 @@ class RankConsumer:
             seen is not None and seq <= seen.seq and ts > seen.ts
         )
 
-    async def _apply(self, seq: int, payload: bytes, ts: float) -> None:
-        """Decode and apply one batch; an undecodable one stays missing (replay may
-        bring a good copy, or its attempts run out and the seq is given up)."""
+    def _decode(self, payload: bytes) -> EventBatch | None:
+        """The batch, or None (counted) if the payload is none: its seq stays missing
+        (replay may bring a good copy, or its attempts run out and the seq is given up)."""
         try:
-            batch = decode_batch(payload, tokens=self._shared.reads_tokens(self.rank.engine))
+            return decode_batch(payload, tokens=self._shared.reads_tokens(self.rank.engine))
         except WireError as e:
             self._reject(e)
-            return
+            return None
+
+    async def _apply(self, seq: int, batch: EventBatch, ts: float) -> None:
         result = await self._store_call(self._store.apply_batch, self.rank, seq, batch)
         self._mark = Watermark(seq, ts)
         self._next = seq + 1
@@ -504,9 +715,15 @@ class RankConsumer:
         while heap and heap[0] <= self._next:
             seq = heapq.heappop(heap)
             payload, ts = pending.pop(seq)
-            if seq == self._next:
-                await self._apply(seq, payload, ts)
+            self._pending_bytes -= len(payload)
+            if seq == self._next and (batch := self._decode(payload)) is not None:
+                await self._apply(seq, batch, ts)
         self._close_gap()
+
+    def _forget_pending(self) -> None:
+        self._pending.clear()
+        self._heap.clear()
+        self._pending_bytes = 0
 
     def _hole(self) -> tuple[int, int] | None:
         """The missing range before the lowest held batch, if any."""
@@ -518,7 +735,7 @@ class RankConsumer:
         """Start repairing a hole, unless a repair or a replay is already under way."""
         while (hole := self._hole()) and self._gap is None and self._request is None:
             self._open_gap(*hole)
-            if self._dealer is not None:
+            if self._has_replay:
                 self._replay_wanted = True
                 return
             await self._give_up(*hole, "no replay endpoint")
@@ -571,18 +788,17 @@ class RankConsumer:
         log.warning("engine restart", extra=self.ids(applied_seq=status.applied_seq, seq=seq))
         if self._request is not None:
             self._end_request()
-            self._reopen_dealer()
+            self._close_dealer()  # so a late answer to the abandoned request never arrives
         await self._store_call(self._store.clear, self.rank, (GPU, CPU), reset_seq=True)
         self._mark = self._seen = None
         self._next = 0
-        self._pending.clear()
-        self._heap.clear()
+        self._forget_pending()
         self._gap = None
         self._attempts = 0
         status.applied_seq = None
         status.degraded = False
         status.missing = []
-        self._replay_wanted = self._dealer is not None
+        self._replay_wanted = self._has_replay
 
     async def _store_call(self, call: Callable[..., Awaitable[T]], *args: Any, **kw: Any) -> T:
         """Call the store until it succeeds: a batch in hand is never dropped."""
@@ -609,41 +825,51 @@ class RankConsumer:
 
     # --- replay ------------------------------------------------------------------
 
-    def _open_dealer(self) -> None:
-        self._generation += 1
-        dealer = self._shared.context.socket(zmq.DEALER)
-        # The ROUTER drops what does not fit: let a whole replay buffer queue up here.
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self._spec.rank_endpoint(self.rank.dp_rank, replay=True))
-        self._dealer = dealer
-        self._dealer_task = asyncio.create_task(self._read_replay(dealer, self._generation))
+    def _open_dealer(self) -> zmq.asyncio.Socket:
+        """The DEALER of the next request: opened only when one is sent, and kept
+        while the engine answers. A whole replay buffer may arrive at once: the
+        reader stops reading when the intake is full, and ``replay_hwm`` bounds
+        what ZeroMQ queues meanwhile (the ROUTER drops the rest: the missing
+        seqs are asked again)."""
+        if self._dealer is None:
+            self._generation += 1
+            dealer = self._socket(zmq.DEALER, self._settings.replay_hwm)
+            with _socket_limit(self._shared.context):
+                dealer.connect(self._spec.rank_endpoint(self.rank.dp_rank, replay=True))
+            self._dealer = dealer
+            self._dealer_task = asyncio.create_task(self._read_replay(dealer, self._generation))
+        return self._dealer
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:
             self._dealer_task.cancel()
             self._dealer.close(linger=0)
-
-    def _reopen_dealer(self) -> None:
-        """A fresh DEALER, so a late answer to an abandoned request never arrives."""
-        self._close_dealer()
-        self._open_dealer()
+            self._dealer = self._dealer_task = None
 
     def _replay_deadline(self) -> float:
         request = self._request
         return max(request.sent_at, self._replay_activity) + self._settings.replay_timeout
 
     def _probe_due(self) -> float:
-        return max(self._last_received, self._last_probe) + self._settings.probe_interval
+        """When the next probe is due: ``probe_interval`` after the last batch or
+        probe, doubled for each probe in a row that got no answer, up to
+        ``probe_backoff_max``."""
+        settings = self._settings
+        wait = min(
+            settings.probe_interval * 2 ** min(self._unanswered, 32), settings.probe_backoff_max
+        )
+        return max(self._last_received, self._last_probe) + wait
 
     async def _tend_replay(self) -> None:
-        """Time out, or send, a replay request when one is due."""
-        if self._dealer is None:
+        """Time out, or send, a replay request when one is due (and a publisher is there)."""
+        if not self._has_replay:
             return
         now = time.monotonic()
         if self._request is not None:
             if now >= self._replay_deadline():
                 await self._replay_timed_out()
+            return
+        if not self.status.connected:
             return
         probe = not self._replay_wanted
         if probe and not (self._settings.probe_interval and now >= self._probe_due()):
@@ -655,6 +881,11 @@ class RankConsumer:
         mark = self._mark
         # Ask from the last applied seq itself: its answer proves the same incarnation.
         start = mark.seq if mark is not None and mark.seq == self._next - 1 else self._next
+        try:
+            dealer = self._open_dealer()
+        except BaseException:
+            slots.release()
+            raise
         self._request = _Request(start, self._next, now, probe)
         self._replay_wanted = False
         if probe:
@@ -662,7 +893,7 @@ class RankConsumer:
         else:
             self.status.replays += 1
             self.metrics.replays.inc()
-        await self._dealer.send_multipart((b"", start.to_bytes(SEQ_BYTES, "big")))
+        await dealer.send_multipart((b"", start.to_bytes(SEQ_BYTES, "big")))
 
     def _end_request(self) -> _Request:
         request, self._request = self._request, None
@@ -693,15 +924,24 @@ class RankConsumer:
 
     async def _replay_timed_out(self) -> None:
         request = self._end_request()
-        self._reopen_dealer()
-        log.info("replay timed out", extra=self.ids(start=request.start))
+        self._close_dealer()  # so a late answer never arrives
+        if request.received == 0:
+            self._unanswered += 1
+        # Said once per silence: a replay endpoint that never answers is retried for ever.
+        level = logging.INFO if self._unanswered <= 1 else logging.DEBUG
+        log.log(level, "replay timed out", extra=self.ids(start=request.start))
         if not request.probe:
             self._attempts = 0 if self._next > request.want else self._attempts + 1
             if self._attempts < self._settings.replay_attempts:
                 self._replay_wanted = True
                 return
             self._attempts = 0
-            log.warning("replay unavailable", extra=self.ids(start=request.start))
+            endpoint = self._spec.rank_endpoint(self.rank.dp_rank, replay=True)
+            log.warning(
+                f"replay unavailable: no answer from {endpoint} in {self._settings.replay_attempts}"
+                " requests; check the engine's --kv-events-config replay_endpoint",
+                extra=self.ids(start=request.start, endpoint=endpoint),
+            )
             hole = self._hole()
             if hole is not None:
                 await self._give_up(*hole, "replay unavailable")

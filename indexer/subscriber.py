@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 from collections.abc import Callable, Iterator
 
 import zmq.asyncio
@@ -33,6 +34,36 @@ from indexer.wire import EventBatch
 __all__ = ["RankPool", "Subscriber", "SubscriberSettings"]
 
 log = logging.getLogger("kvindex.subscriber")
+
+#: Open files asked for when the hard limit allows more (or is unlimited).
+_MAX_FILES = 1 << 20
+
+
+def raise_file_limit() -> int:
+    """Raise the soft limit on open files to the hard one; the new soft limit.
+
+    Each rank holds three ZeroMQ sockets (SUB and a monitor pair) and about
+    four files (their mailboxes and the connection), one more of each while
+    replaying: the usual soft limit of 1,024 files ends near 250 ranks.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = _MAX_FILES if hard == resource.RLIM_INFINITY else min(hard, _MAX_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-file limit", extra={"soft": soft, "error": str(e)})
+    return soft
+
+
+def _context() -> zmq.asyncio.Context:
+    """A context that may open as many sockets as the process may open files
+    (ZeroMQ's default is 1,023, about 340 ranks)."""
+    context = zmq.asyncio.Context()
+    files = raise_file_limit()
+    context.set(zmq.MAX_SOCKETS, max(1, min(files, context.get(zmq.SOCKET_LIMIT))))
+    return context
 
 
 class RankPool:
@@ -63,7 +94,7 @@ class RankPool:
         """Make the shared ZMQ context; report rank gauges from now on."""
         self._shared = Shared(
             self.settings,
-            zmq.asyncio.Context(),
+            _context(),
             asyncio.Semaphore(self.settings.max_concurrent_replays),
             self._notify,
             self._reads_tokens,
