@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import struct
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -577,3 +578,91 @@ async def test_garbage_from_replay_is_given_up(engine) -> None:
     assert st.rejected["bad_payload"] >= FAST.replay_attempts
     seqs = list(enumerate(items))
     await assert_same(store, await reference(RANK, seqs[:10] + seqs[11:]), RANK, items)
+
+
+def retimed(items: list[EventBatch], start: float = 1000.0) -> list[EventBatch]:
+    """The batches one second apart, so a test can place a ts between two of them."""
+    return [msgspec.structs.replace(b, ts=start + i) for i, b in enumerate(items)]
+
+
+def garbage_with_ts(ts: float) -> bytes:
+    """A payload whose header is a valid batch ts and whose body is not a batch."""
+    return b"\x93\xcb" + struct.pack(">d", ts) + b"garbage"
+
+
+async def test_garbage_behind_a_valid_ts_changes_nothing(engine) -> None:
+    """Live garbage with a plausible ts must pass neither for a restart (a seq already
+    applied, newer) nor for the newest seq seen (a seq ahead, then the real next one)."""
+    items = retimed(trace_batches("chat-gpu-only")[:40])
+    payloads = [encode_batch(b) for b in items]
+    e = engine(replay=False)
+    ctx = zmq.asyncio.Context()
+    xpub = ctx.socket(zmq.XPUB)
+    xpub.bind(e.spec.endpoint)
+    store = MemoryStore()
+    sub = await consuming(store, e.spec)
+    try:
+        assert (await asyncio.wait_for(xpub.recv(), 5)) == b"\x01"
+        for seq, payload in enumerate(payloads):
+            if seq == 10:
+                between = items[9].ts + 0.5
+                await xpub.send_multipart([b"", (5).to_bytes(8, "big"), garbage_with_ts(between)])
+                await xpub.send_multipart([b"", (30).to_bytes(8, "big"), garbage_with_ts(between)])
+            await xpub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        await applied(sub, 39)
+        st = status(sub)
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
+    assert st.rejected == {"bad_payload": 2}
+    assert (st.restarts, st.gaps, st.degraded, st.last_seq) == (0, 0, False, 39)
+    await assert_same(store, await reference(RANK, enumerate(items)), RANK, items)
+
+
+@pytest.mark.parametrize("answer", ["undecodable", "anchor with a newer ts"])
+async def test_a_garbage_replay_answer_is_no_restart(engine, answer: str) -> None:
+    """The catch-up replay from a watermark answered with garbage only: an engine
+    restart would wipe the rank; garbage must be counted and ignored instead."""
+    items = retimed(trace_batches("chat-gpu-only")[:20])
+    store = MemoryStore()
+    for seq, batch in enumerate(items[:10]):
+        await store.apply_batch(RANK, seq, batch)
+    before = await store.block_counts(RANK)
+    e = engine()
+    ctx = zmq.asyncio.Context()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(e.spec.endpoint)
+    router.bind(e.spec.replay_endpoint)
+    starts: list[int] = []
+
+    async def answer_with_garbage() -> None:
+        while True:
+            peer, _, start = await router.recv_multipart()
+            starts.append(int.from_bytes(start, "big"))
+            if answer == "undecodable":
+                frames = [[b"\x00\x09", b"p"], [(9).to_bytes(8, "big"), b"\xc1 garbage"]]
+            else:
+                frames = [[(9).to_bytes(8, "big"), garbage_with_ts(items[9].ts + 100)]]
+            for frame in frames:
+                await router.send_multipart([peer, b"", *frame])
+            await router.send_multipart([peer, b"", b"\xff" * 8, b""])
+
+    answering = asyncio.create_task(answer_with_garbage())
+    sub = await consuming(store, e.spec)
+    try:
+        await wait_until(lambda: len(starts) >= 2, what="two replay requests")  # one answered
+        st = status(sub)
+        assert (st.restarts, st.applied_seq) == (0, 9)
+        assert starts[:2] == [9, 9]  # asked from the last applied seq itself, both times
+        assert await store.block_counts(RANK) == before
+        for seq, batch in enumerate(items[10:], start=10):
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(batch)])
+        await applied(sub, 19)
+        st = status(sub)
+    finally:
+        await sub.stop()
+        answering.cancel()
+        ctx.destroy(linger=0)
+    assert st.restarts == 0 and not st.degraded
+    assert sum(st.rejected.values()) >= 2
+    await assert_same(store, await reference(RANK, enumerate(items)), RANK, items)
