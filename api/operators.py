@@ -22,7 +22,7 @@ from api.matching import is_degraded
 from api.openapi import answers, body
 from api.parsing import StrictQueryRoute, decode_body, hash_text, parse_hash
 from api.schemas import HASH_PATTERN, BlockResidencies, EngineState, RankState, Stats
-from indexer.engines import EngineExists, EngineSpec, RankStatus, UnknownEngine
+from indexer.engines import BindRefused, EngineExists, EngineSpec, RankStatus, UnknownEngine
 from indexer.model import MEDIA, RankId
 
 log = logging.getLogger("kvindex.api")
@@ -124,14 +124,21 @@ def router(ctx: ApiContext) -> APIRouter:
             _401=_AUTH,
             _409=(ErrorBody, "an engine of that name is already registered"),
             _413=(ErrorBody, "body over the configured maximum"),
-            _422=(ErrorBody, "a malformed or unknown field, or an endpoint that cannot be used"),
+            _422=(
+                ErrorBody,
+                "a malformed or unknown field, an endpoint that cannot be used, or a bind"
+                " the operator has not allowed (subscriber.bind)",
+            ),
         ),
         summary="Register an engine",
     )
     async def add_engine(request: Request) -> Response:
         spec = await decode_body(request, _decode_spec, "engine")
         try:
+            ctx.settings.engine_binds.check(spec)
             await ops.registry.add(spec)
+        except BindRefused as e:
+            raise ApiError(422, str(e)) from None
         except EngineExists:
             raise ApiError(409, f"engine {spec.name!r} is already registered") from None
         except Exception as e:  # a listener could not take it (e.g. an endpoint ZMQ refuses)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from indexer.engines import BindPolicy
 from indexer.model import TierWeights
 
 
@@ -17,10 +18,19 @@ class ApiSettings:
     """Knobs of :func:`api.app.create_app`.
 
     ``auth_token``: when set, mutating endpoints require
-    ``Authorization: Bearer <token>``. ``max_prompt_tokens`` /
+    ``Authorization: Bearer <token>``; ``auth_token_file``: a file holding
+    it, so it is in neither argv nor the config file (``kvindex`` resolves
+    it, and ``$KVINDEX_AUTH_TOKEN``, into ``auth_token``). ``max_prompt_tokens`` /
     ``max_prompt_blocks`` bound a prefix-match query (413 beyond);
     ``max_body_bytes`` bounds any request body (413 beyond).
     ``token_index_capacity`` bounds the learned token index (entries, LRU).
+    ``header_timeout``: seconds a client has to send a request's head, from
+    connecting or from the previous response (slower clients are
+    disconnected, so a slowloris cannot hold connections); ``max_connections``:
+    beyond that many open connections (or requests in flight) requests are
+    answered 503 until some close. ``engine_binds``: where ``POST /engines``
+    may ask for a bind, the subscriber's ``bind`` policy (checked here too so
+    an API replica refuses what its workers would).
     """
 
     weights: TierWeights = field(default_factory=TierWeights)
@@ -29,3 +39,11 @@ class ApiSettings:
     max_prompt_blocks: int = 16_384
     max_body_bytes: int = 4 << 20
     token_index_capacity: int = 1 << 20
+    auth_token_file: str | None = None
+    header_timeout: float = 10.0
+    max_connections: int = 1024
+    engine_binds: BindPolicy = field(default_factory=BindPolicy)
+
+    def __post_init__(self) -> None:
+        if self.header_timeout <= 0 or self.max_connections < 1:
+            raise ValueError("header_timeout must be above 0 and max_connections at least 1")

@@ -7,13 +7,14 @@ import asyncio
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
 from indexer.log import setup_logging
 
 if TYPE_CHECKING:
+    from api.settings import ApiSettings
     from indexer.replay import Expected, ReplayStats, Trace
     from indexer.serve import ServeConfig
     from indexer.stores.redis import RedisConfig
@@ -24,14 +25,22 @@ log = logging.getLogger("kvindex")
 def _replay(args: argparse.Namespace) -> int:
     from indexer.replay import load_expected, load_trace
     from indexer.stores import StoreUnavailable
+    from indexer.stores.redis import RedisConfig
 
+    redis = None
+    if args.redis_url:
+        try:
+            redis = RedisConfig(
+                args.redis_url, args.redis_prefix, args.redis_cluster, sweep_interval=None
+            )
+        except ValueError as e:
+            return _cannot(args, str(e))
     trace = load_trace(args.trace)
     expected = load_expected(args.probe) if args.probe else None
     try:
-        report, stats = asyncio.run(_replay_into_store(args, trace, expected))
+        report, stats = asyncio.run(_replay_into_store(redis, trace, expected))
     except StoreUnavailable as e:
-        log.error("cannot replay", extra={"error": str(e)})
-        return 1
+        return _cannot(args, str(e))
     json.dump(report, sys.stdout)
     sys.stdout.write("\n")
     log.info(
@@ -50,18 +59,17 @@ REPLAY_ENGINE = "replay"
 
 
 async def _replay_into_store(
-    args: argparse.Namespace, trace: Trace, expected: Expected | None
+    redis: RedisConfig | None, trace: Trace, expected: Expected | None
 ) -> tuple[dict, ReplayStats]:
     """Replay into the embedded store, or into Redis after forgetting an earlier replay."""
     from indexer.model import RankId
     from indexer.replay import replay_report
     from indexer.stores import MemoryStore
-    from indexer.stores.redis import RedisConfig, RedisStore
+    from indexer.stores.redis import RedisStore
 
-    if not args.redis_url:
+    if redis is None:
         return await replay_report(MemoryStore(), trace, expected, REPLAY_ENGINE)
-    config = RedisConfig(args.redis_url, args.redis_prefix, args.redis_cluster, sweep_interval=None)
-    store = RedisStore(config)
+    store = RedisStore(redis)
     try:
         await store.forget(RankId(REPLAY_ENGINE, 0))
         return await replay_report(store, trace, expected, REPLAY_ENGINE)
@@ -69,12 +77,19 @@ async def _replay_into_store(
         await store.close()
 
 
+def _cannot(args: argparse.Namespace, problem: str, code: int = 1) -> int:
+    """Say in one line on stderr why the command cannot run; its exit code."""
+    print(f"kvindex {args.command}: {problem}", file=sys.stderr)
+    return code
+
+
 def _service(args: argparse.Namespace) -> int:
-    """Run ``serve``, ``indexer`` or ``api``; 1 with a logged reason if it cannot run."""
+    """Run ``serve``, ``indexer`` or ``api``: 1 with the reason on stderr if it cannot
+    run, 2 if it would run with the engine registry open to anyone."""
     import zmq
 
     from indexer.engines import EngineExists
-    from indexer.serve import ConfigError, ServeConfig, load_config
+    from indexer.serve import ConfigError, OpenDoor, ServeConfig, load_config
     from indexer.stores import StoreUnavailable
 
     try:
@@ -84,19 +99,32 @@ def _service(args: argparse.Namespace) -> int:
         )
         ok = asyncio.run(args.service(args, config, redis))
     except EngineExists as e:
-        problem = f"engine {e.args[0]!r} is declared twice"
+        return _cannot(args, f"engine {e.args[0]!r} is declared twice")
+    except OpenDoor as e:
+        return _cannot(args, str(e), 2)
     except (ConfigError, OSError, zmq.ZMQError, StoreUnavailable) as e:
-        problem = str(e)
-    else:
-        return 0 if ok is not False else 1
-    log.error(f"cannot run {args.command}", extra={"error": problem})
-    return 1
+        return _cannot(args, str(e))
+    return 0 if ok is not False else 1
+
+
+def _http_settings(args: argparse.Namespace, config: ServeConfig) -> ApiSettings:
+    """The API's settings with the token resolved; refused (``OpenDoor``) if a
+    non-loopback listener would have none, unless ``--insecure-no-auth``."""
+    from indexer.serve import refuse_open_door, resolve_auth_token
+
+    settings = resolve_auth_token(config.api_settings(), args.auth_token_file)
+    if not args.insecure_no_auth:
+        refuse_open_door(args.host, settings)
+    elif settings.auth_token is None:
+        log.warning("POST/DELETE /engines need no token", extra={"host": args.host})
+    return settings
 
 
 async def _serve(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig | None) -> None:
     from indexer.serve import serve
 
-    await serve(config, args.engine, host=args.host, port=args.port, redis=redis)
+    settings = _http_settings(args, config)
+    await serve(config, args.engine, host=args.host, port=args.port, redis=redis, settings=settings)
 
 
 def _needs_redis(args: argparse.Namespace, redis: RedisConfig | None) -> RedisConfig:
@@ -129,7 +157,9 @@ async def _indexer(
 async def _api(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig | None) -> None:
     from indexer.processes import run_api
 
-    await run_api(config, _needs_redis(args, redis), host=args.host, port=args.port)
+    redis = _needs_redis(args, redis)
+    settings = _http_settings(args, config)
+    await run_api(config, redis, host=args.host, port=args.port, settings=settings)
 
 
 def _engine_flag(text: str):
@@ -168,10 +198,30 @@ def _add_engine_flag(parser: argparse.ArgumentParser, what: str) -> None:
 def _add_http_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0: any)")
+    parser.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        help="file holding the bearer token POST/DELETE /engines require"
+        " (else $KVINDEX_AUTH_TOKEN, then api.auth_token_file or api.auth_token)",
+    )
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve a non-loopback --host without a token: anyone who reaches it"
+        " can register and remove engines (refused otherwise)",
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (argparse prints the whole usage first, which
+    buries the one line that says what is wrong)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvindex", description=__doc__)
+    parser = _Parser(prog="kvindex", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default)")
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -12,7 +12,13 @@ replicas and indexer workers. ``RankStatus`` is what operators see of each rank.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import os
+import re
+import stat
+import typing
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Annotated, Literal, Protocol
 
 import msgspec
@@ -21,8 +27,49 @@ from indexer.hashing import HASH_ALGOS
 from indexer.wire import offset_endpoint
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
-Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp://[^\s:]+:\d{1,5}|ipc://\S+|inproc://\S+)$")]
+# Checked by EngineSpec.__post_init__, which says what was expected; the
+# pattern is only for the OpenAPI schema.
+_TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
+_PATH = re.compile(r"(ipc|inproc)://\S+")
+Endpoint = Annotated[
+    str,
+    msgspec.Meta(
+        description="tcp://HOST:PORT, ipc://PATH or inproc://NAME",
+        extra_json_schema={"pattern": f"^({_TCP.pattern}|{_PATH.pattern})$"},
+    ),
+]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+_MAX_PORT = 65535
+
+
+def check_endpoint(field: str, endpoint: str, dp_ranks: int) -> None:
+    """Raise ValueError for an endpoint ZMQ cannot use, or whose last rank's
+    port (``port + dp_ranks - 1``) is not a port."""
+    tcp = _TCP.fullmatch(endpoint)
+    if tcp is None:
+        if _PATH.fullmatch(endpoint):
+            return
+        raise ValueError(f"{field}: expected tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+    port = int(tcp[2])
+    if not 1 <= port <= _MAX_PORT:
+        raise ValueError(f"{field}: port {port} of {endpoint!r} is not in 1-{_MAX_PORT}")
+    if port + dp_ranks - 1 > _MAX_PORT:
+        raise ValueError(
+            f"{field}: with dp_ranks={dp_ranks}, rank {dp_ranks - 1} of {endpoint!r} would use"
+            f" port {port + dp_ranks - 1}, above {_MAX_PORT}"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address is reachable from this machine only. Names other than
+    ``localhost`` are not taken as loopback: what they resolve to can change."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -45,8 +92,12 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bind: bool = False  # True: kvindex binds and the engine connects
 
     def __post_init__(self) -> None:
-        for endpoint in (self.endpoint, self.replay_endpoint):
-            if self.dp_ranks > 1 and endpoint and endpoint.startswith("ipc://"):
+        for field in ("endpoint", "replay_endpoint"):
+            endpoint = getattr(self, field)
+            if endpoint is None:
+                continue
+            check_endpoint(field, endpoint, self.dp_ranks)
+            if self.dp_ranks > 1 and endpoint.startswith("ipc://"):
                 raise ValueError(
                     f"{endpoint}: vLLM gives each data-parallel rank its own tcp port or"
                     " inproc name, never an ipc path; use tcp:// for dp_ranks > 1"
@@ -60,8 +111,12 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def parse_engine_flag(text: str) -> EngineSpec:
     """An engine from ``NAME=ENDPOINT[,FIELD=VALUE...]``, the ``--engine`` flag.
 
-    Fields are :class:`EngineSpec`'s, values as in a config file (``null``
-    for none), e.g. ``a=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558,dp_ranks=2``.
+    Fields are :class:`EngineSpec`'s, values as in a config file, e.g.
+    ``a=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558,dp_ranks=2``.
+    ``null`` is None for a field that may be None (``hash_seed=null``) and
+    the default for one that may not (``model=null`` is ``""``): a flag has
+    no other way to say "none", and the string "null" as a seed or model
+    would make every tokens query match nothing.
     Raises ValueError saying what is wrong.
     """
     head, *rest = text.split(",")
@@ -69,11 +124,76 @@ def parse_engine_flag(text: str) -> EngineSpec:
     pairs = [item.partition("=") for item in rest if item]
     if not sep or not all(eq for _, eq, _ in pairs):
         raise ValueError(f"--engine {text!r}: expected NAME=ENDPOINT[,FIELD=VALUE...]")
-    fields = {"name": name, "endpoint": endpoint, **{k.strip(): v for k, _, v in pairs}}
+    known = {f.name: f for f in msgspec.structs.fields(EngineSpec)}
+    fields: dict[str, str | None] = {"name": name, "endpoint": endpoint}
+    for key, _, value in pairs:
+        key = key.strip()
+        if value != "null" or key not in known:
+            fields[key] = value
+        elif type(None) in typing.get_args(known[key].type):
+            fields[key] = None
+        else:
+            fields.pop(key, None)
     try:
         return msgspec.convert(fields, EngineSpec, strict=False)
     except msgspec.ValidationError as e:
         raise ValueError(f"--engine {text!r}: {e}") from None
+
+
+class BindRefused(ValueError):
+    """An engine asks kvindex to bind where the operator has not allowed it."""
+
+
+class BindPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where an engine with ``bind: true`` may make kvindex listen (``subscriber.bind``).
+
+    A bind is a door anyone who can register an engine opens: for an ipc
+    path ZMQ first unlinks whatever file is there, and a tcp listener on a
+    public address takes events from anyone who reaches it. So ipc binds
+    are allowed only under ``ipc_dir`` (None: refused), over no file or an
+    old socket; tcp binds only on loopback or a host in ``tcp_hosts``
+    (``"*"`` allows any, including ``tcp://*:PORT``). inproc never leaves
+    the process and is always allowed.
+    """
+
+    ipc_dir: str | None = None
+    tcp_hosts: list[str] = []
+
+    def check(self, spec: EngineSpec) -> None:
+        """Raise :class:`BindRefused` unless kvindex may bind ``spec``'s endpoint."""
+        if not spec.bind:
+            return
+        problem = None
+        if spec.endpoint.startswith("ipc://"):
+            problem = self._ipc_problem(spec.endpoint.removeprefix("ipc://"))
+        elif tcp := _TCP.fullmatch(spec.endpoint):
+            problem = self._tcp_problem(tcp[1])
+        if problem:
+            raise BindRefused(f"engine {spec.name!r} may not bind {spec.endpoint}: {problem}")
+
+    def _ipc_problem(self, path: str) -> str | None:
+        if self.ipc_dir is None:
+            return "ipc binds are off (set subscriber.bind.ipc_dir to a directory for them)"
+        if path.startswith(("@", "*")):
+            return f"abstract and wildcard ipc names are not allowed; use a path in {self.ipc_dir}"
+        # The parent resolved (a symlinked directory could point anywhere);
+        # the name itself not: ZMQ unlinks a symlink, not its target.
+        parent = Path(os.path.realpath(os.path.dirname(os.path.abspath(path))))
+        if not parent.is_relative_to(os.path.realpath(self.ipc_dir)):
+            return f"not in subscriber.bind.ipc_dir ({self.ipc_dir})"
+        target = parent / os.path.basename(path)
+        try:
+            mode = target.lstat().st_mode
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISSOCK(mode):
+            return f"{target} exists and is not a socket (kvindex never replaces it)"
+        return None
+
+    def _tcp_problem(self, host: str) -> str | None:
+        if is_loopback(host) or host in self.tcp_hosts or "*" in self.tcp_hosts:
+            return None
+        return f"{host} is not loopback (list it in subscriber.bind.tcp_hosts to allow it)"
 
 
 class EngineExists(KeyError):

@@ -20,13 +20,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 
 from api.app import create_app
+from api.settings import ApiSettings
 from indexer.engines import EngineSpec
 from indexer.redis_registry import RedisRegistry
-from indexer.serve import ServeConfig, listen, serve_http, stop_signals
+from indexer.serve import ServeConfig, cannot_listen, listen, serve_http, stop_signals
 from indexer.status_board import StatusBoard
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.redis import RedisConfig, RedisStore
@@ -52,6 +54,7 @@ async def run_indexer(
     ``engines`` (and the config file's) are registered unless already there.
     ``metrics``: ``(host, port)`` to serve Prometheus metrics on.
     """
+    config.check_binds(engines)
     store = RedisStore(redis)
     registry = RedisRegistry(store)
     worker = Worker(store, registry, RankPool(config.subscriber), config.indexer, worker_id)
@@ -60,7 +63,7 @@ async def run_indexer(
         with stop_signals() as stop:
             await registry.seed([*config.engines, *engines])
             if metrics is not None:
-                exporter, _ = start_http_server(metrics[1], metrics[0])
+                exporter = _serve_metrics(*metrics)
             await worker.start()
             while not stop.is_set() and worker.running():
                 with contextlib.suppress(TimeoutError):
@@ -76,13 +79,28 @@ async def run_indexer(
             exporter.shutdown()
 
 
+def _serve_metrics(host: str, port: int) -> WSGIServer:
+    """The Prometheus exporter's server; a taken port is an OSError naming it."""
+    try:
+        return start_http_server(port, host)[0]
+    except OSError as e:
+        raise OSError(cannot_listen(host, port, e, "--metrics-port")) from None
+
+
 async def run_api(
-    config: ServeConfig, redis: RedisConfig, *, host: str = "127.0.0.1", port: int = 8000
+    config: ServeConfig,
+    redis: RedisConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    settings: ApiSettings | None = None,
 ) -> None:
-    """Serve the HTTP API over the shared Redis state until SIGTERM or SIGINT."""
+    """Serve the HTTP API over the shared Redis state until SIGTERM or SIGINT;
+    ``settings``: the API's (default the config file's)."""
+    settings = settings or config.api_settings()
     store = RedisStore(redis)
     registry = RedisRegistry(store)
-    settings, polls = config.api_settings(), config.indexer
+    polls = config.indexer
     board = StatusBoard(store, registry, stale_after=3 * polls.status_interval)
     app = create_app(store, registry, board, settings)
     tasks: list[asyncio.Task] = []

@@ -70,7 +70,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from indexer import metrics
-from indexer.engines import EngineSpec, Gap, RankStatus
+from indexer.engines import BindPolicy, EngineSpec, Gap, RankStatus
 from indexer.model import CPU, GPU, RankId
 from indexer.stores.base import ApplyResult, Fenced, Watermark
 from indexer.wire import (
@@ -130,6 +130,8 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     - ``store_retry_max``: cap of the store retry backoff, seconds.
     - ``stop_grace``: seconds to finish the batch in hand at shutdown.
     - ``max_missing``: unfilled ranges kept per rank for operators.
+    - ``bind``: where engines with ``bind: true`` may make kvindex listen
+      (:class:`~indexer.engines.BindPolicy`; default: loopback tcp only).
     """
 
     replay_timeout: _Seconds = 2.0
@@ -150,6 +152,7 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     store_retry_max: _Seconds = 5.0
     stop_grace: _Seconds = 5.0
     max_missing: _Count = 100
+    bind: BindPolicy = BindPolicy()
 
 
 # Intake items: (kind, replay generation, seq, payload, batch ts).
@@ -351,6 +354,7 @@ class RankConsumer:
 
     def start(self) -> None:
         """Open the sockets and start consuming (the watermark loads in the background)."""
+        self._settings.bind.check(self._spec)  # again: a file may have appeared since
         endpoint = self._spec.rank_endpoint(self.rank.dp_rank)
         self._sub = self._socket(zmq.SUB, self._settings.sub_hwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._spec.topic.encode())

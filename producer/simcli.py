@@ -12,6 +12,7 @@ socket ``dp_ranks`` ports above, data-parallel rank ``r`` on those ports
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -21,6 +22,8 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import zmq
 
 from indexer.wire import MEDIA
 from producer.publisher import Publisher
@@ -93,18 +96,25 @@ class _Rank:
 
 
 def _start(layout: Layout, config: SimConfig, workload: WorkloadConfig) -> list[_Rank]:
-    ranks = []
-    for engine in range(layout.engines):
-        for dp_rank in range(layout.dp_ranks):
-            publisher = Publisher(
-                layout.endpoint(engine),
-                layout.replay_endpoint(engine),
-                data_parallel_rank=dp_rank,
-                bind=True,
-            )
-            stream = Workload(workload, stream=len(ranks))
-            engine_rank = SimEngine(config, dp_rank)
-            ranks.append(_Rank(layout.rank_name(engine, dp_rank), engine_rank, stream, publisher))
+    """Every rank bound and ready; if one cannot bind, none stays open."""
+    ranks: list[_Rank] = []
+    try:
+        for engine in range(layout.engines):
+            for dp_rank in range(layout.dp_ranks):
+                publisher = Publisher(
+                    layout.endpoint(engine),
+                    layout.replay_endpoint(engine),
+                    data_parallel_rank=dp_rank,
+                    bind=True,
+                )
+                stream = Workload(workload, stream=len(ranks))
+                engine_rank = SimEngine(config, dp_rank)
+                name = layout.rank_name(engine, dp_rank)
+                ranks.append(_Rank(name, engine_rank, stream, publisher))
+    except BaseException:
+        for r in ranks:
+            r.publisher.close()
+        raise
     return ranks
 
 
@@ -228,5 +238,9 @@ def main(args: argparse.Namespace) -> int:
     # (where the shell starts it with SIGINT ignored).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    run(layout, config, workload, tick=args.tick, samples=args.samples)
+    try:
+        run(layout, config, workload, tick=args.tick, samples=args.samples)
+    except zmq.ZMQError as e:  # binding a port: pyzmq's message names the address
+        in_use = e.errno == errno.EADDRINUSE
+        sys.exit(f"kvindex sim: {e}" + (": choose another --base-port" if in_use else ""))
     return 0

@@ -11,29 +11,47 @@ processes.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
+from api.settings import ApiSettings
 from indexer.cli import build_parser
+from indexer.serve import AUTH_TOKEN_ENV, refuse_open_door, resolve_auth_token
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = shutil.which("docker-compose")
+TOKEN = "compose-test-token"
 
 
-def compose(*args: str) -> subprocess.CompletedProcess:
+def compose(*args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess:
     if COMPOSE is None:
         pytest.fail("docker-compose not installed: run make setup (scripts/ensure-compose.sh)")
-    return subprocess.run(
-        [COMPOSE, "-f", str(ROOT / "docker-compose.yml"), *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # The token from here only, never from a developer's .env.
+    env = {k: v for k, v in os.environ.items() if k != AUTH_TOKEN_ENV}
+    if token is not None:
+        env[AUTH_TOKEN_ENV] = token
+    with tempfile.NamedTemporaryFile("w", suffix=".env") as no_env_file:
+        return subprocess.run(
+            [
+                COMPOSE,
+                "-f",
+                str(ROOT / "docker-compose.yml"),
+                "--env-file",
+                no_env_file.name,
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +109,22 @@ def test_commands_are_kvindex_commands_wired_together(services: dict[str, dict])
     assert len(set(published)) == 2
     assert {a.port for a in parsed.values() if a.command == "api"} == {8000}
     assert {a.host for a in parsed.values() if a.command == "api"} == {"0.0.0.0"}
+
+
+def test_replicas_get_the_token_from_the_environment(services: dict[str, dict]) -> None:
+    """They listen on every interface, so without a token they would refuse to start."""
+    apis = {n: a for n, a in kvindex_commands(services).items() if a.command == "api"}
+    for name, args in apis.items():
+        environment = services[name]["environment"]
+        settings = resolve_auth_token(ApiSettings(), args.auth_token_file, environment)
+        assert settings.auth_token == TOKEN, name
+        refuse_open_door(args.host, settings)
+
+
+def test_compose_refuses_to_run_without_a_token() -> None:
+    result = compose("config", "--quiet", token=None)
+    assert result.returncode != 0
+    assert f"{AUTH_TOKEN_ENV}=<a secret> in .env" in result.stderr
 
 
 def test_the_image_holds_what_the_package_installs() -> None:

@@ -55,7 +55,7 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import msgspec
 from redis import exceptions as rex
@@ -143,6 +143,26 @@ class RedisConfig:
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in "{}*?[]\\"):
             raise ValueError(f"Redis key prefix: non-empty, none of {{}}*?[]\\ ({self.prefix!r})")
+        check_redis_url(self.url)
+
+
+def check_redis_url(url: str) -> None:
+    """Raise ValueError for a URL redis-py would fail on late (another scheme) or
+    read silently wrong (a db that is not a number is db 0 to it). The message
+    shows no part of the URL that may hold a password."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        got = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+        raise ValueError(
+            "Redis URL: expected redis://HOST:PORT/DB, rediss://... (TLS) or"
+            f" unix:///PATH.sock, got {got}"
+        )
+    dbs = parse_qs(parts.query).get("db", [])
+    if parts.scheme != "unix" and parts.path.strip("/"):
+        dbs.append(unquote(parts.path.strip("/")))
+    for db in dbs:
+        if not db.isdigit():
+            raise ValueError(f"Redis URL: db {db!r} is not a number (e.g. redis://HOST:6379/0)")
 
 
 # --- rank metadata -------------------------------------------------------------
