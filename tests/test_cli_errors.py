@@ -46,6 +46,18 @@ def test_an_endpoint_that_is_not_zmq(tmp_path: Path) -> None:
     assert line.startswith(f"kvindex serve: {config}: endpoint: expected tcp://HOST:PORT")
 
 
+def test_a_declared_engine_that_would_bind_where_it_may_not(tmp_path: Path) -> None:
+    line = fails_in_one_line("serve", "--engine", "a=tcp://0.0.0.0:5557,bind=true")
+    assert line == (
+        "kvindex serve: engine 'a' may not bind tcp://0.0.0.0:5557: 0.0.0.0 is not loopback"
+        " (list it in subscriber.bind.tcp_hosts to allow it)"
+    )
+    config = tmp_path / "kvindex.yaml"
+    config.write_text(f"engines:\n  - {{name: a, endpoint: 'ipc://{tmp_path}/s', bind: true}}\n")
+    line = fails_in_one_line("serve", "--config", str(config))
+    assert "ipc binds are off (set subscriber.bind.ipc_dir" in line
+
+
 @pytest.mark.parametrize("command", ["serve", "api", "indexer", "replay"])
 def test_a_redis_url_of_another_scheme(command: str) -> None:
     argv = [command, "--redis-url", "http://10.0.0.9:6379"]
