@@ -171,6 +171,17 @@ def _engine_flag(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _port(text: str) -> int:
+    """A TCP port for a flag (the socket module raises OverflowError, not a usage error)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return port
+
+
 def _add_redis_flags(parser: argparse.ArgumentParser, url_help: str, prefix: str | None) -> None:
     parser.add_argument("--redis-url", help=url_help)
     parser.add_argument(
@@ -197,7 +208,7 @@ def _add_engine_flag(parser: argparse.ArgumentParser, what: str) -> None:
 
 def _add_http_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0: any)")
+    parser.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000; 0: any)")
     parser.add_argument(
         "--auth-token-file",
         metavar="FILE",
@@ -252,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     indexer.add_argument(
         "--lease-ttl", type=float, help="seconds a dead worker's engines wait (default 6)"
     )
-    indexer.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    indexer.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on this port")
     indexer.add_argument(
         "--metrics-host", default="127.0.0.1", help="metrics address (default 127.0.0.1)"
     )
