@@ -146,7 +146,7 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     pending_bytes: _Count = 128 << 20
     max_message_bytes: _Count = 64 << 20
     sub_hwm: Annotated[int, msgspec.Meta(ge=0)] = 10_000
-    replay_hwm: _Count = 256
+    replay_hwm: _Count = 100
     reconnect_max: _Seconds = 10.0
     no_publisher_after: _Seconds = 10.0
     store_retry_max: _Seconds = 5.0
@@ -532,11 +532,25 @@ class RankConsumer:
                 peers += 1
             elif event == zmq.EVENT_DISCONNECTED:
                 peers = max(0, peers - 1)
+                if not self._spec.bind:
+                    self._reconnect()
             if (peers > 0) != self.status.connected:
                 self.status.connected = peers > 0
                 log.info("rank connected" if peers else "rank disconnected", extra=self.ids())
                 if peers:
                     self._connected()
+
+    def _reconnect(self) -> None:
+        """Connect afresh after a disconnection: ZeroMQ reconnects after a network
+        error, but gives up on a peer that broke the protocol (a frame over
+        ``max_message_bytes``), which would leave the rank deaf for good."""
+        endpoint = self._endpoint()
+        with contextlib.suppress(zmq.ZMQError):  # already gone
+            self._sub.disconnect(endpoint)
+        try:
+            self._sub.connect(endpoint)
+        except zmq.ZMQError as e:
+            log.warning("cannot reconnect", extra=self.ids(endpoint=endpoint, error=str(e)))
 
     def _connected(self) -> None:
         """A publisher is there: ask it soon whether anything was missed while it was not."""

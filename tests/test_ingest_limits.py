@@ -1,0 +1,139 @@
+"""A misbehaving engine cannot exhaust the consumer's memory.
+
+Each scenario runs the engine in a process of its own (:mod:`tests.flood`)
+over real ZMQ sockets and reads this process's peak resident memory (VmHWM,
+reset before the scenario). Unbounded, the 200 MB frame costs twice its
+size, the 1,500 batches of 1 MB held behind a gap 1.5 GB, and the replay
+flood about as much; bounded, each stays within a few hundred MB, the
+state is exact but for the lost seqs, and those are reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+
+from indexer.engines import EngineRegistry, EngineSpec
+from indexer.model import GPU, RankId
+from indexer.rank_consumer import RankConsumer
+from indexer.stores import MemoryStore
+from indexer.subscriber import Subscriber
+
+from . import flood
+from .conftest import free_ports, wait_until
+from .test_subscriber import FAST, SlowStore
+
+MB = 1 << 20
+RANK = RankId("e", 0)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def memory(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since :func:`reset_peak`) of this process, bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> int:
+    """Start measuring the peak from now; the resident memory now."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return memory("VmRSS")
+
+
+@contextlib.asynccontextmanager
+async def engine_process(scenario: str, pub: int, replay: int) -> AsyncIterator[None]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.flood", scenario, str(pub), str(replay), cwd=ROOT
+    )
+    try:
+        yield
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+def spec(pub: int, replay: int | None) -> EngineSpec:
+    return EngineSpec(
+        "e",
+        f"tcp://127.0.0.1:{pub}",
+        replay_endpoint=None if replay is None else f"tcp://127.0.0.1:{replay}",
+    )
+
+
+async def consume(store, engine: EngineSpec, **settings) -> tuple[Subscriber, EngineRegistry]:
+    registry = EngineRegistry()
+    await registry.add(engine)
+    sub = Subscriber(store, registry, msgspec.structs.replace(FAST, **settings))
+    await sub.start()
+    return sub, registry
+
+
+async def applied(sub: Subscriber, seq: int) -> None:
+    await wait_until(lambda: sub.rank_status("e")[0].applied_seq == seq, 120, f"seq {seq}")
+
+
+async def test_a_frame_over_the_size_limit_is_never_read() -> None:
+    pub = free_ports()
+    store = MemoryStore()
+    sub, _ = await consume(store, spec(pub, None))
+    try:
+        before = reset_peak()
+        async with engine_process("oversize", pub, 0):
+            await applied(sub, 19)
+        grew = memory("VmHWM") - before
+        st = sub.rank_status("e")[0]
+    finally:
+        await sub.stop()
+    assert grew < 100 * MB, f"peak grew {grew / MB:.0f} MB for a 200 MB frame"
+    assert st.degraded and [(g.first, g.last) for g in st.missing] == [(10, 10)]
+    assert (await store.block_counts(RANK))[GPU] == 19  # every batch but the oversize one
+
+
+async def test_batches_held_behind_a_gap_are_bounded_in_bytes() -> None:
+    pub, replay = free_ports(), free_ports()  # nothing listens on the replay port
+    store = MemoryStore()
+    last = 5 + flood.FLOOD
+    sub, _ = await consume(store, spec(pub, replay), replay_timeout=60.0)
+    try:
+        before = reset_peak()
+        async with engine_process("held", pub, replay):
+            await applied(sub, last)
+        grew = memory("VmHWM") - before
+        st = sub.rank_status("e")[0]
+    finally:
+        await sub.stop()
+    assert grew < 500 * MB, f"peak grew {grew / MB:.0f} MB holding 1.5 GB of batches"
+    assert st.degraded and [(g.first, g.last) for g in st.missing] == [(5, 5)]
+    assert (await store.block_counts(RANK))[GPU] == last  # 0-4 and 6-1505
+    assert [r.count for r in await store.block_residency(last + 1)] == [1]
+
+
+async def test_a_replay_flood_is_bounded_and_an_engine_removed_frees_it() -> None:
+    pub, replay = free_ports(), free_ports()
+    store = SlowStore()  # the store is slower than the flood: it must wait somewhere
+    sub, registry = await consume(store, spec(pub, replay), replay_timeout=1.0)
+    try:
+        before = reset_peak()
+        async with engine_process("flood", pub, replay):
+            await applied(sub, flood.FLOOD - 1)
+            grew = memory("VmHWM") - before
+            st = sub.rank_status("e")[0]
+            assert (await store.block_counts(RANK))[GPU] == flood.FLOOD
+            await registry.remove("e")  # what DELETE /engines/e does
+        gc.collect()
+        left = memory("VmRSS") - before
+        consumers = [o for o in gc.get_objects() if isinstance(o, RankConsumer)]
+    finally:
+        await sub.stop()
+    assert grew < 600 * MB, f"peak grew {grew / MB:.0f} MB for a 1.5 GB replay answer"
+    assert not st.degraded and st.gaps_unfilled == 0
+    assert consumers == []  # nothing keeps the consumer, its queues or its held batches
+    assert left < 100 * MB, f"{left / MB:.0f} MB still held after the engine was removed"
