@@ -132,6 +132,10 @@ class Stats(msgspec.Struct):
     blocks: dict[str, int]
     anomalies: dict[str, int]
     token_index_entries: int
+    #: False when the compiled core did not build or load (kvindex then runs many
+    #: times slower); ``compiled_core_error`` says why.
+    compiled_core: bool
+    compiled_core_error: str | None
 
 
 class Status(msgspec.Struct):

@@ -18,14 +18,14 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import dynamo, e2e, http, ingest, memory, plots, query, redis_bench, scaling
+from bench import dynamo, e2e, http, idle, ingest, memory, plots, query, redis_bench, scaling
 from bench.fleet import FULL, QUICK, Fleet
 from bench.report import Report
 from indexer.log import setup_logging
 from indexer.stores import MemoryStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9")
 
 
 def _section(report: Report, name: str, fn: Callable[[], object]) -> None:
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if "3" in only:
         batches, seconds = (3000, 3.0) if quick else (20_000, 5.0)
         _section(report, "3", lambda: e2e.run(report, fleet.stream, batches, seconds))
+    if "9" in only:
+        _section(report, "9", lambda: idle.run(report, 5.0 if quick else 20.0))
     if only & {"2", "5"} and redis_bench.available():
         _section(report, "2+5", lambda: redis_bench.run(report, fleet, store, quick))
     elif only & {"2", "5"}:

@@ -94,6 +94,8 @@ def watch(source: StatusSource) -> None:
 
 _GAUGES = {
     "connected": "Whether the rank's SUB socket has a live peer.",
+    "never_connected": "Whether nothing has connected to the rank since it started "
+    "(after no_publisher_after seconds): a wrong endpoint or an engine not running.",
     "degraded": "Whether the rank missed batches that replay could not fill.",
     "lag_batches": "Newest received seq minus applied seq.",
     "lag_seconds": "Batch ts of the newest received batch minus that of the applied one.",

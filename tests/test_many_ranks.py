@@ -144,6 +144,9 @@ async def test_a_rank_without_publisher_is_named_once_and_in_readyz(caplog) -> N
             assert ready.json() == {"status": "ok", "no_publisher": endpoints}
             ranks = (await client.get("/engines/ghost")).json()["ranks"]
             assert [r["never_connected"] for r in ranks] == [True, True]
+            metrics = (await client.get("/metrics")).text
+            assert 'kvindex_ingest_never_connected{dp_rank="1",engine="ghost"} 1.0' in metrics
+            assert 'kvindex_ingest_never_connected{dp_rank="0",engine="live"} 0.0' in metrics
             await asyncio.sleep(1.0)  # twice the threshold: the warning is not repeated
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert sorted(w for w in warnings if "no publisher" in w) == [
