@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import struct
 from collections.abc import Iterable, Sequence
 
@@ -666,3 +667,36 @@ async def test_a_garbage_replay_answer_is_no_restart(engine, answer: str) -> Non
     assert st.restarts == 0 and not st.degraded
     assert sum(st.rejected.values()) >= 2
     await assert_same(store, await reference(RANK, enumerate(items)), RANK, items)
+
+
+async def test_unanswered_probes_back_off(engine, caplog) -> None:
+    """A replay endpoint that never answers: each unanswered request doubles the wait
+    before the next probe, and the timeout is logged once, not at every probe."""
+    e = engine()
+    pub = Publisher(e.spec.endpoint, bind=True)  # live, but nothing answers replay
+    e.publishers.append(pub)
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(e.spec.replay_endpoint)
+    asked: list[float] = []
+
+    async def never_answer() -> None:
+        while True:
+            await router.recv_multipart()
+            asked.append(asyncio.get_running_loop().time())
+
+    listening = asyncio.create_task(never_answer())
+    settings = tuned(replay_timeout=0.1, probe_interval=0.2, probe_backoff_max=30.0)
+    with caplog.at_level(logging.INFO, logger="kvindex.subscriber"):
+        sub = await consuming(MemoryStore(), e.spec, settings=settings)
+        try:
+            await asyncio.sleep(4.0)
+        finally:
+            await sub.stop()
+            listening.cancel()
+            ctx.destroy(linger=0)
+    # Three catch-up attempts, then probes 0.2 s x 2^3, x 2^4 ... apart: at most two more.
+    # Unbounded, a probe went out every 0.3 s: a dozen.
+    assert 3 <= len(asked) <= 5, asked
+    timeouts = [r for r in caplog.records if r.getMessage() == "replay timed out"]
+    assert [r.levelno for r in timeouts].count(logging.INFO) == 1
