@@ -1,17 +1,31 @@
 # kvindex: one image for every role; the command picks it (see docker-compose.yml).
 #   docker build -t kvindex .
 #   docker run --rm -p 8000:8000 kvindex kvindex serve --host 0.0.0.0
-FROM python:3.11-slim
+#
+# Two stages: the full Python image has the C compiler and OpenSSL headers the
+# compiled core (Cython) builds with; the slim runtime image gets only the
+# installed environment (its libcrypto is the one the core links against).
+FROM python:3.11-bookworm AS build
 
-# No compiler needed: every dependency ships manylinux wheels.
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
 
 WORKDIR /opt/kvindex
-COPY pyproject.toml README.md ./
+RUN python -m venv /opt/venv
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY indexer ./indexer
 COPY api ./api
 COPY producer ./producer
-RUN pip install . && useradd --system --no-create-home kvindex
+# The build fails here, not at run time, if the compiled core did not build.
+RUN pip install . \
+    && cd / && python -c "from indexer import native; assert native.AVAILABLE, native.IMPORT_ERROR"
+
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
+
+COPY --from=build /opt/venv /opt/venv
+RUN useradd --system --no-create-home kvindex
 
 USER kvindex
 # 8000: HTTP API (serve, api); 9100: worker metrics (indexer --metrics-port 9100)

@@ -13,7 +13,9 @@ help:
 	@echo "make replay  apply a vLLM fixture trace and print the JSON report"
 	@echo "make bench   run every benchmark (quick mode); report in bench/results/"
 
-$(STAMP): pyproject.toml
+# The compiled core builds at install time: a changed source reinstalls.
+$(STAMP): pyproject.toml setup.py indexer/_chainhash.pyx
+	@scripts/ensure-build-tools.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

@@ -22,6 +22,7 @@ from api.matching import is_degraded
 from api.openapi import answers, body
 from api.parsing import StrictQueryRoute, decode_body, hash_text, parse_hash
 from api.schemas import HASH_PATTERN, BlockResidencies, EngineState, RankState, Stats
+from indexer import native
 from indexer.engines import BindRefused, EngineExists, EngineSpec, RankStatus, UnknownEngine
 from indexer.model import MEDIA, RankId
 
@@ -90,6 +91,7 @@ class Operators:
             blocks={m: sum(c[m] for c in counts) for m in MEDIA},
             anomalies=_total(anomalies),
             token_index_entries=len(self.token_index),
+            **native.status(),
         )
 
 

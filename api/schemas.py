@@ -136,10 +136,6 @@ class Stats(msgspec.Struct):
     #: times slower); ``compiled_core_error`` says why.
     compiled_core: bool
     compiled_core_error: str | None
-    #: False when the compiled core did not build or load (kvindex then runs many
-    #: times slower); ``compiled_core_error`` says why.
-    compiled_core: bool
-    compiled_core_error: str | None
 
 
 class Status(msgspec.Struct):

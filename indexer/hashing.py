@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import pickletools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import getitem
 from typing import Any
+
+from indexer import native
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
@@ -40,6 +43,8 @@ DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 _PICKLE_PROTOCOL = 5
 
 HashFn = Callable[[Any], bytes]
+#: Each full block's extra keys (None for none), or None when no block has any.
+BlockExtras = list[tuple[Any, ...] | None] | None
 
 
 class UnknownHashAlgo(ValueError):
@@ -92,6 +97,69 @@ _HASH_FNS: dict[str, Callable[[], HashFn]] = {
 }
 _RANDOM_SEED_WITHOUT_ENV = frozenset({"xxhash", "xxhash_cbor"})
 
+# A block pickles (parent, tokens, extra) with one memo: the parent digest and
+# the token tuple take its slots 0 and 1 before anything in ``extra``.
+_MEMO_SLOTS_BEFORE_EXTRAS = 2
+
+
+def _pickle_fragment(extra: Any) -> bytes:
+    """``extra``'s opcodes as they appear inside its block's pickle.
+
+    They are those of pickling it alone without the header (PROTO, FRAME) and
+    STOP, except that a reference to an object it repeats (a memo get, as for
+    the ``"mm"`` of a block's second multimodal item) points past the two slots
+    taken before it. Protocol 5 memoizes without naming slots, so nothing else moves.
+    """
+    raw = pickle.dumps(extra, protocol=_PICKLE_PROTOCOL)
+    ops = list(pickletools.genops(raw))
+    ends = [pos for _, _, pos in ops[1:]] + [len(raw)]
+    out = bytearray()
+    for (op, arg, pos), end in zip(ops, ends, strict=True):
+        if op.name in ("BINGET", "LONG_BINGET"):
+            out += _memo_get(arg + _MEMO_SLOTS_BEFORE_EXTRAS)
+        elif op.name not in ("PROTO", "FRAME", "STOP"):
+            out += raw[pos:end]
+    return bytes(out)
+
+
+def _memo_get(slot: int) -> bytes:
+    """The pickler's memo get: one byte of slot number while it fits, else four."""
+    if slot < 256:
+        return pickle.BINGET + bytes((slot,))
+    return pickle.LONG_BINGET + slot.to_bytes(4, "little")
+
+
+def _cbor_fragment(extra: Any) -> bytes:
+    """CBOR shares nothing between items: ``extra`` encodes the same inside its block."""
+    import cbor2
+
+    return cbor2.dumps(extra, canonical=True)
+
+
+_FRAGMENT_FNS: dict[str, Callable[[Any], bytes]] = {
+    "sha256": _pickle_fragment,
+    "sha256_cbor": _cbor_fragment,
+    "xxhash": _pickle_fragment,
+    "xxhash_cbor": _cbor_fragment,
+}
+
+
+def _fragments(fragment: Callable[[Any], bytes], extras: list[Any]) -> list[bytes]:
+    """Each block's extra keys serialised, once per distinct object.
+
+    Blocks share one tuple when they carry the same keys (see
+    :func:`block_extra_keys`). By identity, not equality: pickle's memo is by
+    identity, so equal tuples sharing different objects pickle differently.
+    """
+    done: dict[int, bytes] = {}
+    out = []
+    for extra in extras:
+        key = id(extra)
+        if key not in done:
+            done[key] = fragment(extra)
+        out.append(done[key])
+    return out
+
 
 @dataclass(frozen=True, slots=True)
 class MMFeature:
@@ -118,6 +186,7 @@ class HashSpec:
     block_size: int
     _fn: HashFn = field(init=False, repr=False, compare=False)
     _none_hash: bytes | None = field(init=False, repr=False, compare=False)
+    _no_extras_fragment: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.algo not in _HASH_FNS:
@@ -135,6 +204,7 @@ class HashSpec:
         if self.reproducible:
             none_hash = fn(DEFAULT_NONE_HASH_SEED if self.seed is None else self.seed)
         object.__setattr__(self, "_none_hash", none_hash)
+        object.__setattr__(self, "_no_extras_fragment", _FRAGMENT_FNS[self.algo](None))
 
     @property
     def reproducible(self) -> bool:
@@ -171,36 +241,82 @@ def block_hashes(
     cache_salt: str | None = None,
     mm_features: Sequence[MMFeature] = (),
     as_bytes: bool = False,
+    compiled: bool = True,
 ) -> list[int] | list[bytes]:
     """The hashes an engine publishes for a prompt's full blocks, in order.
 
     Token ids must be plain ``int`` (not numpy scalars or bools): pickle and
     CBOR encode other types differently, so the digest would silently differ.
     A LoRA needs
-    both name and path because vLLM keys blocks by both.
+    both name and path because vLLM keys blocks by both. The compiled core
+    computes them when it is built (:mod:`indexer.native`); ``compiled=False``
+    runs the pure-Python reference, block by block: the executable spec the
+    compiled core is tested and measured against.
     """
+    use_compiled = compiled and native.chainhash is not None
+    chain = _compiled_chain if use_compiled else _reference_chain
+    extras = _prompt_extras(spec, tokens, lora_name, lora_path, cache_salt, mm_features)
+    return chain(spec, tokens, extras, as_bytes)
+
+
+def _prompt_extras(
+    spec: HashSpec,
+    tokens: Sequence[int],
+    lora_name: str | None,
+    lora_path: str | None,
+    cache_salt: str | None,
+    mm_features: Sequence[MMFeature],
+) -> BlockExtras:
+    """Each full block's extra keys, after checking the request."""
     if (lora_name is None) != (lora_path is None):
         raise ValueError("lora_name and lora_path must be given together")
+    if lora_name is None and not cache_salt and not mm_features:
+        return None
+    n_blocks = len(tokens) // spec.block_size
+    lora = ("lora", lora_name, lora_path) if lora_name is not None else None
+    return list(block_extra_keys(n_blocks, spec.block_size, lora, cache_salt, mm_features))
+
+
+def _reference_chain(
+    spec: HashSpec, tokens: Sequence[int], extras: BlockExtras, as_bytes: bool
+) -> list[int] | list[bytes]:
     parent = spec.none_hash
     fn = spec._fn
     size = spec.block_size
     # Slices of a tuple are tuples: one allocation per block instead of list slice + tuple().
     toks = tokens if type(tokens) is tuple else tuple(tokens)
     end = len(toks) - len(toks) % size
-    n_blocks = end // size
-    if lora_name is None and not cache_salt and not mm_features:
-        extras: Iterator[tuple[Any, ...] | None] = repeat(None, n_blocks)
-    else:
-        lora = ("lora", lora_name, lora_path) if lora_name is not None else None
-        extras = block_extra_keys(n_blocks, size, lora, cache_salt, mm_features)
+    keys = repeat(None, end // size) if extras is None else extras
     digests: list[bytes] = []
     append = digests.append
-    for start, extra in zip(range(0, end, size), extras, strict=True):
+    for start, extra in zip(range(0, end, size), keys, strict=True):
         parent = fn((parent, toks[start : start + size], extra))
         append(parent)
     if as_bytes:
         return digests
     return published_ints(digests)
+
+
+def _compiled_chain(
+    spec: HashSpec, tokens: Sequence[int], extras: BlockExtras, as_bytes: bool
+) -> list[int] | list[bytes]:
+    size = spec.block_size
+    none_hash = spec.none_hash
+    toks = tokens if type(tokens) is list or type(tokens) is tuple else tuple(tokens)
+    if extras is None:
+        fragments = [spec._no_extras_fragment] * (len(toks) // size)
+    else:
+        fragments = _fragments(_FRAGMENT_FNS[spec.algo], extras)
+
+    def fallback(block: int, parent: bytes) -> bytes:
+        """A block the compiled code does not encode, hashed by the reference."""
+        start = block * size
+        extra = None if extras is None else extras[block]
+        return spec._fn((parent, tuple(toks[start : start + size]), extra))
+
+    return native.chainhash.chain(  # type: ignore[union-attr]
+        spec.algo, none_hash, toks, size, fragments, not as_bytes, fallback
+    )
 
 
 def block_extra_keys(

@@ -26,6 +26,7 @@ from prometheus_client import start_http_server
 
 from api.app import create_app
 from api.settings import ApiSettings
+from indexer import native
 from indexer.engines import EngineSpec
 from indexer.redis_registry import RedisRegistry
 from indexer.serve import ServeConfig, cannot_listen, listen, serve_http, stop_signals
@@ -54,6 +55,7 @@ async def run_indexer(
     ``engines`` (and the config file's) are registered unless already there.
     ``metrics``: ``(host, port)`` to serve Prometheus metrics on.
     """
+    native.warn_if_unavailable("indexer")
     config.check_binds(engines)
     store = RedisStore(redis)
     registry = RedisRegistry(store)
@@ -97,6 +99,7 @@ async def run_api(
 ) -> None:
     """Serve the HTTP API over the shared Redis state until SIGTERM or SIGINT;
     ``settings``: the API's (default the config file's)."""
+    native.warn_if_unavailable("api")
     settings = settings or config.api_settings()
     store = RedisStore(redis)
     registry = RedisRegistry(store)

@@ -54,6 +54,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from api.app import create_app
 from api.settings import ApiSettings
+from indexer import native
 from indexer.engines import BindRefused, EngineRegistry, EngineSpec, is_loopback
 from indexer.stores.base import Store
 from indexer.stores.memory import MemoryStore
@@ -335,6 +336,7 @@ async def serve(
 ) -> None:
     """Run until SIGTERM or SIGINT, then stop cleanly; ``redis``: the store (default
     embedded); ``settings``: the API's (default the config file's)."""
+    native.warn_if_unavailable("serve")
     config.check_binds(engines)
     settings = settings or config.api_settings()
     store = open_store(redis)

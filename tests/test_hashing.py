@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 from array import array
+from functools import partial
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from indexer.hashing import (
     HASH_ALGOS,
@@ -22,15 +25,25 @@ from indexer.hashing import (
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.33.0"
 CASES = json.loads((FIXTURES / "hash_vectors.json").read_text())
 REPO = Path(__file__).resolve().parents[1]
+PROBES = [
+    (path.name.removesuffix(".expected.json"), expected["engine"], probe)
+    for path in sorted((FIXTURES / "traces").glob("*.expected.json"))
+    for expected in [json.loads(path.read_text())]
+    for probe in expected["probes"]
+]
+#: block_hashes is the compiled core when it is built (tests/test_native.py fails the run
+#: if not); the reference must keep agreeing with vLLM on its own.
+reference_block_hashes = partial(block_hashes, compiled=False)
+IMPLEMENTATIONS = {"compiled": block_hashes, "reference": reference_block_hashes}
 
 
 def _case_id(case: dict) -> str:
     return f"{case['algo']}-seed={case['PYTHONHASHSEED']}-bs={case['block_size']}-{case['case']}"
 
 
-def _hash_case(case: dict, *, as_bytes: bool) -> list:
+def _hash_case(case: dict, *, as_bytes: bool, hashes=block_hashes) -> list:
     spec = HashSpec(case["algo"], case["PYTHONHASHSEED"], case["block_size"])
-    return block_hashes(
+    return hashes(
         spec,
         case["tokens"],
         lora_name=case["lora_name"],
@@ -51,15 +64,103 @@ def test_none_hash_matches_vllm(case: dict) -> None:
     assert spec.none_hash.hex() == case["none_hash_hex"]
 
 
+@pytest.mark.parametrize("hashes", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_block_digests_match_vllm(case: dict) -> None:
-    digests = _hash_case(case, as_bytes=True)
+def test_block_digests_match_vllm(case: dict, hashes) -> None:
+    digests = _hash_case(case, as_bytes=True, hashes=hashes)
     assert [d.hex() for d in digests] == case["block_hashes_hex"]
 
 
+@pytest.mark.parametrize("hashes", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_published_ints_match_vllm(case: dict) -> None:
-    assert _hash_case(case, as_bytes=False) == case["block_hashes_int64"]
+def test_published_ints_match_vllm(case: dict, hashes) -> None:
+    assert _hash_case(case, as_bytes=False, hashes=hashes) == case["block_hashes_int64"]
+
+
+@pytest.mark.parametrize("hashes", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS)
+def test_trace_probe_prompts_hash_as_the_engine_hashed_them(hashes) -> None:
+    assert len(PROBES) > 100
+    for trace, engine, probe in PROBES:
+        spec = HashSpec(engine["hash_algo"], None, engine["block_size"])
+        assert hashes(spec, probe["tokens"]) == probe["hashes"], trace
+
+
+# --- the compiled core against the reference -----------------------------------
+
+#: Where pickle and CBOR change how they encode an int, and past int64 (the compiled
+#: code hands such blocks to the reference).
+EDGE_TOKENS = [
+    *(bound + d for bound in (0, 23, 24, 255, 256, 65535, 65536, 2**31, 2**32) for d in (-1, 0)),
+    *(-bound + d for bound in (24, 25, 256, 257, 65536, 2**31, 2**32, 2**63) for d in (0, 1)),
+    *(bound + d for bound in (2**40, 2**63, 2**64) for d in (-1, 0)),
+    -(2**63) - 1,
+    True,  # not a plain int: vLLM would pickle it as a bool
+]
+tokens_st = st.lists(
+    st.one_of(
+        st.integers(0, 200_000),
+        st.sampled_from(EDGE_TOKENS),
+        st.integers(-(2**70), 2**70),
+    ),
+    max_size=160,
+)
+# Few names, so items and LoRA name/path often share one str object (pickle's memo).
+names_st = st.sampled_from(["img-a", "img-b", "adapter", "salt", "h" * 300])
+mm_st = st.lists(
+    st.builds(MMFeature, names_st, st.integers(0, 150), st.integers(1, 40)), max_size=6
+).map(lambda items: sorted(items, key=lambda item: item.offset))
+
+
+@st.composite
+def requests_st(draw) -> dict:
+    lora = draw(st.none() | st.tuples(names_st, names_st | st.text(max_size=4)))
+    return {
+        "lora_name": lora and lora[0],
+        "lora_path": lora and lora[1],
+        "cache_salt": draw(st.none() | names_st | st.text(max_size=6)),
+        "mm_features": draw(mm_st),
+    }
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=tokens_st,
+    block_size=st.integers(1, 40),
+    seed=st.sampled_from(["0", "42", "-"]) | st.text(max_size=6),
+    request=requests_st(),
+    as_bytes=st.booleans(),
+)
+def test_compiled_core_hashes_as_the_reference(
+    algo: str, tokens: list, block_size: int, seed: str, request: dict, as_bytes: bool
+) -> None:
+    spec = HashSpec(algo, seed, block_size)
+    want = reference_block_hashes(spec, tokens, as_bytes=as_bytes, **request)
+    assert block_hashes(spec, tokens, as_bytes=as_bytes, **request) == want
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+@pytest.mark.parametrize("block_size", range(13_094, 13_104))
+def test_blocks_around_one_pickle_frame_hash_as_the_reference(algo: str, block_size: int) -> None:
+    """The pickler closes a frame at 64 KiB; a 5-byte-per-token block crosses it here."""
+    spec = HashSpec(algo, "0", block_size)
+    tokens = list(range(100_000, 100_000 + 2 * block_size))
+    assert block_hashes(spec, tokens) == reference_block_hashes(spec, tokens)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+@pytest.mark.parametrize("repeated", [125, 126, 127, 128])
+def test_a_repeat_far_into_the_pickle_memo_hashes_as_the_reference(
+    algo: str, repeated: int
+) -> None:
+    """An item naming the same object as an earlier one pickles as a memo reference; its
+    slot moves by two inside the block and needs four bytes from slot 256 on."""
+    items = [MMFeature(f"image-{n}", n, 1) for n in range(200)]
+    items.append(MMFeature(items[repeated].identifier, 200, 1))
+    spec = HashSpec(algo, "0", 256)
+    tokens = list(range(512))
+    want = reference_block_hashes(spec, tokens, mm_features=items)
+    assert block_hashes(spec, tokens, mm_features=items) == want
 
 
 def test_unknown_algo_is_a_clear_value_error() -> None:

@@ -1,0 +1,21 @@
+"""The compiled core: Cython modules built with the machine's C compiler.
+
+Metadata lives in pyproject.toml; this file only declares the extensions,
+which setuptools cannot take from pyproject.toml alone.
+"""
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+CHAIN_HASH = Extension(
+    "indexer._chainhash",
+    ["indexer/_chainhash.pyx"],
+    # SHA-256 from OpenSSL's libcrypto (the one Python's hashlib uses); its
+    # low-level SHA256_* calls are deprecated in OpenSSL 3 yet are the ones
+    # without a per-call algorithm lookup.
+    libraries=["crypto"],
+    define_macros=[("OPENSSL_SUPPRESS_DEPRECATED", None)],
+    extra_compile_args=["-O3"],
+)
+
+setup(ext_modules=cythonize([CHAIN_HASH], language_level=3))

@@ -1,0 +1,128 @@
+"""The compiled core is the one in use, and kvindex says so loudly when it is not.
+
+``test_the_compiled_core_is_in_use`` fails the run when the extension did not
+build: CI runs ``make test``, so what CI tests is the compiled core. There is
+no opt-out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from indexer import hashing, native
+
+from .apikit import Api
+
+REPO = Path(__file__).resolve().parents[1]
+#: Run before kvindex is imported: the extension then fails to import, as when it never built.
+WITHOUT_EXTENSION = "import sys; sys.modules['indexer._chainhash'] = None\n"
+
+
+def test_the_compiled_core_is_in_use() -> None:
+    assert native.AVAILABLE, f"the compiled core did not build or load: {native.IMPORT_ERROR}"
+    assert native.IMPORT_ERROR is None
+    module_file = Path(native.chainhash.__file__)
+    assert module_file.parent == REPO / "indexer"
+    assert any(module_file.name.endswith(suffix) for suffix in EXTENSION_SUFFIXES)
+
+
+def test_block_hashes_runs_on_the_compiled_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    compiled = native.chainhash
+
+    def chain(*args):
+        calls.append(args[0])
+        return compiled.chain(*args)
+
+    monkeypatch.setattr(native, "chainhash", SimpleNamespace(chain=chain))
+    for algo in hashing.HASH_ALGOS:
+        spec = hashing.HashSpec(algo, "0", 4)
+        want = hashing.block_hashes(spec, range(12), compiled=False)
+        assert hashing.block_hashes(spec, range(12)) == want
+    assert calls == list(hashing.HASH_ALGOS)
+
+
+def _run(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", WITHOUT_EXTENSION + script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_without_the_extension_hashes_stay_exact_and_status_says_why() -> None:
+    script = (
+        "import json\n"
+        "from indexer import native\n"
+        "from indexer.hashing import HashSpec, block_hashes\n"
+        "print(json.dumps([native.status(), block_hashes(HashSpec('sha256', None, 16), "
+        "list(range(48)))]))\n"
+    )
+    result = _run(script)
+    assert result.returncode == 0, result.stderr
+    status, hashes = json.loads(result.stdout)
+    assert status["compiled_core"] is False
+    assert "indexer._chainhash" in status["compiled_core_error"]
+    spec = hashing.HashSpec("sha256", None, 16)
+    assert hashes == hashing.block_hashes(spec, list(range(48)), compiled=False)
+
+
+def test_serve_warns_on_start_without_the_extension() -> None:
+    from tests.servers import free_port
+
+    script = (
+        "import sys\n"
+        "from indexer.cli import main\n"
+        f"sys.exit(main(['serve', '--port', '{free_port()}']))\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", WITHOUT_EXTENSION + script],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stderr.readline()  # the warning comes first, before serving
+    finally:
+        process.terminate()
+        process.wait(10)
+        process.stderr.close()
+    entry = json.loads(line)
+    assert entry["level"] == "warning"
+    assert entry["event"].startswith("compiled core not in use")
+    assert entry["role"] == "serve"
+    assert "indexer._chainhash" in entry["import_error"]
+
+
+def test_warning_is_silent_when_the_core_is_in_use(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvindex.native"):
+        assert native.warn_if_unavailable("serve") is True
+    assert caplog.records == []
+
+
+async def test_stats_report_whether_the_compiled_core_is_in_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api = Api()
+    try:
+        stats = (await api.client.get("/stats")).json()
+        assert stats["compiled_core"] is True
+        assert stats["compiled_core_error"] is None
+        monkeypatch.setattr(native, "AVAILABLE", False)
+        monkeypatch.setattr(native, "IMPORT_ERROR", "ImportError: no _chainhash")
+        stats = (await api.client.get("/stats")).json()
+        assert stats["compiled_core"] is False
+        assert stats["compiled_core_error"] == "ImportError: no _chainhash"
+    finally:
+        await api.close()
