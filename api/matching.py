@@ -178,6 +178,7 @@ class PrefixMatcher:
                         m.prefix_blocks * block_size,
                         round(m.score(weights), 6),
                         degraded.get(dp_rank, True),
+                        m.gpu_blocks_full_attention,
                     )
                 )
         entries.sort(key=_score, reverse=True)  # stable: ties keep (engine, rank) order

@@ -62,7 +62,9 @@ engines' declared values for `tokens`. A query parameter or body field the
 endpoint does not take is a 422 that names it.
 
 Every rank of every matching engine is answered, best `score` first (then
-engine name, rank): `gpu_blocks` leading blocks on GPU; `cpu_blocks` /
+engine name, rank): `gpu_blocks` leading blocks the engine reuses from GPU
+(for hybrid models, what every KV group serves; `gpu_blocks_full_attention`
+what the full-attention groups alone hold); `cpu_blocks` /
 `storage_blocks` leading blocks loadable from that tier in whole chunks;
 `prefix_blocks` leading blocks each on GPU or loadable from a lower tier
 (`prefix_tokens` = `prefix_blocks * block_size`); `score` the tier weight of

@@ -71,7 +71,11 @@ class PrefixMatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class EngineMatch(msgspec.Struct):
     """How much of the prompt one engine rank can serve, per tier.
 
-    ``gpu_blocks``: leading blocks on GPU. ``cpu_blocks``/``storage_blocks``:
+    ``gpu_blocks``: leading blocks the engine reuses from GPU (for a hybrid
+    model the blocks every KV group can serve, as vLLM's scheduler finds them).
+    ``gpu_blocks_full_attention``: leading blocks on GPU in the full-attention
+    groups alone (equal to ``gpu_blocks`` unless the model is hybrid).
+    ``cpu_blocks``/``storage_blocks``:
     leading blocks loadable from that tier alone, in whole chunks.
     ``prefix_blocks``: leading blocks each on GPU or loadable from a lower
     tier (lower tiers in whole chunks). ``score``: the tier weight of each
@@ -90,6 +94,7 @@ class EngineMatch(msgspec.Struct):
     prefix_tokens: int
     score: float
     degraded: bool
+    gpu_blocks_full_attention: int
 
 
 class PrefixMatchResponse(msgspec.Struct):

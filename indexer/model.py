@@ -13,7 +13,7 @@ per tier per engine rank.
 from __future__ import annotations
 
 from collections import _count_elements
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, groupby, repeat
 from operator import attrgetter, itemgetter
@@ -181,7 +181,11 @@ def _plan_run(ops: list[Op], signature: tuple, events: list[Event]) -> None:
     tier = _TIERS.get((medium, ownership, group_idx)) or _tier(medium, ownership, group_idx)
     if cls is BlockRemoved:
         _add(ops, tier, -1, events, locality, None, None)
-    elif tier.medium == GPU or not is_scored(kind):
+        return
+    if kind == SLIDING_WINDOW:  # one group, one window: the run's first event says it
+        first = events[0]
+        kind = sliding_window_kind(first.kv_cache_spec_sliding_window, first.block_size)
+    if tier.medium == GPU or not is_scored(kind):
         _add(ops, tier, 1, events, locality, kind, None)
     else:  # lower-tier stores: self-describing chunks teach the chunk size
         sizes = list(map(len, map(_hashes, events)))
@@ -256,6 +260,8 @@ class RankResidency:
     group_kinds: dict[int, str | None] = field(default_factory=dict)
     chunk_blocks: int | None = None
     unknown_removals: int = 0
+    #: the rules of its groups, while ``group_kinds`` stays as it is (None: stale)
+    _rules: tuple[GroupRule, ...] | None = field(default=None, repr=False, compare=False)
 
     def apply(self, ops: Iterable[Op]) -> int:
         """Apply operations in order; returns the number of block operations."""
@@ -295,8 +301,16 @@ class RankResidency:
         return _decrement(counts, hashes)
 
     def _learn(self, op: TierOp) -> None:
-        if op.kind is not None or op.tier.group_idx not in self.group_kinds:
-            self.group_kinds[op.tier.group_idx] = op.kind
+        """Remember what a store says a group is, unless what is known already refines it.
+
+        A removal's kind is None; a chunk-end placeholder's sliding-window kind
+        lacks the block size its group's other stores taught.
+        """
+        group, kind = op.tier.group_idx, op.kind
+        known = self.group_kinds.get(group, _UNSEEN)
+        if known is _UNSEEN or (kind is not None and not (known or "").startswith(kind)):
+            self.group_kinds[group] = kind
+            self._rules = None
 
     def clear(self, media: Iterable[str]) -> None:
         for medium in media:
@@ -310,6 +324,37 @@ class RankResidency:
             for tier, table in self.tables.items()
             if tier.medium == medium and is_scored(self.group_kinds.get(tier.group_idx))
         ]
+
+    def group_rules(self) -> tuple[GroupRule, ...]:
+        """The rank's groups with how each limits a hit; empty unless some group is
+        a sliding-window or Mamba group (the rank is then matched as a hybrid)."""
+        if self._rules is None:
+            self._rules = group_rules(self.group_kinds)
+        return self._rules
+
+    def group_tables(self, medium: str, group_idx: int) -> list[dict[BlockHash, int]]:
+        """Count tables of one group on one medium (one per ownership)."""
+        return [
+            table.counts
+            for tier, table in self.tables.items()
+            if tier.medium == medium and tier.group_idx == group_idx
+        ]
+
+    def match(self, chain: Sequence[BlockHash], chunk_blocks: int | None) -> PrefixMatch:
+        """This rank's prefix match, walked on its own tables: the reference every
+        store's :meth:`~indexer.stores.Store.prefix_match` must equal."""
+        gpu_tables = self.scored_tables(GPU)
+        gpu = leading_run(chain, gpu_tables) if gpu_tables else 0
+        lower = {m: self.scored_tables(m) for m in LOWER_TIERS}
+
+        def chunk_in(medium: str, j: int) -> bool:
+            return any(chunk_end(chain, chunk_blocks, j) in t for t in lower[medium])
+
+        full = match_prefix(
+            len(chain), gpu, chunk_blocks if any(lower.values()) else None, chunk_in
+        )
+        rules = self.group_rules()
+        return hybrid_match(chain, full, chunk_blocks, rules, self.group_tables) if rules else full
 
     def distinct_blocks(self, medium: str) -> int:
         """Distinct resident hashes of a medium, across ownerships and groups."""
@@ -368,7 +413,9 @@ class TierWeights:
 class PrefixMatch:
     """How much of a block-hash chain one engine rank can serve, tier by tier.
 
-    ``gpu_blocks``: leading blocks on GPU. ``cpu_blocks``/``storage_blocks``:
+    ``gpu_blocks``: leading blocks the engine reuses from GPU (for a hybrid model
+    the fixed point over its KV groups, see :func:`hybrid_match`).
+    ``cpu_blocks``/``storage_blocks``:
     leading blocks loadable from that tier alone, in whole chunks.
     ``prefix_blocks``: the GPU run extended by whole chunks from any lower
     tier; ``from_cpu``/``from_storage`` count the prefix blocks that extension
@@ -381,6 +428,14 @@ class PrefixMatch:
     prefix_blocks: int = 0
     from_cpu: int = 0
     from_storage: int = 0
+    full_attention_blocks: int | None = None  # None: the same as gpu_blocks
+
+    @property
+    def gpu_blocks_full_attention(self) -> int:
+        """The leading GPU run of the full-attention groups alone (hybrid models may
+        reuse less: ``gpu_blocks`` is what vLLM's scheduler would reuse)."""
+        fa = self.full_attention_blocks
+        return self.gpu_blocks if fa is None else fa
 
     def score(self, weights: TierWeights) -> float:
         from_gpu = self.prefix_blocks - self.from_cpu - self.from_storage
@@ -455,3 +510,205 @@ def leading_run(chain: Sequence[BlockHash], tables: Sequence[dict[BlockHash, int
         if not any(h in t for t in tables):
             return i
     return len(chain)
+
+
+# --- hybrid models: KV groups of several attention kinds ------------------------
+#
+# vLLM runs a model whose layers mix attention kinds with one KV cache group
+# per kind, and reuses a prefix only as far as every group can serve it
+# (``HybridKVCacheCoordinator.find_longest_cache_hit``): each group's
+# manager finds its own hit below a cap, and the cap shrinks to the smallest
+# until no group lowers it. Full attention needs every block of the prefix
+# (``FullAttentionManager``: the leading run); a sliding-window layer needs
+# only the blocks inside its window before the hit's end
+# (``SlidingWindowManager``: scanning right to left from the cap, the end
+# of the rightmost run of ``cdiv(window - 1, block_size)`` cached blocks,
+# else the run cached from block 0); a Mamba layer in "align" mode needs
+# the state at the hit's end (``MambaManager``: the rightmost cached block).
+# Groups of one spec are one lookup needing a block in each; the fixed point
+# is the same either way. The offloading connector (``_lookup``) applies the
+# same rules to chunks, from the chunk holding the GPU hit's end: full
+# attention the leading run, a sliding window ``cdiv(window,
+# tokens_per_chunk)`` chunks, Mamba one chunk.
+
+SLIDING_WINDOW, MAMBA = "sliding_window", "mamba"
+_RULES_CACHED = 256
+
+
+def sliding_window_kind(window: int | None, block_size: int) -> str:
+    """The kind a sliding-window group is remembered by: its window and block size
+    ride along, so that removals (which carry neither) can be matched by them."""
+    if not window or window < 1:
+        return SLIDING_WINDOW  # tracked, never matched: vLLM always sends the window
+    return (
+        f"{SLIDING_WINDOW}:{window}:{block_size}"
+        if block_size > 0
+        else f"{SLIDING_WINDOW}:{window}"
+    )
+
+
+class GroupRule(NamedTuple):
+    """How one KV group limits a prefix hit.
+
+    ``window``: None for full attention, the sliding window in tokens, or 0
+    for Mamba (one state); ``block_size``: the group's, for sliding windows.
+    """
+
+    group_idx: int
+    window: int | None = None
+    block_size: int = 0
+
+    def need(self, chunk_blocks: int = 1) -> int:
+        """Held units a hit must end with (0: every unit from the start).
+
+        Units are blocks (``chunk_blocks`` 1) or offloaded chunks.
+        """
+        window = self.window
+        if window is None:
+            return 0
+        if window == 0:
+            return 1
+        if chunk_blocks == 1:  # the input token itself is inside the window
+            return max(1, -(-(window - 1) // self.block_size))
+        return -(-window // (chunk_blocks * self.block_size))
+
+
+_RULE_OF: dict[str | None, tuple[int | None, int] | None] = {}
+
+
+def _rule_of(kind: str | None) -> tuple[int | None, int] | None:
+    """``(window, block_size)`` of a kind (window None: full attention), None if unmatched."""
+    if kind in _RULE_OF:
+        return _RULE_OF[kind]
+    rule: tuple[int | None, int] | None = None
+    if is_scored(kind):
+        rule = (None, 0)
+    elif kind == MAMBA:
+        rule = (0, 0)
+    elif kind and kind.startswith(SLIDING_WINDOW + ":"):
+        parts = kind.split(":")
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() and int(parts[2]) > 0:
+            rule = (int(parts[1]), int(parts[2]))
+    if len(_RULE_OF) < _RULES_CACHED:
+        _RULE_OF[kind] = rule
+    return rule
+
+
+def group_rules(kinds: dict[int, str | None]) -> tuple[GroupRule, ...]:
+    """Every group with a rule, by index; empty if all are full attention.
+
+    A group whose kind has no rule here (another kind, or a sliding window
+    whose block size no event told) is tracked but does not limit hits.
+    """
+    rules = [(g, _rule_of(kind)) for g, kind in sorted(kinds.items())]
+    if all(rule is None or rule[0] is None for _, rule in rules):
+        return ()
+    return tuple(GroupRule(g, *rule) for g, rule in rules if rule is not None)
+
+
+#: ``tables(medium, group_idx)``: the containers holding that group's hashes on a medium.
+GroupTables = Callable[[str, int], Sequence[Container]]
+
+
+def _window_hit(need: int, held: Callable[[int], bool], start: int, cap: int) -> int:
+    """Units ``[start, cap)``: the end of the rightmost run of ``need`` held units,
+    else the run held from ``start`` (as vLLM scans, right to left)."""
+    run = 0
+    for i in range(cap - 1, start - 1, -1):
+        if held(i):
+            run += 1
+            if run == need:
+                return i + need
+        else:
+            run = 0
+    return start + run
+
+
+def _leading_hit(held: Callable[[int], bool], start: int, cap: int) -> int:
+    for i in range(start, cap):
+        if not held(i):
+            return i
+    return cap
+
+
+def _fixed_point(rules: list[tuple[int, Callable[[int], bool]]], start: int, cap: int) -> int:
+    """The hit of all groups over units ``[start, cap)``: each lowers the cap in turn
+    until none does. Full attention's run only shrinks the cap, so it is walked once."""
+    hit = cap
+    for need, held in rules:
+        if not need:
+            hit = _leading_hit(held, start, hit)
+    windows = [(need, held) for need, held in rules if need]
+    while hit > start:
+        low = hit
+        for need, held in windows:
+            low = _window_hit(need, held, start, low)
+        if low == hit:
+            break
+        hit = low
+    return max(hit, start)
+
+
+def _holder(containers: Sequence[Container], keys: Sequence[BlockHash]) -> Callable[[int], bool]:
+    """Whether ``keys[i]`` is in any of the containers."""
+    if len(containers) == 1:
+        (one,) = containers
+        return lambda i: keys[i] in one
+    return lambda i: any(keys[i] in c for c in containers)
+
+
+def hybrid_match(
+    chain: Sequence[BlockHash],
+    full: PrefixMatch,
+    chunk_blocks: int | None,
+    rules: Sequence[GroupRule],
+    tables: GroupTables,
+) -> PrefixMatch:
+    """A hybrid rank's match, given ``full``, its match by full-attention groups alone.
+
+    GPU: the fixed point over the groups, capped by the full-attention run
+    (every full-attention group holds at most that much) or, without one, by
+    the chain. Lower tiers (whole chunks, ``chunk_blocks`` per chunk): the
+    same rules on chunk ends, from the chunk holding the GPU hit's end (the
+    prefix, a chunk held on CPU or STORAGE counting) or from chunk 0 (each
+    tier alone). A chunk of the prefix is taken from CPU when the CPU holds it
+    in every full-attention group (every group, without one), else from STORAGE.
+    """
+    fulls = [r for r in rules if r.window is None]
+    cap = full.gpu_blocks if fulls else len(chain)
+    gpu_rules = [(r.need(), _holder(tables(GPU, r.group_idx), chain)) for r in rules]
+    if len(fulls) == 1 and len(tables(GPU, fulls[0].group_idx)) == 1:
+        gpu_rules = [rule for rule, r in zip(gpu_rules, rules, strict=True) if r.window is not None]
+    gpu = _fixed_point(gpu_rules, 0, cap) if cap else 0
+    full_run = full.gpu_blocks if full.gpu_blocks != gpu else None
+    if not chunk_blocks:
+        return PrefixMatch(gpu, prefix_blocks=gpu, full_attention_blocks=full_run)
+    ends = chain[chunk_blocks - 1 :: chunk_blocks]
+
+    def lower(media: Sequence[str], start: int) -> int:
+        held = [
+            (
+                r.need(chunk_blocks),
+                _holder([c for m in media for c in tables(m, r.group_idx)], ends),
+            )
+            for r in rules
+        ]
+        return _fixed_point(held, start, len(ends))
+
+    cpu, storage = lower((CPU,), 0), lower((STORAGE,), 0)
+    first = gpu // chunk_blocks
+    end = lower(LOWER_TIERS, first)
+    prefix, from_cpu = max(gpu, end * chunk_blocks), 0
+    on_cpu = [_holder(tables(CPU, r.group_idx), ends) for r in (fulls or rules)]
+    for j in range(first, end):
+        if all(held(j) for held in on_cpu):
+            from_cpu += (j + 1) * chunk_blocks - max(gpu, j * chunk_blocks)
+    return PrefixMatch(
+        gpu,
+        cpu * chunk_blocks,
+        storage * chunk_blocks,
+        prefix,
+        from_cpu,
+        prefix - gpu - from_cpu,
+        full_run,
+    )

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import msgspec
 
-from indexer.model import MEDIA, RankId
+from indexer.model import MEDIA, PrefixMatch, RankId
 from indexer.stores.base import Store
 from indexer.wire import decode_batch
 
 Trace = list[tuple[int, bytes]]
+_NO_MATCH = PrefixMatch()
 
 
 class Probe(msgspec.Struct):
@@ -66,15 +67,20 @@ async def apply_trace(store: Store, rank: RankId, trace: Trace) -> ReplayStats:
 async def answer_probes(
     store: Store, rank: RankId, engine: TraceEngine, probes: Sequence[Probe]
 ) -> list[dict[str, int]]:
-    """vLLM's two answers per probe: GPU hit tokens and CPU chunk-aligned tokens."""
+    """vLLM's answers per probe: GPU hit tokens, CPU chunk-aligned tokens, and the
+    full-attention groups' own GPU hit (vLLM's hit for a model that is not hybrid)."""
     answers = []
+    size = engine.block_size
     for probe in probes:
         chain = [int(h) for h in probe.hashes]
         found = await store.prefix_match(chain, {rank.engine: engine.blocks_per_chunk})
-        match = found.get(rank)
-        gpu, cpu = (match.gpu_blocks, match.cpu_blocks) if match else (0, 0)
+        match = found.get(rank, _NO_MATCH)
         answers.append(
-            {"gpu_tokens": gpu * engine.block_size, "cpu_prefix_tokens": cpu * engine.block_size}
+            {
+                "gpu_tokens": match.gpu_blocks * size,
+                "cpu_prefix_tokens": match.cpu_blocks * size,
+                "gpu_full_attention_tokens": match.gpu_blocks_full_attention * size,
+            }
         )
     return answers
 

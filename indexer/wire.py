@@ -138,6 +138,7 @@ _INDEXED_FIELDS = (
     "medium",
     "group_idx",
     "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
     "locality",
     "ownership",
 )

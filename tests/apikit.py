@@ -92,8 +92,8 @@ class LiveApi:
     is fed by the subscriber's observers exactly as in ``kvindex serve``.
     """
 
-    def __init__(self, settings: ApiSettings | None = None) -> None:
-        self.store = MemoryStore()
+    def __init__(self, settings: ApiSettings | None = None, store: Store | None = None) -> None:
+        self.store = store or MemoryStore()
         self.registry = EngineRegistry()
         self.subscriber = Subscriber(self.store, self.registry)
         self.app = create_app(self.store, self.registry, self.subscriber, settings or ApiSettings())

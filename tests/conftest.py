@@ -18,6 +18,24 @@ from indexer.wire import EventBatch, decode_batch
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.33.0"
 TRACE_NAMES = ("chat-sha256", "chat-gpu-only", "chat-placeholders", "chat-clear")
+#: Hybrid models: full attention with a sliding-window group, and with a Mamba group.
+HYBRID_TRACE_NAMES = ("hybrid-sliding", "hybrid-mamba")
+
+
+def probe_answers(expected: dict) -> list[dict[str, int]]:
+    """vLLM's answers to a fixture's probes, as ``kvindex replay`` reports them.
+
+    The full-attention hit is group 0's own hit in hybrid fixtures (group 0
+    is full attention there), and the hit itself in the others.
+    """
+    return [
+        {
+            "gpu_tokens": p["gpu_tokens"],
+            "cpu_prefix_tokens": p["cpu_prefix_tokens"],
+            "gpu_full_attention_tokens": p.get("gpu_tokens_by_group", [p["gpu_tokens"]])[0],
+        }
+        for p in expected["probes"]
+    ]
 
 
 def trace_path(name: str) -> Path:

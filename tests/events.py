@@ -15,8 +15,12 @@ def stored(
     owner: str | None = None,
     locality: str | None = None,
     block_size: int = 16,
+    window: int | None = None,
 ) -> BlockStored:
-    """A store of ``hashes``; ``block_size=0`` makes it a chunk-end placeholder."""
+    """A store of ``hashes``; ``block_size=0`` makes it a chunk-end placeholder.
+
+    ``window``: a sliding-window group's window in tokens.
+    """
     hashes = list(hashes)
     return BlockStored(
         hashes,
@@ -26,6 +30,7 @@ def stored(
         medium=medium,
         group_idx=group,
         kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
         ownership=owner,
         locality=locality,
     )

@@ -2,8 +2,9 @@
 
 The index must say, for every hash and medium, exactly which ranks hold it in
 a scored table, whatever the history (refcounts above one, groups changing
-kind, clears, forgotten ranks whose bits are reused), and its one-walk prefix
-match must equal :func:`~indexer.model.match_prefix` over each rank's tables.
+kind, clears, forgotten ranks whose bits are reused), and the store's prefix
+match must equal the model's own walk of each rank's tables
+(:meth:`~indexer.model.RankResidency.match`), hybrid ranks included.
 """
 
 from __future__ import annotations
@@ -16,13 +17,8 @@ from hypothesis import strategies as st
 from indexer.model import (
     CPU,
     GPU,
-    LOWER_TIERS,
     MEDIA,
     RankId,
-    RankResidency,
-    chunk_end,
-    leading_run,
-    match_prefix,
 )
 from indexer.stores import MemoryStore
 from indexer.wire import AllBlocksCleared, BlockStored, EventBatch
@@ -30,19 +26,7 @@ from indexer.wire import AllBlocksCleared, BlockStored, EventBatch
 from .events import removed, stored
 
 RANKS = [RankId("a", 0), RankId("a", 1), RankId("b", 0)]
-KINDS = [None, "full_attention", "sliding_window"]
-
-
-def reference_match(state: RankResidency, chain: list[int], chunk_blocks: int | None):
-    """The per-rank walk the index replaces: leading GPU run, then lower-tier chunks."""
-    gpu_tables = state.scored_tables(GPU)
-    gpu = leading_run(chain, gpu_tables) if gpu_tables else 0
-    lower = {m: state.scored_tables(m) for m in LOWER_TIERS}
-
-    def chunk_in(medium: str, j: int) -> bool:
-        return any(chunk_end(chain, chunk_blocks, j) in t for t in lower[medium])
-
-    return match_prefix(len(chain), gpu, chunk_blocks if any(lower.values()) else None, chunk_in)
+KINDS = [None, "full_attention", "sliding_window", "mamba"]
 
 
 def check_index(store: MemoryStore) -> None:
@@ -66,6 +50,7 @@ _event = st.one_of(
         group=st.sampled_from([0, 0, 1]),
         kind=st.sampled_from(KINDS),
         block_size=st.sampled_from([0, 4]),
+        window=st.sampled_from([None, 8, 13]),
     ),
     st.builds(
         removed,
@@ -106,7 +91,7 @@ def test_index_and_matches_follow_the_model(steps, declared) -> None:
             assert set(found) == set(store._ranks)
             for rank, match in found.items():
                 state = store._ranks[rank]
-                want = reference_match(state, chain, engines[rank.engine] or state.chunk_blocks)
+                want = state.match(chain, engines[rank.engine] or state.chunk_blocks)
                 assert match == want, (rank, chain)
 
     asyncio.run(run())

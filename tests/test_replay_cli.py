@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from .conftest import TRACE_NAMES, expected_path, load_expected_json, trace_path
+from .conftest import (
+    HYBRID_TRACE_NAMES,
+    TRACE_NAMES,
+    expected_path,
+    load_expected_json,
+    probe_answers,
+    trace_path,
+)
 
 
 def run_replay(*args: str) -> dict:
@@ -22,7 +29,7 @@ def run_replay(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize("name", TRACE_NAMES)
+@pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES)
 def test_replay_answers_like_vllm(name: str) -> None:
     report = run_replay(str(trace_path(name)), "--probe", str(expected_path(name)))
     expected = load_expected_json(name)
@@ -32,10 +39,7 @@ def test_replay_answers_like_vllm(name: str) -> None:
         "STORAGE": 0,
     }
     assert report["anomalies"] == {"unknown_removals": 0}
-    assert report["probes"] == [
-        {"gpu_tokens": p["gpu_tokens"], "cpu_prefix_tokens": p["cpu_prefix_tokens"]}
-        for p in expected["probes"]
-    ]
+    assert report["probes"] == probe_answers(expected)
 
 
 def test_replay_without_probes_reports_blocks_only() -> None:

@@ -22,7 +22,15 @@ from indexer.stores import MemoryStore, Store, StoreUnavailable, Watermark
 from indexer.stores.redis import RedisConfig, RedisStore
 from indexer.wire import AllBlocksCleared, EventBatch, decode_batch
 
-from .conftest import FIXTURES, TRACE_NAMES, expected_path, load_expected_json, trace_path
+from .conftest import (
+    FIXTURES,
+    HYBRID_TRACE_NAMES,
+    TRACE_NAMES,
+    expected_path,
+    load_expected_json,
+    probe_answers,
+    trace_path,
+)
 from .events import removed, stored
 from .servers import LocalCluster, RedisServer, free_port
 
@@ -89,14 +97,15 @@ async def check_trace_state(store: Store, name: str) -> None:
         assert await counts(store, int(h)) == want, h
     probes = load_expected(expected_path(name))
     answers = await answer_probes(store, RANK, probes.engine, probes.probes)
-    assert answers == [
-        {"gpu_tokens": p["gpu_tokens"], "cpu_prefix_tokens": p["cpu_prefix_tokens"]}
-        for p in expected["probes"]
-    ]
+    assert answers == probe_answers(expected)
     assert await store.anomalies(RANK) == {"unknown_removals": 0}
+    for group, table in expected["expected"].get("gpu_refcounts_by_group", {}).items():
+        for h, n in table.items():
+            rows = await store.block_residency(int(h))
+            assert [r.count for r in rows if r.group_idx == int(group)] == [n], (group, h)
 
 
-@pytest.mark.parametrize("name", TRACE_NAMES)
+@pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES)
 async def test_trace_ends_in_vllms_state_and_answers(store: Store, name: str) -> None:
     trace = load_trace(trace_path(name))
     stats = await apply_trace(store, RANK, trace)
@@ -256,14 +265,40 @@ async def test_locality_is_forgotten_with_a_cleared_tier(store: Store) -> None:
     assert await where(store, 2) == {("engine-a", 0, CPU, None, 0, None, 1)}
 
 
-async def test_sliding_window_groups_are_tracked_but_not_scored(store: Store) -> None:
+async def test_a_sliding_window_group_limits_the_hit_to_what_its_window_holds(
+    store: Store,
+) -> None:
     payload = (FIXTURES / "wire" / "sliding_window_group.msgpack").read_bytes()
-    await store.apply_batch(RANK, 0, decode_batch(payload))  # hash 31, group 1
-    await apply(store, 1, stored([30]), stored([32], group=1, kind="sliding_window"))
+    await store.apply_batch(RANK, 0, decode_batch(payload))  # 31 in group 1, window 128
     assert await where(store, 31) == {("engine-a", 0, GPU, None, 1, None, 1)}
-    match = await store.prefix_match([30, 31], {"engine-a": None})
-    assert match == {RANK: PrefixMatch(gpu_blocks=1, prefix_blocks=1)}
-    assert (await store.prefix_match([32], {"engine-a": None}))[RANK].gpu_blocks == 0
+    chain = [31, *range(101, 111)]  # 11 blocks, all held by full attention (group 0)
+    await apply(store, 1, stored(chain), stored(chain[1:3], group=1, kind="sliding_window"))
+
+    async def hit() -> PrefixMatch:
+        return (await store.prefix_match(chain, {"engine-a": None}))[RANK]
+
+    # a window of 128 tokens needs cdiv(127, 16) = 8 blocks: none end at or below 11,
+    # so the hit is the run held from block 0
+    assert await hit() == PrefixMatch(3, prefix_blocks=3, full_attention_blocks=11)
+    await apply(store, 2, stored(chain[3:10], group=1, kind="sliding_window"))
+    assert (await hit()).gpu_blocks == 10  # blocks 2..9 end the rightmost window
+    await apply(store, 3, removed([chain[5]], group=1))  # a removal carries no kind
+    assert await hit() == PrefixMatch(5, prefix_blocks=5, full_attention_blocks=11)
+    assert (await store.prefix_match(chain[:5], {"engine-a": None}))[RANK] == PrefixMatch(
+        5, prefix_blocks=5
+    )
+
+
+async def test_a_mamba_group_hits_at_its_rightmost_state(store: Store) -> None:
+    chain = list(range(1, 12))
+    await apply(store, 0, stored(chain[:9]), stored([chain[3], chain[7]], group=1, kind="mamba"))
+    match = await store.prefix_match(chain, {"engine-a": None})
+    assert match[RANK] == PrefixMatch(8, prefix_blocks=8, full_attention_blocks=9)
+    assert (await store.prefix_match(chain[:7], {"engine-a": None}))[RANK].gpu_blocks == 4
+    await apply(store, 1, removed([chain[3]], group=1), removed([chain[7]], group=1))
+    assert (await store.prefix_match(chain, {"engine-a": None}))[RANK] == PrefixMatch(
+        full_attention_blocks=9
+    )
 
 
 async def test_an_unclassified_group_counts_for_matching(store: Store) -> None:

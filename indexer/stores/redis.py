@@ -77,6 +77,8 @@ from indexer.model import (
     TierOp,
     TierTable,
     chunk_end,
+    group_rules,
+    hybrid_match,
     is_scored,
     leading_run,
     match_prefix,
@@ -704,12 +706,7 @@ class RedisStore:
             for rank, meta in metas.items()
             if rank.engine in chunk_blocks
         }
-        scored = {
-            str(t.tid).encode(): m.found[t.medium]
-            for m in matchers.values()
-            for t in m.meta.tiers
-            if is_scored(m.meta.kinds.get(t.group))
-        }
+        scored = {str(t.tid).encode(): found for m in matchers.values() for t, found in m.targets()}
         fetched, unsettled = 0, list(matchers.values())
         while True:
             for h, fields in zip(chain[fetched : fetched + window], blocks, strict=True):
@@ -834,26 +831,71 @@ class RedisStore:
 
 
 class _RankMatch:
-    """What a prefix query has learned about one rank so far."""
+    """What a prefix query has learned about one rank so far.
+
+    A rank of a full-attention model collects the fetched hashes of its
+    scored tiers per medium; a hybrid model's rank (:func:`group_rules`)
+    per medium and group, for vLLM's hybrid rule.
+    """
 
     def __init__(self, meta: RankMeta, chunk_blocks: int | None) -> None:
         self.meta = meta
         self.chunk_blocks = chunk_blocks
+        self.rules = group_rules(meta.kinds)
         self.found: dict[str, set[BlockHash]] = {m: set() for m in MEDIA}
+        self.by_group: dict[tuple[str, int], set[BlockHash]] = {}
 
-    def match(self, chain: Sequence[BlockHash], fetched: int) -> PrefixMatch:
-        """The match given the first ``fetched`` blocks (blocks after them count as missing)."""
+    def targets(self) -> Iterator[tuple[_TierId, set[BlockHash]]]:
+        """Each tier the match reads, with the set its fetched hashes go to."""
+        if not self.rules:
+            kinds = self.meta.kinds
+            for t in self.meta.tiers:
+                if is_scored(kinds.get(t.group)):
+                    yield t, self.found[t.medium]
+            return
+        groups = {rule.group_idx for rule in self.rules}
+        for t in self.meta.tiers:
+            if t.group in groups:
+                yield t, self.by_group.setdefault((t.medium, t.group), set())
+
+    def _group_sets(self, medium: str, group_idx: int) -> list[set[BlockHash]]:
+        found = self.by_group.get((medium, group_idx))
+        return [found] if found is not None else []
+
+    def full_match(self, chain: Sequence[BlockHash], fetched: int) -> PrefixMatch:
+        """The match by full-attention groups alone, given the first ``fetched`` blocks
+        (blocks after them count as missing)."""
         cb = self.chunk_blocks
-        gpu = leading_run(chain[:fetched], [self.found[GPU]])
+        found = self.found
+        if self.rules:  # a hybrid rank's scored groups, together
+            fulls = [rule.group_idx for rule in self.rules if rule.window is None]
+            found = {
+                m: set().union(*(held for g in fulls for held in self._group_sets(m, g)))
+                for m in MEDIA
+            }
+        gpu = leading_run(chain[:fetched], [found[GPU]])
 
         def chunk_in(medium: str, j: int) -> bool:
-            return (j + 1) * cb <= fetched and chunk_end(chain, cb, j) in self.found[medium]
+            return (j + 1) * cb <= fetched and chunk_end(chain, cb, j) in found[medium]
 
         return match_prefix(len(chain), gpu, cb, chunk_in)
 
+    def match(self, chain: Sequence[BlockHash], fetched: int) -> PrefixMatch:
+        """The answer given the first ``fetched`` blocks."""
+        full = self.full_match(chain, fetched)
+        if not self.rules:
+            return full
+        return hybrid_match(chain[:fetched], full, self.chunk_blocks, self.rules, self._group_sets)
+
     def settled(self, chain: Sequence[BlockHash], fetched: int) -> bool:
-        """Whether no block after the first ``fetched`` can change the answer."""
-        m = self.match(chain, fetched)
+        """Whether no block after the first ``fetched`` can change the answer.
+
+        A hybrid answer never reaches past the full-attention one, and grows
+        only with it; a rank without a full-attention group reads the chain whole.
+        """
+        if self.rules and all(rule.window is not None for rule in self.rules):
+            return False
+        m = self.full_match(chain, fetched)
         if m.gpu_blocks >= fetched:
             return False
         if not self.chunk_blocks:

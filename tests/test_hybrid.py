@@ -1,0 +1,273 @@
+"""Hybrid models: vLLM's hit over KV groups of several attention kinds.
+
+The model's reference walk (:meth:`RankResidency.match`) is held to a
+brute-force statement of vLLM 0.33.0's rule on random residency; every store
+is held to the reference on random hybrid streams; vLLM's own hybrid traces
+are answered over ZMQ, by tokens and by hashes, with either store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.model import CPU, GPU, LOWER_TIERS, STORAGE, PrefixMatch, RankId, RankResidency
+from indexer.model import plan_batch as plan
+from indexer.stores import MemoryStore, Store
+from indexer.stores.redis import RedisStore
+from indexer.wire import AllBlocksCleared, EventBatch
+from producer.publisher import Publisher
+
+from .apikit import LiveApi, csv
+from .conftest import HYBRID_TRACE_NAMES, free_ports, load_expected_json, trace_batches
+from .events import removed, stored
+from .test_store_conformance import redis_config, server_for
+
+CHAIN = list(range(101, 125))  # 24 blocks: 6 chunks of 4, 4 of 6
+BLOCK = 4  # tokens per block in these tests
+
+
+# --- the rule, stated without vLLM's scans -------------------------------------
+#
+# Every group's manager returns, for a cap, the largest hit at or below it that
+# the group can serve: full attention when it holds every block before the
+# hit's end, a sliding window when it holds the need blocks before it (all of
+# them, for a hit shorter than that), Mamba when it holds the block ending it.
+# The fixed point is then the largest hit every group can serve.
+
+
+def serves(need: int, held: set[int], start: int, end: int) -> bool:
+    """Whether a group holding units ``held`` serves a hit ending at ``end`` (from ``start``)."""
+    if end == start:
+        return True
+    first = start if need == 0 else max(start, end - need)
+    return all(i in held for i in range(first, end))
+
+
+def best(groups: list[tuple[int, set[int]]], start: int, cap: int) -> int:
+    return max(e for e in range(start, cap + 1) if all(serves(n, h, start, e) for n, h in groups))
+
+
+def units(table: set, keys: list) -> set[int]:
+    return {i for i, k in enumerate(keys) if k in table}
+
+
+# (kind, window tokens) of group 1; group 0 is full attention
+KINDS = [("sliding_window", 8), ("sliding_window", 13), ("sliding_window", 40), ("mamba", None)]
+
+
+def need_of(kind: str, window: int | None, chunk: int) -> int:
+    if kind == "mamba":
+        return 1
+    if chunk == 1:
+        return max(1, -(-(window - 1) // BLOCK))
+    return -(-window // (chunk * BLOCK))
+
+
+def brute_force(held: dict, kind: str, window: int | None, chunk: int | None) -> PrefixMatch:
+    """vLLM's answers from the statement above; ``held[(medium, group)]``: sets of hashes."""
+    rules = [(0, 0), (1, need_of(kind, window, 1))]
+    gpu_groups = [(n, units(held[GPU, g], CHAIN)) for g, n in rules]
+    full = best(gpu_groups[:1], 0, len(CHAIN))
+    gpu = best(gpu_groups, 0, full)
+    if not chunk:
+        return PrefixMatch(gpu, prefix_blocks=gpu, full_attention_blocks=_differs(full, gpu))
+    ends = CHAIN[chunk - 1 :: chunk]
+
+    def lower(media, start: int) -> int:
+        groups = [
+            (0 if g == 0 else need_of(kind, window, chunk), units(set().union(*sets), ends))
+            for g in (0, 1)
+            for sets in [[held[m, g] for m in media]]
+        ]
+        return best(groups, start, len(ends))
+
+    end = lower(LOWER_TIERS, gpu // chunk)
+    prefix = max(gpu, end * chunk)
+    from_cpu = sum(
+        (j + 1) * chunk - max(gpu, j * chunk)
+        for j in range(gpu // chunk, end)
+        if ends[j] in held[CPU, 0]
+    )
+    return PrefixMatch(
+        gpu,
+        lower((CPU,), 0) * chunk,
+        lower((STORAGE,), 0) * chunk,
+        prefix,
+        from_cpu,
+        prefix - gpu - from_cpu,
+        _differs(full, gpu),
+    )
+
+
+def _differs(full: int, gpu: int) -> int | None:
+    return full if full != gpu else None
+
+
+_subsets = st.sets(st.sampled_from(CHAIN), max_size=len(CHAIN))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.dictionaries(
+        st.tuples(st.sampled_from([GPU, CPU, STORAGE]), st.sampled_from([0, 1])), _subsets
+    ),
+    st.sampled_from(KINDS),
+    st.sampled_from([None, 4, 6]),
+    st.booleans(),
+)
+def test_the_reference_walk_is_vllms_rule(held, spec, chunk, long_prefix) -> None:
+    kind, window = spec
+    if long_prefix:  # most real residency: full attention holds a long leading run
+        held[GPU, 0] = held.get((GPU, 0), set()) | set(CHAIN[:18])
+    held = {(m, g): held.get((m, g), set()) for m in (GPU, CPU, STORAGE) for g in (0, 1)}
+    state = RankResidency()
+    events = [
+        stored(sorted(hs), m, 0, "full_attention", block_size=BLOCK)
+        for (m, g), hs in held.items()
+        if g == 0 and hs
+    ]
+    events += [
+        stored(sorted(hs), m, 1, kind, block_size=BLOCK, window=window)
+        for (m, g), hs in held.items()
+        if g == 1 and hs
+    ]
+    # both groups known, whatever they hold: hashes outside the chain
+    events.append(stored([998], GPU, 0, "full_attention", block_size=BLOCK))
+    events.append(stored([999], GPU, 1, kind, block_size=BLOCK, window=window))
+    state.apply(plan(EventBatch(1.0, events)))
+    assert state.match(CHAIN, chunk) == brute_force(held, kind, window, chunk)
+
+
+def test_several_groups_of_one_kind_each_need_the_window() -> None:
+    """vLLM looks groups of one spec up together: a block counts where all hold it."""
+    state = RankResidency()
+    events = [stored(CHAIN, kind="full_attention", block_size=BLOCK)]
+    events += [stored(CHAIN[:8], group=1, kind="sliding_window", block_size=BLOCK, window=8)]
+    events += [stored(CHAIN[4:12], group=2, kind="sliding_window", block_size=BLOCK, window=8)]
+    state.apply(plan(EventBatch(1.0, events)))
+    # group 1 alone: 8; group 2 alone: 12; together only blocks 4..7 serve both windows
+    assert state.match(CHAIN, None) == PrefixMatch(8, prefix_blocks=8, full_attention_blocks=24)
+    state.apply(plan(EventBatch(2.0, [removed([CHAIN[7]], group=2)])))
+    assert state.match(CHAIN, None).gpu_blocks == 7  # blocks 5, 6 end a window of both
+
+
+# --- every store equals the reference on random hybrid streams -----------------
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    server = server_for(request, request.param)
+    redis = RedisStore(redis_config(server.url, cluster=request.param == "cluster"))
+    yield redis
+    await redis.close()
+
+
+def hybrid_stream(rng: random.Random, batches: int, kind: str, window: int | None) -> list:
+    """Batches of a two-group engine: group 0 full attention, group 1 ``kind``.
+
+    Prefix-shaped stores (a leading run, then the group-1 tail), scattered
+    removals of either group (without a kind, as vLLM sends them), clears.
+    """
+    out = []
+    for i in range(batches):
+        events: list = []
+        for _ in range(rng.randint(0, 4)):
+            medium = rng.choice([GPU, GPU, CPU, STORAGE])
+            end = rng.randint(1, len(CHAIN))
+            if rng.random() < 0.05:
+                events.append(AllBlocksCleared())
+            elif rng.random() < 0.6:
+                events.append(stored(CHAIN[:end], medium, block_size=BLOCK))
+                tail = CHAIN[max(0, end - rng.randint(1, 10)) : end]
+                events.append(stored(tail, medium, 1, kind, block_size=BLOCK, window=window))
+            else:
+                hashes = rng.sample(CHAIN, rng.randint(1, 4))
+                events.append(removed(hashes, medium, rng.choice([0, 1, 1])))
+        out.append(EventBatch(float(i), events, 0))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_every_store_answers_like_the_reference_on_random_hybrid_streams(
+    store: Store, seed: int
+) -> None:
+    rng = random.Random(seed)
+    kind, window = KINDS[seed % len(KINDS)]
+    ranks = [RankId("engine-a", 0), RankId("engine-a", 1)]
+    reference = {rank: RankResidency() for rank in ranks}
+    chains = [CHAIN, CHAIN[:13], CHAIN[3:]]
+    for rank in ranks:
+        for seq, batch in enumerate(hybrid_stream(rng, 30, kind, window)):
+            await store.apply_batch(rank, seq, batch)
+            reference[rank].apply(plan(batch))
+    for declared in (None, 4, 6):
+        for chain in chains:
+            found = await store.prefix_match(chain, {"engine-a": declared})
+            want = {
+                rank: state.match(chain, declared or state.chunk_blocks)
+                for rank, state in reference.items()
+            }
+            assert found == want, (declared, chain)
+
+
+# --- vLLM's traces, over ZMQ, joined late --------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+@pytest.mark.parametrize("name", HYBRID_TRACE_NAMES)
+async def test_hybrid_traces_joined_late_answer_like_vllm(
+    request: pytest.FixtureRequest, name: str, kind: str
+) -> None:
+    """Half the trace is published before kvindex follows the engine: replay brings it."""
+    expected = load_expected_json(name)
+    cfg = expected["engine"]
+    batches = trace_batches(name)
+    base = free_ports(2)
+    endpoint, replay = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
+    publisher = Publisher(endpoint, replay, bind=True)
+    store = None if kind == "memory" else RedisStore(redis_config(server_for(request, kind).url))
+    try:
+        for batch in batches[: len(batches) // 2]:
+            assert publisher.publish(batch)
+        assert await asyncio.to_thread(publisher.flush)
+        async with LiveApi(store=store) as live:
+            await live.registry.add(live_spec(endpoint, replay, cfg))
+            for batch in batches[len(batches) // 2 :]:
+                assert publisher.publish(batch)
+            await live.wait_applied("vllm-a", [len(batches) - 1])
+            assert live.subscriber.rank_status("vllm-a")[0].replays >= 1
+            for probe in expected["probes"]:
+                full_attention = probe["gpu_tokens_by_group"][0]
+                for params in (
+                    {"tokens": csv(probe["tokens"])},
+                    {"block_hashes": csv(probe["hashes"])},
+                ):
+                    answer = (await live.client.get("/prefix-match", params=params)).json()
+                    (entry,) = answer["engines"]
+                    got = entry["gpu_blocks"] * 16, entry["gpu_blocks_full_attention"] * 16
+                    assert got == (probe["gpu_tokens"], full_attention), (params.keys(), probe)
+    finally:
+        publisher.close()
+        if store is not None:
+            await store.close()
+
+
+def live_spec(endpoint: str, replay: str, cfg: dict):
+    from indexer.engines import EngineSpec
+
+    return EngineSpec(
+        name="vllm-a",
+        endpoint=endpoint,
+        replay_endpoint=replay,
+        block_size=cfg["block_size"],
+        blocks_per_chunk=cfg["blocks_per_chunk"],
+    )
