@@ -3,9 +3,13 @@
 #   docker run --rm -p 8000:8000 kvindex kvindex serve --host 0.0.0.0
 #
 # Two stages: the full Python image has the C compiler and OpenSSL headers the
-# compiled core (Cython) builds with; the slim runtime image gets only the
-# installed environment (its libcrypto is the one the core links against).
+# compiled core (Cython) builds with, plus xxhash's header (compiled in); the
+# slim runtime image gets only the installed environment (its libcrypto is the
+# one the core links against).
 FROM python:3.11-bookworm AS build
+
+RUN apt-get update && apt-get install -y --no-install-recommends libxxhash-dev \
+    && rm -rf /var/lib/apt/lists/*
 
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH

