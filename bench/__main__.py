@@ -18,14 +18,26 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import dynamo, e2e, http, idle, ingest, memory, plots, query, redis_bench, scaling
+from bench import (
+    dynamo,
+    e2e,
+    http,
+    hybrid,
+    idle,
+    ingest,
+    memory,
+    plots,
+    query,
+    redis_bench,
+    scaling,
+)
 from bench.fleet import FULL, QUICK, Fleet
 from bench.report import Report
 from indexer.log import setup_logging
 from indexer.stores import MemoryStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10")
 
 
 def _section(report: Report, name: str, fn: Callable[[], object]) -> None:
@@ -69,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         _section(report, "1", lambda: ingest.run(report, stream, repeats))
     if "4" in only:
         _section(report, "4", lambda: query.run(report, fleet, store, 40, 3 if quick else 10))
+    if "10" in only:
+        _section(report, "10", lambda: hybrid.run(report, fleet, store, 40, 3 if quick else 10))
     if "7" in only:
         _section(report, "7", lambda: memory.run(report, fleet, full=not quick))
     if "8" in only:

@@ -262,6 +262,8 @@ class RankResidency:
     unknown_removals: int = 0
     #: the rules of its groups, while ``group_kinds`` stays as it is (None: stale)
     _rules: tuple[GroupRule, ...] | None = field(default=None, repr=False, compare=False)
+    #: (medium, group) -> its count tables, while ``tables`` keeps its tiers (None: stale)
+    _by_group: dict[tuple[str, int], list] | None = field(default=None, repr=False, compare=False)
 
     def apply(self, ops: Iterable[Op]) -> int:
         """Apply operations in order; returns the number of block operations."""
@@ -316,6 +318,7 @@ class RankResidency:
         for medium in media:
             for tier in [t for t in self.tables if t.medium == medium]:
                 del self.tables[tier]
+        self._by_group = None
 
     def scored_tables(self, medium: str) -> list[dict[BlockHash, int]]:
         """Count tables of a medium that prefix matching looks at."""
@@ -334,11 +337,12 @@ class RankResidency:
 
     def group_tables(self, medium: str, group_idx: int) -> list[dict[BlockHash, int]]:
         """Count tables of one group on one medium (one per ownership)."""
-        return [
-            table.counts
-            for tier, table in self.tables.items()
-            if tier.medium == medium and tier.group_idx == group_idx
-        ]
+        by_group = self._by_group
+        if by_group is None or sum(map(len, by_group.values())) != len(self.tables):
+            by_group = self._by_group = {}
+            for tier, table in self.tables.items():
+                by_group.setdefault((tier.medium, tier.group_idx), []).append(table.counts)
+        return by_group.get((medium, group_idx), [])
 
     def match(self, chain: Sequence[BlockHash], chunk_blocks: int | None) -> PrefixMatch:
         """This rank's prefix match, walked on its own tables: the reference every
@@ -594,6 +598,12 @@ def _rule_of(kind: str | None) -> tuple[int | None, int] | None:
     return rule
 
 
+def is_windowed(kind: str | None) -> bool:
+    """Whether a group of this kind limits hits by a window (sliding window, Mamba)."""
+    rule = _rule_of(kind)
+    return rule is not None and rule[0] is not None
+
+
 def group_rules(kinds: dict[int, str | None]) -> tuple[GroupRule, ...]:
     """Every group with a rule, by index; empty if all are full attention.
 
@@ -610,35 +620,54 @@ def group_rules(kinds: dict[int, str | None]) -> tuple[GroupRule, ...]:
 GroupTables = Callable[[str, int], Sequence[Container]]
 
 
-def _window_hit(need: int, held: Callable[[int], bool], start: int, cap: int) -> int:
+class _Held:
+    """Which of ``keys`` a group holds (in any of its tables), read in C a slice at a time."""
+
+    __slots__ = ("keys", "tables")
+
+    def __init__(self, tables: Sequence[Container], keys: Sequence[BlockHash]) -> None:
+        self.tables, self.keys = tables, keys
+
+    def flags(self, start: int, stop: int) -> bytes:
+        """One byte per key of ``keys[start:stop]``: 1 if held."""
+        part, tables = self.keys[start:stop], self.tables
+        if len(tables) == 1:
+            return bytes(map(tables[0].__contains__, part))
+        if not tables:
+            return bytes(len(part))
+        return bytes(map(any, zip(*(map(t.__contains__, part) for t in tables), strict=True)))
+
+
+def _leading_hit(held: _Held, start: int, cap: int) -> int:
+    """The end of the run of held units from ``start``, at most ``cap``."""
+    miss = held.flags(start, cap).find(0)
+    return cap if miss < 0 else start + miss
+
+
+def _window_hit(need: int, held: _Held, start: int, cap: int) -> int:
     """Units ``[start, cap)``: the end of the rightmost run of ``need`` held units,
-    else the run held from ``start`` (as vLLM scans, right to left)."""
-    run = 0
-    for i in range(cap - 1, start - 1, -1):
-        if held(i):
-            run += 1
-            if run == need:
-                return i + need
-        else:
-            run = 0
-    return start + run
+    else the run held from ``start`` (what vLLM's right-to-left scan finds).
+
+    The run usually ends at the cap: that is read first, ``need`` keys only.
+    """
+    if cap - need >= start and held.flags(cap - need, cap).count(1) == need:
+        return cap
+    flags = held.flags(start, cap)
+    at = flags.rfind(b"\x01" * need)
+    if at >= 0:
+        return start + at + need
+    miss = flags.find(0)
+    return start + (len(flags) if miss < 0 else miss)
 
 
-def _leading_hit(held: Callable[[int], bool], start: int, cap: int) -> int:
-    for i in range(start, cap):
-        if not held(i):
-            return i
-    return cap
-
-
-def _fixed_point(rules: list[tuple[int, Callable[[int], bool]]], start: int, cap: int) -> int:
+def _fixed_point(
+    fulls: Sequence[_Held], windows: Sequence[tuple[int, _Held]], start: int, cap: int
+) -> int:
     """The hit of all groups over units ``[start, cap)``: each lowers the cap in turn
     until none does. Full attention's run only shrinks the cap, so it is walked once."""
     hit = cap
-    for need, held in rules:
-        if not need:
-            hit = _leading_hit(held, start, hit)
-    windows = [(need, held) for need, held in rules if need]
+    for held in fulls:
+        hit = _leading_hit(held, start, hit)
     while hit > start:
         low = hit
         for need, held in windows:
@@ -647,14 +676,6 @@ def _fixed_point(rules: list[tuple[int, Callable[[int], bool]]], start: int, cap
             break
         hit = low
     return max(hit, start)
-
-
-def _holder(containers: Sequence[Container], keys: Sequence[BlockHash]) -> Callable[[int], bool]:
-    """Whether ``keys[i]`` is in any of the containers."""
-    if len(containers) == 1:
-        (one,) = containers
-        return lambda i: keys[i] in one
-    return lambda i: any(keys[i] in c for c in containers)
 
 
 def hybrid_match(
@@ -673,36 +694,50 @@ def hybrid_match(
     prefix, a chunk held on CPU or STORAGE counting) or from chunk 0 (each
     tier alone). A chunk of the prefix is taken from CPU when the CPU holds it
     in every full-attention group (every group, without one), else from STORAGE.
+
+    With one full-attention group (the common case) its runs are ``full``'s,
+    found by the caller's walk, and only the other groups are walked here.
     """
     fulls = [r for r in rules if r.window is None]
+    windows = [r for r in rules if r.window is not None]
+    known = len(fulls) == 1  # its tables are all the scored ones: ``full`` walked them
+    walked = [] if known else fulls
     cap = full.gpu_blocks if fulls else len(chain)
-    gpu_rules = [(r.need(), _holder(tables(GPU, r.group_idx), chain)) for r in rules]
-    if len(fulls) == 1 and len(tables(GPU, fulls[0].group_idx)) == 1:
-        gpu_rules = [rule for rule, r in zip(gpu_rules, rules, strict=True) if r.window is not None]
-    gpu = _fixed_point(gpu_rules, 0, cap) if cap else 0
+    gpu = _fixed_point(
+        [_Held(tables(GPU, r.group_idx), chain) for r in walked],
+        [(r.need(), _Held(tables(GPU, r.group_idx), chain)) for r in windows],
+        0,
+        cap,
+    )
     full_run = full.gpu_blocks if full.gpu_blocks != gpu else None
     if not chunk_blocks:
         return PrefixMatch(gpu, prefix_blocks=gpu, full_attention_blocks=full_run)
     ends = chain[chunk_blocks - 1 :: chunk_blocks]
 
-    def lower(media: Sequence[str], start: int) -> int:
-        held = [
-            (
-                r.need(chunk_blocks),
-                _holder([c for m in media for c in tables(m, r.group_idx)], ends),
-            )
-            for r in rules
-        ]
-        return _fixed_point(held, start, len(ends))
+    def lower(media: Sequence[str], start: int, cap: int) -> int:
+        def held(r: GroupRule) -> _Held:
+            return _Held([c for m in media for c in tables(m, r.group_idx)], ends)
 
-    cpu, storage = lower((CPU,), 0), lower((STORAGE,), 0)
+        windowed = [(r.need(chunk_blocks), held(r)) for r in windows]
+        return _fixed_point([held(r) for r in walked], windowed, start, cap)
+
+    whole = len(ends)
+    cpu = lower((CPU,), 0, full.cpu_blocks // chunk_blocks if known else whole)
+    storage = lower((STORAGE,), 0, full.storage_blocks // chunk_blocks if known else whole)
     first = gpu // chunk_blocks
-    end = lower(LOWER_TIERS, first)
-    prefix, from_cpu = max(gpu, end * chunk_blocks), 0
-    on_cpu = [_holder(tables(CPU, r.group_idx), ends) for r in (fulls or rules)]
-    for j in range(first, end):
-        if all(held(j) for held in on_cpu):
-            from_cpu += (j + 1) * chunk_blocks - max(gpu, j * chunk_blocks)
+    reach = whole
+    if known:  # the full-attention group's lower-tier run from ``first``
+        stop = full.gpu_blocks // chunk_blocks
+        reach = _leading_hit(_Held(_lower_tables(tables, fulls[0]), ends), first, stop)
+        if reach == stop:
+            reach = full.prefix_blocks // chunk_blocks
+    end = lower(LOWER_TIERS, first, reach)
+    prefix = max(gpu, end * chunk_blocks)
+    on_cpu = [_Held(tables(CPU, r.group_idx), ends).flags(first, end) for r in fulls or rules]
+    taken = on_cpu[0] if len(on_cpu) == 1 else bytes(map(min, *on_cpu))
+    from_cpu = taken.count(1) * chunk_blocks
+    if taken[:1] == b"\x01":  # the first chunk is partly on GPU
+        from_cpu -= gpu - first * chunk_blocks
     return PrefixMatch(
         gpu,
         cpu * chunk_blocks,
@@ -712,3 +747,7 @@ def hybrid_match(
         prefix - gpu - from_cpu,
         full_run,
     )
+
+
+def _lower_tables(tables: GroupTables, rule: GroupRule) -> list[Container]:
+    return [c for m in LOWER_TIERS for c in tables(m, rule.group_idx)]

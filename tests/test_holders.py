@@ -14,12 +14,7 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.model import (
-    CPU,
-    GPU,
-    MEDIA,
-    RankId,
-)
+from indexer.model import CPU, GPU, MEDIA, RankId, is_scored, is_windowed
 from indexer.stores import MemoryStore
 from indexer.wire import AllBlocksCleared, BlockStored, EventBatch
 
@@ -30,14 +25,17 @@ KINDS = [None, "full_attention", "sliding_window", "mamba"]
 
 
 def check_index(store: MemoryStore) -> None:
-    holders = store._holders.media
+    """Scored groups' hashes in the index's media, window groups' in its windows."""
+    index = store._holders
     for medium in MEDIA:
-        want: dict[int, int] = {}
-        for state in store._ranks.values():
-            for table in state.scored_tables(medium):
-                for h in table:
-                    want[h] = want.get(h, 0) | state.bit
-        assert holders[medium] == want, medium
+        for media, kept in ((index.media, is_scored), (index.windows, is_windowed)):
+            want: dict[int, int] = {}
+            for state in store._ranks.values():
+                for tier, table in state.tables.items():
+                    if tier.medium == medium and kept(state.group_kinds.get(tier.group_idx)):
+                        for h in table.counts:
+                            want[h] = want.get(h, 0) | state.bit
+            assert media[medium] == want, (medium, media is index.windows)
 
 
 _hashes = st.lists(st.integers(1, 12), min_size=1, max_size=6)

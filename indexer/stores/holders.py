@@ -30,13 +30,16 @@ from indexer.model import (
     GPU,
     MEDIA,
     STORAGE,
+    GroupRule,
     PrefixMatch,
     RankId,
     RankResidency,
     Tier,
     TierOp,
     _decrement,
+    hybrid_match,
     is_scored,
+    is_windowed,
 )
 from indexer.wire import BlockHash
 
@@ -48,6 +51,7 @@ _EMPTY = PrefixMatch()
 #: Keys looked up per C pass of a walk: more passes cost Python, longer ones overshoot.
 #: A walk starts with a short pass (many end at once), or as far as it guesses it goes.
 _MIN_STEP, _MAX_STEP = 16, 64
+Media = dict[str, dict[BlockHash, int]]
 
 
 class HolderIndex:
@@ -55,6 +59,8 @@ class HolderIndex:
 
     def __init__(self) -> None:
         self.media: dict[str, dict[BlockHash, int]] = {m: {} for m in MEDIA}
+        #: the same for the window groups (sliding window, Mamba) of hybrid models' ranks
+        self.windows: dict[str, dict[BlockHash, int]] = {m: {} for m in MEDIA}
         self._free: list[int] = []
         self._slots = 0
         self._matches: dict[tuple, PrefixMatch] = {}
@@ -73,13 +79,16 @@ class HolderIndex:
     def release_bit(self, bit: int) -> None:
         self._free.append(bit)
 
-    def add(self, medium: str, bit: int, hashes: Iterable[BlockHash]) -> None:
+    def add(
+        self, medium: str, bit: int, hashes: Iterable[BlockHash], media: Media | None = None
+    ) -> None:
         """Set ``bit`` on every hash (idempotent). A new hash gets ``bit`` itself.
 
         All in C: a hash seen for the first time takes the rank's own bit object
         (``setdefault``); only hashes other ranks hold too get a new mask.
+        ``media``: :attr:`media` (the default) or :attr:`windows`.
         """
-        index = self.media[medium]
+        index = (media or self.media)[medium]
         hashes = hashes if isinstance(hashes, list) else list(hashes)
         before = list(map(index.setdefault, hashes, repeat(bit)))
         if before.count(bit) != len(before):
@@ -87,9 +96,11 @@ class HolderIndex:
             masks = self._pooled(map(or_, compress(before, shared), repeat(bit)))
             index.update(zip(compress(hashes, shared), masks, strict=True))
 
-    def discard(self, medium: str, bit: int, hashes: Iterable[BlockHash]) -> None:
+    def discard(
+        self, medium: str, bit: int, hashes: Iterable[BlockHash], media: Media | None = None
+    ) -> None:
         """Clear ``bit`` on every hash (idempotent); a hash no rank holds leaves."""
-        index = self.media[medium]
+        index = (media or self.media)[medium]
         hashes = hashes if isinstance(hashes, list) else list(hashes)
         before = list(map(index.pop, hashes, repeat(0)))
         if before.count(bit) != len(before):
@@ -112,6 +123,7 @@ class HolderIndex:
         ranks: Sequence[RankId],
         bits: Sequence[int],
         sizes: Sequence[int | None],
+        hybrids: Hybrids | None = None,
     ) -> dict[RankId, PrefixMatch]:
         """The prefix match of each rank, given its bit (from :meth:`take_bit`) and chunk size.
 
@@ -124,14 +136,17 @@ class HolderIndex:
         :meth:`_chunked`. Ranks sharing every run length form a class and
         share one answer; :meth:`_Digits.spread` hands each rank its class's.
         A rank holding neither the first block nor the first chunk of any
-        tier matches nothing and gets the shared empty answer.
+        tier matches nothing and gets the shared empty answer. The ranks of
+        ``hybrids`` then have their answers taken to vLLM's hybrid rule
+        (:meth:`Hybrids.refine`).
         """
         if not chain or not ranks:
             return dict.fromkeys(ranks, _EMPTY)
         gpu_index, cpu, storage = self.media[GPU], self.media[CPU], self.media[STORAGE]
         head = gpu_index.get(chain[0], 0)
         groups: dict[int, int] = {}
-        for size, group in _groups(bits, sizes).items():
+        asked = _groups(bits, sizes)
+        for size, group in asked.items():
             if size:  # a chunk size longer than the chain means GPU only, like size 0
                 end = chain[size - 1] if size <= len(chain) else None
                 group &= head | cpu.get(end, 0) | storage.get(end, 0)
@@ -139,7 +154,7 @@ class HolderIndex:
                 group &= head
             if group:
                 groups[size] = group
-        if not groups:
+        if not groups and hybrids is None:
             return dict.fromkeys(ranks, _EMPTY)
         everyone = sum(groups.values())  # the groups are disjoint
         gpu = _segments(gpu_index.get, chain, everyone & head)
@@ -153,6 +168,8 @@ class HolderIndex:
                 answers += [
                     (m & group, self._cached(g, 0, 0, g, 0, 0)) for g, m in gpu if g and m & group
                 ]
+        if hybrids is not None:
+            answers = hybrids.refine(answers, chain, asked, self.windows)
         return (self._digits or self._owned()).spread(answers, ranks, bits)
 
     def _chunked(
@@ -225,6 +242,129 @@ class HolderIndex:
             if len(self._matches) < _MATCHES_CACHED:
                 self._matches[fields] = match
         return match
+
+
+class Hybrids:
+    """The ranks of hybrid models in a store, by how their answers are refined.
+
+    A rank with one full-attention group and one window group (the common
+    hybrid: gpt-oss, hybrid Mamba models) keeps its full-attention answer
+    where its window group holds the units that answer ends with: checked on
+    the index's window masks, for every rank sharing an answer and a window
+    at once. The other ranks, and those failing the check, are walked one by
+    one on their own tables (:func:`~indexer.model.hybrid_match`).
+    """
+
+    def __init__(self) -> None:
+        self.bits = 0  # every hybrid rank
+        self.unanchored = 0  # those without a full-attention group
+        self.states: dict[int, RankResidency] = {}  # bit -> rank
+        self.simple: dict[GroupRule, int] = {}  # window group's rule -> bits of such ranks
+        self._rules: dict[int, tuple[GroupRule, ...]] = {}  # bit -> rules registered
+        #: (window rule, chunk size) -> the units it needs, in blocks and in chunks
+        self._needs: dict[tuple[GroupRule, int], tuple[int, int]] = {}
+
+    def update(self, state: RankResidency, bit: int) -> None:
+        """Register a rank after a batch (its groups may have changed kind)."""
+        rules = state.group_rules()
+        if self._rules.get(bit) is rules or (not rules and not self.bits & bit):
+            return
+        self.drop(bit)
+        if rules:
+            self.bits |= bit
+            self.states[bit] = state
+            self._rules[bit] = rules
+            windows = [r for r in rules if r.window is not None]
+            if len(windows) == len(rules):
+                self.unanchored |= bit
+            if len(rules) == 2 and len(windows) == 1:
+                self.simple[windows[0]] = self.simple.get(windows[0], 0) | bit
+
+    def drop(self, bit: int) -> None:
+        if self.bits & bit:
+            self.bits &= ~bit
+            self.unanchored &= ~bit
+            del self.states[bit], self._rules[bit]
+            self.simple = {r: m & ~bit for r, m in self.simple.items() if m & ~bit}
+
+    def refine(
+        self,
+        answers: list[tuple[int, PrefixMatch]],
+        chain: Sequence[BlockHash],
+        asked: dict[int, int],
+        windows: Media,
+    ) -> list[tuple[int, PrefixMatch]]:
+        """``answers`` (disjoint masks, full-attention answers) with the hybrid ranks' own."""
+        out: list[tuple[int, PrefixMatch]] = []
+        covered = 0
+        for mask, match in answers:
+            covered |= mask
+            hybrid = mask & self.bits
+            if not hybrid:
+                out.append((mask, match))
+                continue
+            walk = hybrid
+            for size, group in asked.items():
+                for rule, bits in self.simple.items():
+                    if bits & hybrid & group:
+                        needs = self._needs.get((rule, size)) or self._need(rule, size)
+                        walk &= ~_unchanged(bits & walk & group, needs, size, match, chain, windows)
+            if mask & ~walk:
+                out.append((mask & ~walk, match))
+            out += [(bit, self._walk(bit, match, chain, asked)) for bit in _bits(walk)]
+        # a rank without a full-attention group may match with nothing on it
+        lonely = sum(asked.values()) & self.unanchored & ~covered
+        out += [(bit, self._walk(bit, _EMPTY, chain, asked)) for bit in _bits(lonely)]
+        return out
+
+    def _need(self, rule: GroupRule, size: int) -> tuple[int, int]:
+        needs = self._needs[rule, size] = (rule.need(), rule.need(size) if size else 0)
+        return needs
+
+    def _walk(
+        self, bit: int, full: PrefixMatch, chain: Sequence[BlockHash], asked: dict[int, int]
+    ) -> PrefixMatch:
+        state = self.states[bit]
+        rules = self._rules[bit]
+        size = next(size for size, group in asked.items() if group & bit)
+        return hybrid_match(chain, full, size, rules, state.group_tables)
+
+
+def _unchanged(
+    bits: int,
+    needs: tuple[int, int],
+    size: int,
+    match: PrefixMatch,
+    chain: Sequence,
+    windows: Media,
+) -> int:
+    """The ``bits`` whose window group holds what ``match`` ends with on every tier
+    (``needs``: its units needed in blocks, in chunks): for them vLLM's hybrid
+    hit is the full-attention one."""
+    gpu = match.gpu_blocks
+    bits = _holding(bits, windows[GPU], chain[max(0, gpu - needs[0]) : gpu])
+    if bits and 0 < size <= len(chain) and (match.prefix_blocks > gpu or match.cpu_blocks):
+        need, last = needs[1], size - 1
+        cpu, storage = windows[CPU], windows[STORAGE]
+        end = match.prefix_blocks // size
+        for h in chain[max(gpu // size, end - need) * size + last : end * size : size]:
+            bits &= cpu.get(h, 0) | storage.get(h, 0)
+        end = match.cpu_blocks // size
+        bits = _holding(bits, cpu, chain[max(0, end - need) * size + last : end * size : size])
+    if bits and 0 < size <= len(chain) and match.storage_blocks:
+        end = match.storage_blocks // size
+        start = max(0, end - needs[1]) * size + size - 1
+        bits = _holding(bits, windows[STORAGE], chain[start : end * size : size])
+    return bits
+
+
+def _holding(bits: int, index: dict[BlockHash, int], keys: Sequence[BlockHash]) -> int:
+    """The ``bits`` holding every key in ``index``."""
+    for h in keys:
+        bits &= index.get(h, 0)
+        if not bits:
+            break
+    return bits
 
 
 def _groups(bits: Sequence[int], sizes: Sequence[int | None]) -> dict[int, int]:
@@ -384,43 +524,52 @@ class _Digits:
 
 @dataclass
 class IndexedResidency(RankResidency):
-    """A rank's exact residency that keeps its bit in a :class:`HolderIndex` in step."""
+    """A rank's exact residency that keeps its bit in a :class:`HolderIndex` in step.
+
+    A group's hashes go to the index's scored media, to its window media (a
+    hybrid model's sliding-window or Mamba group), or nowhere (a kind with no
+    rule), by the group's kind.
+    """
 
     index: HolderIndex = field(default_factory=HolderIndex)
     bit: int = 0
-    #: tier -> the other scored tables of its medium, or None if the tier is not scored;
+    #: tier -> its index and the other tables of its medium going there, or None;
     #: valid while the rank's tables and group kinds stay as they were.
-    _peers: dict[Tier, list | None] = field(default_factory=dict, repr=False, compare=False)
+    _peers: dict[Tier, tuple[Media, list] | None] = field(
+        default_factory=dict, repr=False, compare=False
+    )
     _peers_of: int = -1  # len(tables) when _peers was filled
 
     def _store(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
         fresh = list(filterfalse(counts.__contains__, hashes))
         super()._store(tier, counts, hashes)
         if fresh:
-            peers = self._scored_peers(tier)
-            if peers is not None:
-                self.index.add(tier.medium, self.bit, _alone(fresh, peers))
+            found = self._index_peers(tier)
+            if found is not None:
+                self.index.add(tier.medium, self.bit, _alone(fresh, found[1]), found[0])
 
     def _remove(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> int:
         gone: list[BlockHash] = []
         unknown = _decrement(counts, hashes, gone)
         if gone:
-            peers = self._scored_peers(tier)
-            if peers is not None:
-                self.index.discard(tier.medium, self.bit, _alone(gone, peers))
+            found = self._index_peers(tier)
+            if found is not None:
+                self.index.discard(tier.medium, self.bit, _alone(gone, found[1]), found[0])
         return unknown
 
     def _learn(self, op: TierOp) -> None:
         group = op.tier.group_idx
-        was = is_scored(self.group_kinds.get(group))
+        was = self._media_of(group)
         super()._learn(op)
-        if is_scored(self.group_kinds.get(group)) != was:
-            self._rescore(group, was)
+        now = self._media_of(group)
+        if now is not was:
+            self._rescore(group, was, now)
 
     def clear(self, media: Iterable[str]) -> None:
         media = list(media)
         for medium in media:
-            self.index.discard(medium, self.bit, self._union(medium))
+            for index in (self.index.media, self.index.windows):
+                self.index.discard(medium, self.bit, self._union(medium, index), index)
         super().clear(media)
         self._peers_of = -1
 
@@ -429,32 +578,49 @@ class IndexedResidency(RankResidency):
         self.clear(MEDIA)
         self.index.release_bit(self.bit)
 
-    def _scored_peers(self, tier: Tier) -> list | None:
-        """None if the tier is not scored, else the other scored tables of its medium."""
+    def _media_of(self, group: int) -> Media | None:
+        """Where a group's hashes are indexed, by its kind."""
+        kind = self.group_kinds.get(group)
+        if is_scored(kind):
+            return self.index.media
+        return self.index.windows if is_windowed(kind) else None
+
+    def _index_peers(self, tier: Tier) -> tuple[Media, list] | None:
+        """None if the tier is indexed nowhere, else its index and the other tables
+        of its medium indexed there."""
         if self._peers_of != len(self.tables):
             self._peers.clear()
             self._peers_of = len(self.tables)
         if tier not in self._peers:
-            kinds = self.group_kinds
+            index = self._media_of(tier.group_idx)
             self._peers[tier] = (
-                [
-                    t.counts
-                    for other, t in self.tables.items()
-                    if other != tier
-                    and other.medium == tier.medium
-                    and is_scored(kinds.get(other.group_idx))
-                ]
-                if is_scored(kinds.get(tier.group_idx))
-                else None
+                None
+                if index is None
+                else (
+                    index,
+                    [
+                        t.counts
+                        for other, t in self.tables.items()
+                        if other != tier
+                        and other.medium == tier.medium
+                        and self._media_of(other.group_idx) is index
+                    ],
+                )
             )
         return self._peers[tier]
 
-    def _union(self, medium: str) -> Iterable[BlockHash]:
-        tables = self.scored_tables(medium)
+    def _union(self, medium: str, index: Media) -> Iterable[BlockHash]:
+        tables = [
+            t.counts
+            for tier, t in self.tables.items()
+            if tier.medium == medium and self._media_of(tier.group_idx) is index
+        ]
+        if not tables:
+            return ()
         return tables[0].keys() if len(tables) == 1 else set().union(*tables)
 
-    def _rescore(self, group: int, was_scored: bool) -> None:
-        """A group's kind turned it scored or not: move its tables' hashes in or out."""
+    def _rescore(self, group: int, was: Media | None, now: Media | None) -> None:
+        """A group's kind moved it to another index (or none): move its tables' hashes."""
         self._peers_of = -1
         media = {tier.medium for tier in self.tables if tier.group_idx == group}
         for medium in media:
@@ -465,10 +631,12 @@ class IndexedResidency(RankResidency):
                     if tier.medium == medium and tier.group_idx == group
                 )
             )
-            if was_scored:  # out, unless another scored table still holds them
-                self.index.discard(medium, self.bit, moved.difference(self._union(medium)))
-            else:
-                self.index.add(medium, self.bit, moved)
+            if was is not None:  # out, unless another table indexed there still holds them
+                self.index.discard(
+                    medium, self.bit, moved.difference(self._union(medium, was)), was
+                )
+            if now is not None:
+                self.index.add(medium, self.bit, moved, now)
 
 
 def _alone(hashes: list[BlockHash], peers: list[dict[BlockHash, int]]) -> list[BlockHash]:

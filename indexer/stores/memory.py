@@ -6,18 +6,18 @@ Redis URL for an index that survives restarts and serves many API replicas.
 Each rank's exact refcounts live in its :class:`~indexer.model.RankResidency`
 (here the :class:`~indexer.stores.holders.IndexedResidency` flavour); prefix
 queries read the shared :class:`~indexer.stores.holders.HolderIndex`, which
-walks a chain once for all ranks instead of once per rank. It scores by
-full-attention groups; the few ranks of hybrid models (a sliding-window or
-Mamba group seen) then take that answer to vLLM's rule on their own tables.
+walks a chain once for all ranks instead of once per rank, and takes the
+answers of hybrid models' ranks (a sliding-window or Mamba group seen) to
+vLLM's hybrid rule (:class:`~indexer.stores.holders.Hybrids`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from indexer.model import MEDIA, PrefixMatch, RankId, hybrid_match, plan_batch
+from indexer.model import MEDIA, PrefixMatch, RankId, plan_batch
 from indexer.stores.base import ApplyResult, Residency, Watermark
-from indexer.stores.holders import HolderIndex, IndexedResidency
+from indexer.stores.holders import HolderIndex, Hybrids, IndexedResidency
 from indexer.wire import BlockHash, EventBatch
 
 
@@ -28,7 +28,7 @@ class MemoryStore:
         self._ranks: dict[RankId, IndexedResidency] = {}
         self._watermarks: dict[RankId, Watermark] = {}
         self._holders = HolderIndex()
-        self._hybrid: dict[RankId, IndexedResidency] = {}  # ranks matched as hybrid models
+        self._hybrids = Hybrids()  # the ranks of hybrid models
         #: ranks, their engines and their bits, in step with ``_ranks``; None when stale
         self._listing: tuple[list[RankId], list[str], list[int]] | None = None
 
@@ -47,10 +47,7 @@ class MemoryStore:
         ops = plan_batch(batch)
         state = self._rank(rank)
         block_ops = state.apply(ops)
-        if state.group_rules():
-            self._hybrid[rank] = state
-        elif self._hybrid:
-            self._hybrid.pop(rank, None)
+        self._hybrids.update(state, state.bit)
         self._watermarks[rank] = Watermark(seq, batch.ts)
         return ApplyResult(applied=True, block_ops=block_ops)
 
@@ -66,9 +63,9 @@ class MemoryStore:
     async def forget(self, rank: RankId) -> None:
         state = self._ranks.pop(rank, None)
         if state is not None:
+            self._hybrids.drop(state.bit)
             state.release()
             self._listing = None
-        self._hybrid.pop(rank, None)
         self._watermarks.pop(rank, None)
 
     async def block_residency(self, block_hash: BlockHash) -> list[Residency]:
@@ -101,32 +98,8 @@ class MemoryStore:
             ranks = [rank for rank, _, _ in listed]
             bits = [bit for _, bit, _ in listed]
             sizes = [size for _, _, size in listed]
-        answers = self._holders.match(chain, ranks, bits, sizes)
-        if self._hybrid:
-            self._rematch_hybrids(chain, chunk_blocks, answers)
-        return answers
-
-    def _rematch_hybrids(
-        self,
-        chain: Sequence[BlockHash],
-        chunk_blocks: Mapping[str, int | None],
-        answers: dict[RankId, PrefixMatch],
-    ) -> None:
-        """Replace each hybrid rank's full-attention answer by vLLM's hybrid one.
-
-        A rank with a full-attention group that matched nothing by it matches
-        nothing at all (each full-attention group holds at most that run).
-        """
-        for rank, state in self._hybrid.items():
-            full = answers.get(rank)
-            if full is None:
-                continue
-            rules = state.group_rules()
-            empty = not (full.prefix_blocks or full.cpu_blocks or full.storage_blocks)
-            if empty and any(rule.window is None for rule in rules):
-                continue
-            size = chunk_blocks[rank.engine] or state.chunk_blocks
-            answers[rank] = hybrid_match(chain, full, size, rules, state.group_tables)
+        hybrids = self._hybrids if self._hybrids.bits else None
+        return self._holders.match(chain, ranks, bits, sizes, hybrids)
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         state = self._ranks.get(rank)
