@@ -72,6 +72,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class KVGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One KV cache group of the engine's model, as its events describe it.
+
+    ``kind`` is vLLM's ``kv_cache_spec_kind`` (``full_attention``,
+    ``sliding_window``, ``mamba``, ...); ``sliding_window`` its window in
+    tokens (sliding-window groups only); ``block_size`` null for the engine's.
+    """
+
+    kind: str
+    sliding_window: Positive | None = None
+    block_size: Positive | None = None
+
+
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One engine as declared by an operator (vLLM's ``--kv-events-config``).
 
@@ -90,8 +103,11 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hash_seed: str | None = None
     blocks_per_chunk: Positive | None = None
     bind: bool = False  # True: kvindex binds and the engine connects
+    #: the model's KV cache groups by group_idx (null: learned from the events)
+    kv_groups: list[KVGroup] | None = None
 
     def __post_init__(self) -> None:
+        check_kv_groups(self.kv_groups or [], self.block_size)
         for field in ("endpoint", "replay_endpoint"):
             endpoint = getattr(self, field)
             if endpoint is None:
@@ -106,6 +122,22 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def rank_endpoint(self, dp_rank: int, replay: bool = False) -> str | None:
         """The endpoint of one rank, offset as vLLM offsets it."""
         return offset_endpoint(self.replay_endpoint if replay else self.endpoint, dp_rank)
+
+
+def check_kv_groups(groups: list[KVGroup], block_size: int) -> None:
+    """Raise ValueError for groups kvindex cannot match as vLLM does."""
+    for i, group in enumerate(groups):
+        if group.block_size not in (None, block_size):
+            raise ValueError(
+                f"kv_groups[{i}]: block_size {group.block_size} differs from the engine's"
+                f" block_size {block_size}; kvindex matches KV groups of one block size only"
+                " (vLLM aligns hits across sizes to their least common multiple)"
+            )
+        if (group.kind == "sliding_window") != (group.sliding_window is not None):
+            raise ValueError(
+                f"kv_groups[{i}]: a sliding_window group needs its sliding_window (tokens),"
+                " and only such a group has one"
+            )
 
 
 def parse_engine_flag(text: str) -> EngineSpec:
@@ -303,6 +335,7 @@ class RankStatus(msgspec.Struct):
     rejected: dict[str, int] = {}  # bad frames by reason
     duplicates: int = 0  # batches received again (live and replay overlap) and skipped
     store_errors: int = 0  # failed store calls, each retried
+    kv_group_mismatches: int = 0  # groups whose events contradict the declared kv_groups
     lag_batches: int = 0
     lag_seconds: float = 0.0
     last_event_ts: float | None = None

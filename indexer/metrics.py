@@ -46,6 +46,11 @@ DUPLICATES = Counter(
 STORE_ERRORS = Counter(
     "kvindex_ingest_store_errors_total", "Store calls that failed and were retried.", _RANK
 )
+KV_GROUP_MISMATCHES = Counter(
+    "kvindex_ingest_kv_group_mismatches_total",
+    "KV groups whose events contradict the engine's declared kv_groups (each seen once).",
+    _RANK,
+)
 
 
 class RankMetrics:
@@ -59,6 +64,7 @@ class RankMetrics:
         self.restarts = RESTARTS.labels(*self.labels)
         self.duplicates = DUPLICATES.labels(*self.labels)
         self.store_errors = STORE_ERRORS.labels(*self.labels)
+        self.kv_group_mismatches = KV_GROUP_MISMATCHES.labels(*self.labels)
         self._labelled: set[tuple[Counter, str]] = set()  # series with a third label
 
     def rejected(self, reason: str) -> None:
@@ -73,7 +79,8 @@ class RankMetrics:
 
     def remove(self) -> None:
         """Forget the rank's series (its engine was deregistered)."""
-        for counter in (BATCHES, BLOCK_OPS, REPLAYS, RESTARTS, DUPLICATES, STORE_ERRORS):
+        counters = (BATCHES, BLOCK_OPS, REPLAYS, RESTARTS, DUPLICATES, STORE_ERRORS)
+        for counter in (*counters, KV_GROUP_MISMATCHES):
             counter.remove(*self.labels)
         for counter, value in self._labelled:
             counter.remove(*self.labels, value)

@@ -19,7 +19,10 @@ from itertools import chain, compress, groupby, repeat
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
+import msgspec
+
 from indexer.wire import (
+    STORED,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
@@ -751,3 +754,61 @@ def hybrid_match(
 
 def _lower_tables(tables: GroupTables, rule: GroupRule) -> list[Container]:
     return [c for m in LOWER_TIERS for c in tables(m, rule.group_idx)]
+
+
+class GroupDeclaration:
+    """An engine's declared KV groups (kind, sliding window, block size) by group_idx.
+
+    Removals carry a group_idx and no kind, so a rank whose first events for
+    a group are removals (it joined late) would score that group as full
+    attention until a store says otherwise. A declaration tells the store
+    first: :meth:`prepended` puts one empty store per group ahead of a
+    batch's events (it changes no count; what events say later still wins).
+    :meth:`conflicts` finds, once each, what events say against it.
+    """
+
+    def __init__(self, groups: Sequence[tuple[str, int | None, int]], block_size: int) -> None:
+        self.block_size = block_size
+        self.kinds = {i: _kind_key(k, w, b) for i, (k, w, b) in enumerate(groups)}
+        self.events = [
+            BlockStored(
+                [],
+                block_size=b,
+                medium=GPU,
+                group_idx=i,
+                kv_cache_spec_kind=k,
+                kv_cache_spec_sliding_window=w,
+            )
+            for i, (k, w, b) in enumerate(groups)
+        ]
+        self._seen: set[tuple] = set()
+
+    def prepended(self, batch: EventBatch) -> EventBatch:
+        return msgspec.structs.replace(batch, events=[*self.events, *batch.events])
+
+    def conflicts(self, batch: EventBatch) -> list[dict]:
+        """What the batch's stores say that the declaration does not, not said before."""
+        said = {
+            (e.group_idx or 0, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_size)
+            for e in batch.events
+            if type(e) in STORED and e.kv_cache_spec_kind is not None
+        }
+        new = said - self._seen
+        if not new:
+            return []
+        self._seen |= new
+        found = []
+        for group, kind, window, size in sorted(new, key=repr):
+            seen, declared = _kind_key(kind, window, size), self.kinds.get(group)
+            agrees = declared is not None and (
+                declared.startswith(seen) or seen.startswith(declared)
+            )
+            if not agrees or size not in (0, self.block_size):
+                found.append(
+                    {"group_idx": group, "declared": declared, "seen": seen, "block_size": size}
+                )
+        return found
+
+
+def _kind_key(kind: str, window: int | None, block_size: int) -> str:
+    return sliding_window_kind(window, block_size) if kind == SLIDING_WINDOW else kind

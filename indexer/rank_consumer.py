@@ -71,7 +71,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from indexer import metrics
 from indexer.engines import BindPolicy, EngineSpec, Gap, RankStatus
-from indexer.model import CPU, GPU, RankId
+from indexer.model import CPU, GPU, GroupDeclaration, RankId
 from indexer.stores.base import ApplyResult, Fenced, Watermark
 from indexer.wire import (
     SEQ_BYTES,
@@ -84,6 +84,17 @@ from indexer.wire import (
 )
 
 log = logging.getLogger("kvindex.subscriber")
+
+
+def _declaration(spec: EngineSpec) -> GroupDeclaration | None:
+    groups = spec.kv_groups
+    if not groups:
+        return None
+    size = spec.block_size
+    return GroupDeclaration(
+        [(g.kind, g.sliding_window, g.block_size or size) for g in groups], size
+    )
+
 
 #: Called after each applied batch; must be cheap, it runs in the apply loop.
 Observer = Callable[[RankId, EventBatch], None]
@@ -321,6 +332,9 @@ class RankConsumer:
         self._shared = shared
         self._settings = shared.settings
         self._store = store
+        #: the declared KV groups, told to the store with the first batch applied
+        self._groups = _declaration(spec)
+        self._groups_told = self._groups is None
         self._intake = _Intake(shared.settings.intake_limit, shared.settings.intake_bytes)
         self._delivered = 0
         self._stopping = False
@@ -516,6 +530,13 @@ class RankConsumer:
             self._seen = Watermark(seq, ts)
         elif seq > seen.seq or ts > seen.ts:
             self._seen = Watermark(max(seq, seen.seq), max(ts, seen.ts))
+
+    def _check_groups(self, batch: EventBatch) -> None:
+        """Count and log (once each) what events say against the declared KV groups."""
+        for conflict in self._groups.conflicts(batch):
+            self.status.kv_group_mismatches += 1
+            self.metrics.kv_group_mismatches.inc()
+            log.warning("kv group differs from its declaration", extra=self.ids(**conflict))
 
     def _reject(self, error: WireError) -> None:
         rejected = self.status.rejected
@@ -716,13 +737,19 @@ class RankConsumer:
             return None
 
     async def _apply(self, seq: int, batch: EventBatch, ts: float) -> None:
-        result = await self._store_call(self._store.apply_batch, self.rank, seq, batch)
+        applied = batch
+        if self._groups is not None:
+            self._check_groups(batch)
+            if not self._groups_told:
+                applied = self._groups.prepended(batch)
+        result = await self._store_call(self._store.apply_batch, self.rank, seq, applied)
         self._mark = Watermark(seq, ts)
         self._next = seq + 1
         self.status.applied_seq = seq
         if not result.applied:  # the store had it already (another writer)
             self._duplicate()
             return
+        self._groups_told = True
         self.metrics.batches.inc()
         self.metrics.block_ops.inc(result.block_ops)
         self._shared.notify(self.rank, batch)

@@ -209,6 +209,7 @@ async def test_answer_reports_tiers_score_and_sorts_best_first(api: Api) -> None
         "prefix_tokens": 384,
         "score": 21.6,
         "degraded": False,
+        "gpu_blocks_full_attention": 12,
     }
     assert [(e["engine"], e["score"]) for e in answer["engines"]] == [
         ("vllm-b", 30.0),
@@ -290,7 +291,7 @@ ENGINE_BODY = {
 async def test_engines_are_registered_inspected_and_removed(api: Api) -> None:
     created = await api.client.post("/engines", json=ENGINE_BODY)
     assert created.status_code == 201
-    assert created.json() == ENGINE_BODY | {"bind": False}
+    assert created.json() == ENGINE_BODY | {"bind": False, "kv_groups": None}
     assert (await api.client.post("/engines", json=ENGINE_BODY)).status_code == 409
     assert [e["name"] for e in (await api.client.get("/engines")).json()] == ["vllm-a"]
 

@@ -12,18 +12,28 @@ import asyncio
 import random
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.model import CPU, GPU, LOWER_TIERS, STORAGE, PrefixMatch, RankId, RankResidency
-from indexer.model import plan_batch as plan
+from indexer.engines import EngineSpec, KVGroup
+from indexer.model import (
+    CPU,
+    GPU,
+    LOWER_TIERS,
+    STORAGE,
+    PrefixMatch,
+    RankId,
+    RankResidency,
+    plan_batch,
+)
 from indexer.stores import MemoryStore, Store
 from indexer.stores.redis import RedisStore
 from indexer.wire import AllBlocksCleared, EventBatch
 from producer.publisher import Publisher
 
-from .apikit import LiveApi, csv
+from .apikit import Api, LiveApi, csv
 from .conftest import HYBRID_TRACE_NAMES, free_ports, load_expected_json, trace_batches
 from .events import removed, stored
 from .test_store_conformance import redis_config, server_for
@@ -140,7 +150,7 @@ def test_the_reference_walk_is_vllms_rule(held, spec, chunk, long_prefix) -> Non
     # both groups known, whatever they hold: hashes outside the chain
     events.append(stored([998], GPU, 0, "full_attention", block_size=BLOCK))
     events.append(stored([999], GPU, 1, kind, block_size=BLOCK, window=window))
-    state.apply(plan(EventBatch(1.0, events)))
+    state.apply(plan_batch(EventBatch(1.0, events)))
     assert state.match(CHAIN, chunk) == brute_force(held, kind, window, chunk)
 
 
@@ -150,10 +160,10 @@ def test_several_groups_of_one_kind_each_need_the_window() -> None:
     events = [stored(CHAIN, kind="full_attention", block_size=BLOCK)]
     events += [stored(CHAIN[:8], group=1, kind="sliding_window", block_size=BLOCK, window=8)]
     events += [stored(CHAIN[4:12], group=2, kind="sliding_window", block_size=BLOCK, window=8)]
-    state.apply(plan(EventBatch(1.0, events)))
+    state.apply(plan_batch(EventBatch(1.0, events)))
     # group 1 alone: 8; group 2 alone: 12; together only blocks 4..7 serve both windows
     assert state.match(CHAIN, None) == PrefixMatch(8, prefix_blocks=8, full_attention_blocks=24)
-    state.apply(plan(EventBatch(2.0, [removed([CHAIN[7]], group=2)])))
+    state.apply(plan_batch(EventBatch(2.0, [removed([CHAIN[7]], group=2)])))
     assert state.match(CHAIN, None).gpu_blocks == 7  # blocks 5, 6 end a window of both
 
 
@@ -208,7 +218,7 @@ async def test_every_store_answers_like_the_reference_on_random_hybrid_streams(
     for rank in ranks:
         for seq, batch in enumerate(hybrid_stream(rng, 30, kind, window)):
             await store.apply_batch(rank, seq, batch)
-            reference[rank].apply(plan(batch))
+            reference[rank].apply(plan_batch(batch))
     for declared in (None, 4, 6):
         for chain in chains:
             found = await store.prefix_match(chain, {"engine-a": declared})
@@ -261,9 +271,7 @@ async def test_hybrid_traces_joined_late_answer_like_vllm(
             await store.close()
 
 
-def live_spec(endpoint: str, replay: str, cfg: dict):
-    from indexer.engines import EngineSpec
-
+def live_spec(endpoint: str, replay: str, cfg: dict) -> EngineSpec:
     return EngineSpec(
         name="vllm-a",
         endpoint=endpoint,
@@ -271,3 +279,70 @@ def live_spec(endpoint: str, replay: str, cfg: dict):
         block_size=cfg["block_size"],
         blocks_per_chunk=cfg["blocks_per_chunk"],
     )
+
+
+# --- declared groups ----------------------------------------------------------
+
+SLIDING = [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 64}]
+
+
+def test_groups_of_another_block_size_are_refused_naming_the_limit() -> None:
+    body = {"name": "a", "endpoint": "tcp://127.0.0.1:5557", "block_size": 16}
+    groups = [{"kind": "full_attention"}, {"kind": "mamba", "block_size": 32}]
+    with pytest.raises(msgspec.ValidationError, match="one block size only"):
+        msgspec.convert(body | {"kv_groups": groups}, EngineSpec)
+    with pytest.raises(msgspec.ValidationError, match="needs its sliding_window"):
+        msgspec.convert(body | {"kv_groups": [{"kind": "sliding_window"}]}, EngineSpec)
+    spec = msgspec.convert(body | {"kv_groups": SLIDING}, EngineSpec)
+    assert spec.kv_groups[1] == KVGroup("sliding_window", 64)
+
+
+async def test_registering_groups_of_another_block_size_is_a_422() -> None:
+    api = Api()
+    body = {"name": "a", "endpoint": "tcp://10.0.0.1:5557", "block_size": 16}
+    body["kv_groups"] = [{"kind": "mamba", "block_size": 32}]
+    refused = await api.client.post("/engines", json=body)
+    assert refused.status_code == 422
+    assert "one block size only" in refused.json()["error"]
+    assert (await api.client.get("/engines")).json() == []
+    await api.close()
+
+
+@pytest.mark.parametrize("declared", [None, SLIDING])
+async def test_a_group_seen_only_by_its_removals_is_matched_by_its_declaration(declared) -> None:
+    """Joined late: the sliding-window group's stores were missed, its removals are not."""
+    chain = list(range(1, 9))
+    groups = None if declared is None else [msgspec.convert(g, KVGroup) for g in declared]
+    async with LiveApi() as live:
+        (publisher,) = await live.add_published("vllm-a", kv_groups=groups)
+        assert publisher.publish(EventBatch(1.0, [stored(chain), removed([chain[0]], group=1)]))
+        await live.wait_applied("vllm-a", [0])
+        answer = await live.client.get("/prefix-match", params={"block_hashes": csv(chain)})
+        (entry,) = answer.json()["engines"]
+        # declared: the window group holds none of the blocks a hit would end with
+        assert entry["gpu_blocks"] == (8 if declared is None else 0)
+        assert entry["gpu_blocks_full_attention"] == 8
+
+
+async def test_events_contradicting_the_declaration_are_counted_and_logged(caplog) -> None:
+    chain = list(range(1, 9))
+    groups = [msgspec.convert(g, KVGroup) for g in SLIDING]
+    async with LiveApi() as live:
+        (publisher,) = await live.add_published("vllm-a", kv_groups=groups)
+        events = [stored(chain), stored(chain, group=1, kind="mamba"), stored(chain, group=2)]
+        for seq in range(2):  # the same contradiction again is not counted again
+            assert publisher.publish(EventBatch(float(seq), events))
+        await live.wait_applied("vllm-a", [1])
+        (rank,) = (await live.client.get("/engines/vllm-a")).json()["ranks"]
+        assert rank["kv_group_mismatches"] == 2  # group 1 is no Mamba group, group 2 undeclared
+        metrics = (await live.client.get("/metrics")).text
+        assert (
+            'kvindex_ingest_kv_group_mismatches_total{dp_rank="0",engine="vllm-a"} 2.0' in metrics
+        )
+    logged = [
+        r for r in caplog.records if r.getMessage() == "kv group differs from its declaration"
+    ]
+    assert {(r.group_idx, r.seen, r.declared) for r in logged} == {
+        (1, "mamba", "sliding_window:64:16"),
+        (2, "full_attention", None),
+    }
