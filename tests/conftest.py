@@ -6,15 +6,22 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncIterator, Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from indexer.model import CPU, GPU, RankId
 from indexer.replay import load_trace
+from indexer.stores import MemoryStore, Store
+from indexer.stores.redis import RedisConfig, RedisStore
 from indexer.wire import EventBatch, decode_batch
+
+if TYPE_CHECKING:
+    from .servers import LocalCluster, RedisServer
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.33.0"
 TRACE_NAMES = ("chat-sha256", "chat-gpu-only", "chat-placeholders", "chat-clear")
@@ -102,6 +109,32 @@ async def assert_matches_trace(store, rank: RankId, name: str) -> None:
             rows = await store.block_residency(int(h))
             got = sum(r.count for r in rows if (r.engine, r.dp_rank, r.medium) == (*rank, medium))
             assert got == n, (medium, h)
+
+
+# --- every store: memory, a standalone redis-server, a 3-master Redis Cluster -------
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    server = server_for(request, request.param)
+    redis = RedisStore(redis_config(server.url, cluster=request.param == "cluster"))
+    yield redis
+    await redis.close()
+
+
+def server_for(request: pytest.FixtureRequest, kind: str) -> RedisServer | LocalCluster:
+    """The session's standalone server ("redis") or cluster ("cluster")."""
+    return request.getfixturevalue("redis_server" if kind == "redis" else "redis_cluster")
+
+
+def redis_config(url: str, cluster: bool = False) -> RedisConfig:
+    """A config with a prefix of its own, so tests share servers without sharing state."""
+    return RedisConfig(
+        url, prefix=f"t-{uuid.uuid4().hex[:12]}", cluster=cluster, sweep_interval=None
+    )
 
 
 # Real redis-server / Redis Cluster processes, shared by the session (tests/servers.py).

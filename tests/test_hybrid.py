@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -28,15 +27,21 @@ from indexer.model import (
     RankResidency,
     plan_batch,
 )
-from indexer.stores import MemoryStore, Store
+from indexer.stores import Store
 from indexer.stores.redis import RedisStore
 from indexer.wire import AllBlocksCleared, EventBatch
 from producer.publisher import Publisher
 
 from .apikit import Api, LiveApi, csv
-from .conftest import HYBRID_TRACE_NAMES, free_ports, load_expected_json, trace_batches
+from .conftest import (
+    HYBRID_TRACE_NAMES,
+    free_ports,
+    load_expected_json,
+    redis_config,
+    server_for,
+    trace_batches,
+)
 from .events import removed, stored
-from .test_store_conformance import redis_config, server_for
 
 CHAIN = list(range(101, 125))  # 24 blocks: 6 chunks of 4, 4 of 6
 BLOCK = 4  # tokens per block in these tests
@@ -168,17 +173,6 @@ def test_several_groups_of_one_kind_each_need_the_window() -> None:
 
 
 # --- every store equals the reference on random hybrid streams -----------------
-
-
-@pytest.fixture(params=["memory", "redis", "cluster"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    server = server_for(request, request.param)
-    redis = RedisStore(redis_config(server.url, cluster=request.param == "cluster"))
-    yield redis
-    await redis.close()
 
 
 def hybrid_stream(rng: random.Random, batches: int, kind: str, window: int | None) -> list:

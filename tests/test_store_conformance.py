@@ -11,8 +11,6 @@ import json
 import random
 import subprocess
 import sys
-import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -29,35 +27,14 @@ from .conftest import (
     expected_path,
     load_expected_json,
     probe_answers,
+    redis_config,
+    server_for,
     trace_path,
 )
 from .events import removed, stored
 from .servers import LocalCluster, RedisServer, free_port
 
 RANK = RankId("engine-a", 0)
-
-
-@pytest.fixture(params=["memory", "redis", "cluster"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
-    if request.param == "memory":
-        yield MemoryStore()
-        return
-    server = server_for(request, request.param)
-    redis = RedisStore(redis_config(server.url, cluster=request.param == "cluster"))
-    yield redis
-    await redis.close()
-
-
-def server_for(request: pytest.FixtureRequest, kind: str) -> RedisServer | LocalCluster:
-    """The session's standalone server ("redis") or cluster ("cluster")."""
-    return request.getfixturevalue("redis_server" if kind == "redis" else "redis_cluster")
-
-
-def redis_config(url: str, cluster: bool = False) -> RedisConfig:
-    """A config with a prefix of its own, so tests share servers without sharing state."""
-    return RedisConfig(
-        url, prefix=f"t-{uuid.uuid4().hex[:12]}", cluster=cluster, sweep_interval=None
-    )
 
 
 def batch(*events, ts: float = 1.0) -> EventBatch:
