@@ -302,12 +302,16 @@ async def test_registering_groups_of_another_block_size_is_a_422() -> None:
     await api.close()
 
 
+@pytest.mark.parametrize("kind", ["memory", "redis"])
 @pytest.mark.parametrize("declared", [None, SLIDING])
-async def test_a_group_seen_only_by_its_removals_is_matched_by_its_declaration(declared) -> None:
+async def test_a_group_seen_only_by_its_removals_is_matched_by_its_declaration(
+    request: pytest.FixtureRequest, declared, kind: str
+) -> None:
     """Joined late: the sliding-window group's stores were missed, its removals are not."""
     chain = list(range(1, 9))
     groups = None if declared is None else [msgspec.convert(g, KVGroup) for g in declared]
-    async with LiveApi() as live:
+    store = None if kind == "memory" else RedisStore(redis_config(server_for(request, kind).url))
+    async with LiveApi(store=store) as live:
         (publisher,) = await live.add_published("vllm-a", kv_groups=groups)
         assert publisher.publish(EventBatch(1.0, [stored(chain), removed([chain[0]], group=1)]))
         await live.wait_applied("vllm-a", [0])
@@ -316,6 +320,8 @@ async def test_a_group_seen_only_by_its_removals_is_matched_by_its_declaration(d
         # declared: the window group holds none of the blocks a hit would end with
         assert entry["gpu_blocks"] == (8 if declared is None else 0)
         assert entry["gpu_blocks_full_attention"] == 8
+    if store is not None:
+        await store.close()
 
 
 async def test_events_contradicting_the_declaration_are_counted_and_logged(caplog) -> None:

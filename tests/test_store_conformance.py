@@ -99,11 +99,12 @@ async def test_replaying_a_trace_twice_changes_nothing(store: Store) -> None:
     await check_trace_state(store, "chat-clear")
 
 
+@pytest.mark.parametrize("name", ["chat-sha256", "hybrid-mamba"])
 @pytest.mark.parametrize("kind", ["redis", "cluster"])
 def test_replay_command_reports_with_redis_what_it_does_in_memory(
-    request: pytest.FixtureRequest, kind: str
+    request: pytest.FixtureRequest, kind: str, name: str
 ) -> None:
-    server, name = server_for(request, kind), "chat-sha256"
+    server = server_for(request, kind)
 
     def replay(*flags: str) -> dict:
         command = [sys.executable, "-m", "indexer.cli", "replay", str(trace_path(name))]
