@@ -109,7 +109,7 @@ async def test_crashes_at_random_points_then_redelivery_apply_each_op_once(
     config = redis_config(server.url, cluster=kind == "cluster")
     rng, crashes = random.Random(11), 0
     while True:
-        store = crashing(RedisStore(config), rng.randint(1, most_commands))
+        store = crashing(await identified(config), rng.randint(1, most_commands))
         try:
             await apply_trace(store, RANK, trace)
             break
@@ -260,6 +260,22 @@ async def test_more_concurrent_batches_than_connections_wait_for_one(request, ki
         await store.close()
 
 
+async def test_pooled_connections_redis_closed_are_replaced_on_first_use(
+    durable_redis: RedisServer,
+) -> None:
+    """A restart closes every pooled connection: the next commands reconnect instead
+    of failing with "Connection closed by server" (which /stats answered as a 503)."""
+    config = redis_config(durable_redis.url)
+    ranks = [RankId(f"e{i}", 0) for i in range(config.max_connections)]
+    async with reopened(config) as store:
+        assert (await store.apply_batch(RANK, 0, batch(stored([1])))).applied
+        await asyncio.gather(*(store.anomalies(rank) for rank in ranks))  # a pool of them
+        await asyncio.to_thread(durable_redis.restart)
+        replies = await asyncio.gather(*(store.anomalies(rank) for rank in [RANK, *ranks]))
+        assert replies == [{"unknown_removals": 0}] * (len(ranks) + 1)
+        assert await counts(store, 1) == {"GPU": 1}
+
+
 async def test_unreachable_redis_raises_store_unavailable() -> None:
     port = free_port()
     for cluster in (False, True):
@@ -348,6 +364,14 @@ async def test_a_clear_between_a_crash_and_redelivery_counts_once(
 
 
 # --- helpers ----------------------------------------------------------------------
+
+
+async def identified(config: RedisConfig) -> RedisStore:
+    """A fresh store that has looked up the store's identity (so that a crash budget
+    is spent on applying batches, not on that first look)."""
+    store = RedisStore(config)
+    await store.check()
+    return store
 
 
 @contextlib.asynccontextmanager

@@ -2,11 +2,22 @@
 
 from indexer.stores.base import (
     ApplyResult,
+    Loss,
     Residency,
     Store,
+    StoreLost,
     StoreUnavailable,
     Watermark,
 )
 from indexer.stores.memory import MemoryStore
 
-__all__ = ["ApplyResult", "MemoryStore", "Residency", "Store", "StoreUnavailable", "Watermark"]
+__all__ = [
+    "ApplyResult",
+    "Loss",
+    "MemoryStore",
+    "Residency",
+    "Store",
+    "StoreLost",
+    "StoreUnavailable",
+    "Watermark",
+]

@@ -6,7 +6,7 @@ tests against every implementation; a new backend is done when it passes.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +24,30 @@ class Fenced(RuntimeError):
     Raised by stores shared by several indexer processes (Redis) for writes
     made under a lease token older than the rank's newest; never retried.
     """
+
+
+class StoreLost(RuntimeError):
+    """The store no longer holds writes it acknowledged (a flush, a restart without
+    persistence, a restart from an older snapshot, a failover to a lagging replica).
+
+    Raised by a write that found it out; by then the store has taken note
+    (:meth:`Store.last_loss` says what happened), so the writer resynchronises
+    from the store's watermark and writes again. Never retried as such.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """A loss of data the store noticed: the ``number``-th since it was opened.
+
+    ``wiped``: the store's contents were replaced (every rank starts again
+    empty, watermark None); False: the store came back with older data (each
+    rank's state is exact as of its, older, watermark).
+    """
+
+    number: int
+    wiped: bool
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,5 +119,15 @@ class Store(Protocol):
 
     async def ping(self) -> None:
         """Raise :class:`StoreUnavailable` unless the store answers."""
+
+    def last_loss(self) -> Loss | None:
+        """The latest loss of data noticed (None: none since the store was opened).
+
+        A consumer that applied batches before it resynchronises from the
+        store's watermark before writing again.
+        """
+
+    def on_loss(self, listener: Callable[[Loss], None]) -> None:
+        """Call ``listener(loss)`` whenever a loss is noticed (it must not block)."""
 
     async def close(self) -> None: ...

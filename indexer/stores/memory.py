@@ -13,10 +13,10 @@ vLLM's hybrid rule (:class:`~indexer.stores.holders.Hybrids`).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from indexer.model import MEDIA, PrefixMatch, RankId, plan_batch
-from indexer.stores.base import ApplyResult, Residency, Watermark
+from indexer.stores.base import ApplyResult, Loss, Residency, Watermark
 from indexer.stores.holders import HolderIndex, Hybrids, IndexedResidency
 from indexer.wire import BlockHash, EventBatch
 
@@ -113,6 +113,12 @@ class MemoryStore:
         return sorted(self._ranks.keys() | self._watermarks.keys())
 
     async def ping(self) -> None:
+        return None
+
+    def last_loss(self) -> Loss | None:
+        return None  # process memory loses nothing while the process lives
+
+    def on_loss(self, listener: Callable[[Loss], None]) -> None:
         return None
 
     async def close(self) -> None:

@@ -12,6 +12,10 @@ Key layout under a prefix ``P`` (several indexes can share one Redis)::
                      "f:<dp>:<engine>" -> the newest owner's token the bucket has seen
     P:{tag}:<hash>   block hash: "<tid>" -> count, one field per residency
 
+P:meta and every bucket are the store's *anchors*: each holds ``#store``, the
+store's identity, and ``#w``, its write counter; buckets also hold ``#top``,
+the highest id their fields are named after (see "Losing data" below).
+
 A block's key carries the hash tag of its bucket (``hash % BUCKETS``), so a
 bucket and its blocks share one cluster slot. Ids come from one counter and
 are never reused: ``rid`` names a rank, ``gid`` a generation of one medium of a
@@ -44,6 +48,43 @@ check is within one slot. A stale owner can therefore still land at most the
 buckets of the one batch it had in flight when the claim happened — the
 batch right after the watermark the new owner starts from, which the new
 owner's own copy then skips per bucket, as after a crash.
+
+Losing data. Redis can lose acknowledged writes: a flush, a restart without
+persistence, a restart from an older RDB snapshot or an AOF missing its last
+second, a failover to a replica that had not received them. Answers built on
+such a store are silently wrong, so every process checks for it:
+
+- The identity is a random id written once (``SET NX`` semantics) into
+  every anchor. An anchor without it, or with another one, lost its data or
+  belongs to another store. One identity per anchor, not one key, because on
+  a cluster each master loses data on its own: the sixteen buckets' hash
+  tags spread them over every master, so a master that lost its data always
+  lost some bucket's identity, whatever slots it serves.
+- ``#w`` rises with every write to its anchor (scripts return it) and each
+  process keeps the highest value it saw. An anchor whose counter is below
+  it came back with older data. A process notices only the loss of its own
+  writes this way, which is what matters to it: another process's writes
+  are noticed by that process.
+- Every write script checks both before writing (atomically, in its slot) and
+  answers -3 instead; the process also reads the anchors every
+  ``identity_check`` seconds, so a loss is noticed within about a second even
+  when nothing is written. The apply path also refuses a rank whose stored
+  watermark is below the last one this process committed for it.
+
+What a loss means for the ranks (:class:`~indexer.stores.base.Loss`):
+
+- *wiped* (an anchor lost its identity, or on a cluster a bucket came back
+  older, so counts across masters no longer agree): the process that finds it
+  gives the store a new identity, and the metadata forgets every rank. Each
+  rank starts again empty and its consumer rebuilds it from the engine's
+  replay buffer. Ids allocated after that start above every surviving
+  bucket's ``#top``, so leftovers of the old identity are never read as new
+  (the sweeper deletes them). A process that finds another identity than
+  its own adopts it.
+- *rolled back* (only counters behind, on a standalone server or on the
+  master holding ``P:meta`` alone): everything on a server is a prefix of
+  its writes, so each rank's state is exactly that of its stored, older,
+  watermark; its consumer re-applies the batches after it from replay.
 """
 
 from __future__ import annotations
@@ -52,8 +93,9 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import uuid
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -61,9 +103,9 @@ import msgspec
 from redis import exceptions as rex
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
-from redis.retry import Retry
 
 from indexer.model import (
     GPU,
@@ -84,7 +126,16 @@ from indexer.model import (
     match_prefix,
     plan_batch,
 )
-from indexer.stores.base import ApplyResult, Fenced, Residency, StoreUnavailable, Watermark
+from indexer.periodic import repeat
+from indexer.stores.base import (
+    ApplyResult,
+    Fenced,
+    Loss,
+    Residency,
+    StoreLost,
+    StoreUnavailable,
+    Watermark,
+)
 from indexer.stores.redis_scripts import SCRIPTS
 from indexer.wire import BlockHash, EventBatch
 
@@ -103,6 +154,8 @@ FIRST_WINDOW = 128
 MAX_ATTEMPTS = 16
 #: What the apply script answers when a bucket holds a newer owner's token.
 FENCED = -2
+#: What a write script answers when its hash lost data (module doc, "Losing data").
+LOST = -3
 _UNAVAILABLE = (
     rex.ConnectionError,
     rex.TimeoutError,
@@ -127,10 +180,18 @@ class RedisConfig:
     node on a cluster); more wait. ``socket_timeout``/``connect_timeout`` in
     seconds. ``retries``: reconnect attempts per command, with exponential
     backoff, before :class:`StoreUnavailable` is raised (callers retry
-    further). ``sweep_interval``: seconds between garbage sweeps run by a
-    store that applies batches (None: never). The server must not evict keys
-    (``maxmemory-policy noeviction``) and should persist (AOF) for the index
-    to survive a Redis restart.
+    further): a pooled connection that Redis closed (a restart) is replaced
+    on first use, so one restart costs no failed command. Timeouts are not
+    retried: a hung Redis would only make every caller wait ``retries``
+    times longer. ``health_check_interval``: seconds a pooled connection may
+    sit idle before it is PINGed ahead of its next command.
+    ``sweep_interval``: seconds between garbage sweeps run by a store that
+    applies batches (None: never). ``identity_check``: seconds between a
+    writing store's looks for lost data (module doc; None: only when a write
+    finds it). The server must not evict keys (``maxmemory-policy
+    noeviction``) and should persist (AOF) for the index to survive a Redis
+    restart; without it, a restart is recovered only as far as the engines'
+    replay buffers reach.
     """
 
     url: str = "redis://127.0.0.1:6379/0"
@@ -140,7 +201,9 @@ class RedisConfig:
     socket_timeout: float = 5.0
     connect_timeout: float = 2.0
     retries: int = 2
+    health_check_interval: float = 10.0
     sweep_interval: float | None = 300.0
+    identity_check: float | None = 1.0
 
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in "{}*?[]\\"):
@@ -338,6 +401,19 @@ def plan_writes(meta: RankMeta, ops: Iterable[Op], seq: int, ts: float) -> _Plan
     return plan
 
 
+class _Anchor(msgspec.Struct, frozen=True):
+    """What one anchor hash holds of the store's identity (module doc, "Losing data")."""
+
+    identity: str | None
+    writes: int
+    top: int
+
+    @classmethod
+    def parse(cls, reply: Sequence[bytes | None]) -> _Anchor:
+        identity, writes, top = reply
+        return cls(identity and identity.decode(), int(writes or 0), int(top or 0))
+
+
 def _bucket_tags(buckets: int) -> list[str]:
     """One hash tag per bucket, its slot in the bucket's share of the slot range.
 
@@ -388,6 +464,15 @@ class RedisStore:
         self._shas = {name: _sha(src) for name, src in SCRIPTS.items()}
         self._cache: dict[RankId, tuple[bytes, RankMeta]] = {}
         self._sweeper: asyncio.Task | None = None
+        # What this process knows of the store's identity (module doc, "Losing data").
+        self._anchor_keys = [self._meta_key, *self._bucket_keys]
+        self._identity: str | None = None
+        self._floors = [0] * len(self._anchor_keys)  # highest "#w" seen, per anchor
+        self._committed: dict[RankId, int] = {}  # highest seq committed here, per rank
+        self._loss: Loss | None = None
+        self._loss_listeners: list[Callable[[Loss], None]] = []
+        self._checking = asyncio.Lock()
+        self._watch: asyncio.Task | None = None
         # redis-py fails a command when its pool is exhausted: wait for a connection instead.
         self._connections = asyncio.Semaphore(config.max_connections)
 
@@ -447,12 +532,16 @@ class RedisStore:
         return ("EVALSHA", self._shas[name], len(keys), *keys, *args)
 
     async def _cas(self, expect: Mapping[str, bytes], store: Mapping[str, bytes]) -> bool:
-        args = [len(expect)]
+        since, identity = self.losses, await self._known_identity()
+        args = [identity, self._floors[0], len(expect)]
         for pairs in (expect, store):
             for name, value in pairs.items():
                 args += (name, value)
         (ok,) = await self._run([self.script("compare_and_set", [self._meta_key], args)])
-        return ok == 1
+        if ok == LOST:
+            raise await self._lost(since)
+        self._floors[0] = max(self._floors[0], ok)
+        return ok > 0
 
     async def _read_meta(self, rank: RankId) -> tuple[bytes, RankMeta | None]:
         (blob,) = await self._run([("HGET", self._meta_key, _rank_field(rank))])
@@ -467,11 +556,18 @@ class RedisStore:
     async def apply_batch(
         self, rank: RankId, seq: int, batch: EventBatch, *, fence: int | None = None
     ) -> ApplyResult:
-        """:meth:`Store.apply_batch`; ``fence``: the writer's lease token, see the module doc."""
+        """:meth:`Store.apply_batch`; ``fence``: the writer's lease token, see the module doc.
+
+        Raises :class:`StoreLost` when the store lost data the caller may have
+        built on (the rank's stored watermark is below the last one committed
+        here, or a script found an anchor that lost data).
+        """
         ops = plan_batch(batch)
         name, guard = _rank_field(rank), _guard(rank, fence)
+        since = self.losses
         for _ in range(MAX_ATTEMPTS):
             blob, meta = self._cache.get(rank) or await self._read_meta(rank)
+            await self._check_kept(rank, meta, since)
             if meta is not None and meta.seq is not None and seq <= meta.seq:
                 return ApplyResult(applied=False)
             plan = plan_writes(meta or RankMeta(rid=0), ops, seq, batch.ts)
@@ -483,12 +579,21 @@ class RedisStore:
                 done = await self._apply_and_commit(meta, plan, seq, commit, guard)
                 if done:
                     self._cache[rank] = (new_blob, plan.meta)
+                    self._committed[rank] = seq
                     self._start_sweeper()
                     return ApplyResult(applied=True, block_ops=plan.block_ops)
                 self._cache.pop(rank, None)
             if not done:
                 await self._check_fence(rank, fence)
         raise RuntimeError(f"{rank}: metadata kept changing under {MAX_ATTEMPTS} attempts")
+
+    async def _check_kept(self, rank: RankId, meta: RankMeta | None, since: int) -> None:
+        """Raise :class:`StoreLost` if the rank's stored watermark is below what this
+        process committed, or a loss was noticed since the caller started."""
+        committed = self._committed.get(rank)
+        stored = -1 if meta is None or meta.seq is None else meta.seq
+        if since != self.losses or (committed is not None and stored < committed):
+            raise await self._lost(since)
 
     async def _check_fence(self, rank: RankId, fence: int | None) -> None:
         """After a failed compare-and-set: raise :class:`Fenced` if another owner claimed."""
@@ -575,19 +680,29 @@ class RedisStore:
         fence = next(iter(guard.items()), ("", ""))
         calls = self._calls(sizes)
         one_step = len(calls) == 1 and not self.config.cluster
-        commands = []
+        since, identity = self.losses, await self._known_identity()
+        commands, anchors = [], []
         for group in calls:
             keys = [self._encoded_bucket_keys[b] for b in group]
-            args = [mark, meta.rid, tiers_blob, _encode([sections[b] for b in group]), *fence]
+            anchors.append([1 + b for b in group] + ([0] if one_step else []))
+            floors = _encode([self._floors[a] for a in anchors[-1]])
+            sections_blob = _encode([sections[b] for b in group])
+            args = [mark, meta.rid, tiers_blob, sections_blob, identity, floors, *fence]
             if one_step:
                 keys.append(self._meta_key)
                 args += commit
             commands.append(self.script("apply_ops", keys, args))
         results = await self._run(commands)
-        if FENCED in results:
+        codes = [result[0] for result in results]
+        if LOST in codes:
+            raise await self._lost(since)
+        for written, counters in zip(anchors, results, strict=True):
+            for a, count in zip(written, counters[1:], strict=False):
+                self._floors[a] = max(self._floors[a], count)
+        if FENCED in codes:
             raise Fenced(f"{name}: a newer owner's token is in a bucket")
         if one_step:
-            return results[0] >= 0
+            return codes[0] >= 0
         return await self._cas({name: old, **guard}, {name: new})
 
     def _calls(self, sizes: dict[int, int]) -> list[list[int]]:
@@ -608,9 +723,13 @@ class RedisStore:
         return calls
 
     async def watermark(self, rank: RankId) -> Watermark | None:
+        """:meth:`Store.watermark`: also where this process accepts it as the rank's
+        baseline, so a consumer resuming after a loss may write from there."""
         _, meta = await self._read_meta(rank)
         if meta is None or meta.seq is None:
+            self._committed.pop(rank, None)
             return None
+        self._committed[rank] = meta.seq
         return Watermark(meta.seq, meta.ts)
 
     async def clear(
@@ -652,6 +771,8 @@ class RedisStore:
                     self._cache.pop(rank, None)
                 else:
                     self._cache[rank] = (store[name], updated)
+                if updated is None or updated.seq is None:
+                    self._committed.pop(rank, None)
                 return
             await self._check_fence(rank, fence)
         raise RuntimeError(f"{rank}: metadata kept changing under {MAX_ATTEMPTS} attempts")
@@ -663,6 +784,7 @@ class RedisStore:
         claim fails if the engine was deregistered or re-registered since.
         Writes under older tokens are refused from here on (module doc).
         """
+        await self._known_identity()
         fence = _fence_field(rank)
         keys = [self.registry_key, self._meta_key]
         (token,) = await self._run([self.script("claim", keys, [rank.engine, spec, fence])])
@@ -674,6 +796,109 @@ class RedisStore:
         await self._run([self.script("raise_fence", keys, [fence, token]) for keys in groups])
         self._cache.pop(rank, None)
         return token
+
+    # --- losing data (module doc) --------------------------------------------
+
+    @property
+    def losses(self) -> int:
+        """How many losses of data this store has noticed since it was opened."""
+        return self._loss.number if self._loss is not None else 0
+
+    def last_loss(self) -> Loss | None:
+        return self._loss
+
+    def on_loss(self, listener: Callable[[Loss], None]) -> None:
+        self._loss_listeners.append(listener)
+
+    async def _known_identity(self) -> str:
+        """The store's identity, looked up (or given) at first use; from then on the
+        anchors are watched every ``identity_check`` seconds."""
+        if self._identity is None:
+            await self.check()
+            if self._watch is None and self.config.identity_check:
+                interval = self.config.identity_check
+                watch = repeat(interval, self.check, "store identity check")
+                self._watch = asyncio.get_running_loop().create_task(watch)
+        assert self._identity is not None
+        return self._identity
+
+    async def _lost(self, since: int) -> StoreLost:
+        """A write found lost data: the error to raise, once the loss is on record."""
+        if self.losses == since:
+            await self.check(suspect="a write found the store behind what it had written")
+        return StoreLost(self._loss.reason if self._loss is not None else "the store lost data")
+
+    async def check(self, suspect: str | None = None) -> None:
+        """Compare the anchors with what this process knows of them; record a loss.
+
+        ``suspect``: a write already found one; record it (as a roll-back, with
+        that reason) even if the anchors now look whole.
+        """
+        async with self._checking:
+            floors = list(self._floors)  # before the read: writes meanwhile only raise counters
+            anchors = await self._read_anchors()
+            known, found = self._identity, anchors[0].identity
+            whole = all(a.identity == found for a in anchors[1:])
+            behind = [i for i, a in enumerate(anchors) if a.writes < floors[i]]
+            if found is None and known is None and all(a.identity is None for a in anchors):
+                await self._take_identity(await self._establish(), anchors)
+            elif found is None or (found == known and not whole):
+                what = "P:meta" if found is None else "a bucket"
+                why = f"{what} lost the store's identity"
+                await self._replace_identity(found or "", anchors, why)
+            elif found != known:
+                await self._take_identity(found, anchors)
+                if known is not None:
+                    self._record_loss(True, "another process found the store's data replaced")
+            elif behind and self.config.cluster and behind != [0]:
+                why = "a cluster node came back with older buckets"
+                await self._replace_identity(found, anchors, why)
+            elif behind or suspect:
+                self._floors = [a.writes for a in anchors]
+                self._record_loss(False, suspect or _ROLLED_BACK)
+            else:
+                seen = zip(self._floors, anchors, strict=True)
+                self._floors = [max(floor, a.writes) for floor, a in seen]
+
+    async def _read_anchors(self) -> list[_Anchor]:
+        commands = [("HMGET", key, "#store", "#w", "#top") for key in self._anchor_keys]
+        return [_Anchor.parse(reply) for reply in await self._run(commands)]
+
+    async def _establish(self) -> str:
+        """A fresh store's first identity (another process's, if it was first)."""
+        args = [uuid.uuid4().hex]
+        (identity,) = await self._run([self.script("establish_identity", [self._meta_key], args)])
+        return identity.decode()
+
+    async def _replace_identity(self, seen: str, anchors: Sequence[_Anchor], why: str) -> None:
+        """Give the store a new identity: every rank starts again empty."""
+        floor = max(a.top for a in anchors) + 1
+        args = [seen, uuid.uuid4().hex, floor]
+        (identity,) = await self._run([self.script("swap_identity", [self._meta_key], args)])
+        await self._take_identity(identity.decode(), ())
+        self._record_loss(True, f"{why}: {_WIPED}")
+
+    async def _take_identity(self, identity: str, anchors: Sequence[_Anchor]) -> None:
+        """Make ``identity`` this process's and every bucket's; start counting anew.
+
+        ``anchors``: as just read (empty: read them again), to skip the buckets
+        that hold it already.
+        """
+        keys = self._bucket_keys
+        if anchors:
+            keys = [k for k, a in zip(keys, anchors[1:], strict=True) if a.identity != identity]
+        if keys or not anchors:
+            await self._run([self.script("mark_bucket", [key], [identity]) for key in keys])
+            anchors = await self._read_anchors()
+        self._identity = identity
+        self._floors = [a.writes for a in anchors]
+
+    def _record_loss(self, wiped: bool, reason: str) -> None:
+        self._loss = loss = Loss(self.losses + 1, wiped, reason)
+        self._cache.clear()
+        log.warning("store lost data", extra={"store": self._where, "wiped": wiped, "why": reason})
+        for listener in self._loss_listeners:
+            listener(loss)
 
     # --- reading ------------------------------------------------------------
 
@@ -752,10 +977,11 @@ class RedisStore:
         await self._run([("PING",)])
 
     async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, self._watch):
+            # Until it sticks: Python 3.11's wait_for (in redis-py's sends) can drop a cancel.
+            while task is not None and not task.done():
+                task.cancel()
+                await asyncio.wait([task], timeout=0.05)
         await self._client.aclose()
 
     # --- garbage --------------------------------------------------------------
@@ -777,8 +1003,10 @@ class RedisStore:
                 live.update(range(first, last + 1))
 
         def dead(name: bytes, skip: int = 0) -> bool:
-            i = int(name[skip:])
-            return i <= top and i not in live
+            """Whether a field named after an id (after ``skip`` bytes) is of a dead id;
+            other fields (fences, anchors) are never garbage."""
+            digits = name[skip:]
+            return digits.isdigit() and int(digits) <= top and int(digits) not in live
 
         removed = 0
         buckets = await self._run([("HGETALL", key) for key in self._bucket_keys])
@@ -828,6 +1056,13 @@ class RedisStore:
                 log.exception("sweep failed")
             else:
                 log.info("swept", extra={"fields": removed})
+
+
+_WIPED = "a flush, a restart without persistence or a failover to an empty replica"
+_ROLLED_BACK = (
+    "the store came back with older data: a restart from an older snapshot or"
+    " AOF, or a failover to a replica that missed writes"
+)
 
 
 class _RankMatch:
@@ -916,11 +1151,15 @@ def _sha(source: str) -> str:
 
 
 def _connect(config: RedisConfig) -> Redis | RedisCluster:
+    """The client: the asyncio flavour of redis-py's Retry (the synchronous one never
+    awaits the command, so it retries nothing), on dropped connections only."""
+    backoff = ExponentialBackoff(cap=1.0, base=0.05)
     options = {
         "max_connections": config.max_connections + 1,  # + the sweeper's SCAN
         "socket_timeout": config.socket_timeout,
         "socket_connect_timeout": config.connect_timeout,
-        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), config.retries),
+        "retry": Retry(backoff, config.retries, supported_errors=(rex.ConnectionError,)),
+        "health_check_interval": config.health_check_interval,
     }
     if config.cluster:
         return RedisCluster.from_url(config.url, **options)

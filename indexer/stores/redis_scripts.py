@@ -4,6 +4,13 @@ Each script touches keys of one hash slot only when the store runs against a
 Redis Cluster (the caller groups keys by bucket, and a bucket is one slot), so
 atomicity never needs a cross-slot transaction. The key layout and the
 exactly-once argument are in :mod:`indexer.stores.redis`.
+
+The writes of the index (block operations, metadata changes) go through
+scripts that first check the written hash's *anchor* fields: ``#store`` must
+hold the identity the writer knows and ``#w``, the hash's write counter, must
+not be below the highest value the writer has seen. Either failing means the
+hash lost data since (a flush, a restart, a failover): the script writes
+nothing and answers -3, and the writer finds out what was lost.
 """
 
 from __future__ import annotations
@@ -23,15 +30,20 @@ APPLY_OPS = """
 -- ARGV[4]: msgpack sections, one per KEYS entry, in order: a flat list in event order of
 --   markers (number t: +1 per following hash in tier t; -t: -1) and hashes (strings, each
 --   operated on under the last marker before it); block key = KEYS[i] .. ":" .. hash
--- ARGV[5], ARGV[6]: the rank's fence field and the writer's lease token ("" and "": unfenced);
+-- ARGV[5], ARGV[6]: the store identity the writer knows, and msgpack: per KEYS entry the
+--   lowest "#w" it may hold; when any does not hold that identity or holds a lower "#w",
+--   nothing is written and {-3} is returned: the store lost data.
+-- ARGV[7], ARGV[8]: the rank's fence field and the writer's lease token ("" and "": unfenced);
 --   when any bucket (or the metadata hash) holds a newer token in that field, nothing is
---   written and -2 is returned: another owner has claimed the rank.
--- ARGV[7], ARGV[8], ARGV[9] (only on a standalone server, where one call can hold a whole
+--   written and {-2} is returned: another owner has claimed the rank.
+-- ARGV[9], ARGV[10], ARGV[11] (only on a standalone server, where one call can hold a whole
 --   batch): the rank's metadata field, its expected and its new value; the metadata hash is
 --   then the last KEYS entry. The batch is applied and committed together, or, when the
---   metadata changed, not at all (returns -1).
+--   metadata changed, not at all (returns {-1}).
 -- Bucket field "g<gid>" = "epoch:seq:n": the last batch applied there by the generation and
--- n, its distinct resident hashes in the bucket. Returns the block operations applied.
+-- n, its distinct resident hashes in the bucket; "#top": the highest id any field of the
+-- bucket or of its blocks is named after (what a new identity must allocate above).
+-- Returns {block operations applied, then each KEYS entry's "#w" after the call}.
 local call = redis.call
 local mark = ARGV[1]
 local e, s = string.match(mark, '^(%d+):(%d+)$')
@@ -54,7 +66,13 @@ local function shared(key, tier)
   return false
 end
 
-local fence, token = ARGV[5], tonumber(ARGV[6])
+local identity, floors = ARGV[5], cmsgpack.unpack(ARGV[6])
+for i = 1, #KEYS do
+  local anchor = call('HMGET', KEYS[i], '#store', '#w')
+  if anchor[1] ~= identity or (tonumber(anchor[2]) or 0) < floors[i] then return {-3} end
+end
+
+local fence, token = ARGV[7], tonumber(ARGV[8])
 local function fenced(key)
   if fence == '' then return false end
   local newest = call('HGET', key, fence)
@@ -62,13 +80,18 @@ local function fenced(key)
 end
 
 local buckets = #KEYS
-if ARGV[7] then
+if ARGV[9] then
   buckets = buckets - 1
-  if fenced(KEYS[#KEYS]) then return -2 end
-  if (call('HGET', KEYS[#KEYS], ARGV[7]) or '') ~= ARGV[8] then return -1 end
+  if fenced(KEYS[#KEYS]) then return {-2} end
+  if (call('HGET', KEYS[#KEYS], ARGV[9]) or '') ~= ARGV[10] then return {-1} end
 end
 for i = 1, buckets do
-  if fenced(KEYS[i]) then return -2 end
+  if fenced(KEYS[i]) then return {-2} end
+end
+
+local top = tonumber(ARGV[2])
+for t = 1, #tiers do
+  top = math.max(top, tonumber(tiers[t][1]), tonumber(tiers[t][2]))
 end
 
 local applied = 0
@@ -115,30 +138,38 @@ for i = 1, buckets do
     if not gen.skip then call('HSET', bucket, 'g' .. gid, mark .. ':' .. gen.n) end
   end
   if unknown > 0 then call('HINCRBY', bucket, 'u' .. ARGV[2], unknown) end
+  if top > (tonumber(call('HGET', bucket, '#top')) or 0) then call('HSET', bucket, '#top', top) end
 end
-if ARGV[7] then call('HSET', KEYS[#KEYS], ARGV[7], ARGV[9]) end
-return applied
+if ARGV[9] then call('HSET', KEYS[#KEYS], ARGV[9], ARGV[11]) end
+local counters = {applied}
+for i = 1, #KEYS do counters[i + 1] = call('HINCRBY', KEYS[i], '#w', 1) end
+return counters
 """
 
 #: Compare-and-set fields of one hash: the rank metadata's only writer, so that
 #: concurrent indexers, clears and id allocations never overwrite each other.
 COMPARE_AND_SET = """
 -- KEYS[1]: the hash
--- ARGV[1]: n, the number of fields compared; ARGV[2 .. 2n+1]: field, expected value pairs
---   ("" expects the field absent); ARGV[2n+2 ..]: field, new value pairs ("" deletes it)
--- Returns 1 when every field held its expected value and the new values were written, else 0.
-local n = tonumber(ARGV[1])
-for i = 2, 2 * n, 2 do
+-- ARGV[1], ARGV[2]: the store identity the writer knows and the lowest "#w" the hash may
+--   hold (else -3: the store lost data, nothing is written)
+-- ARGV[3]: n, the number of fields compared; ARGV[4 .. 2n+3]: field, expected value pairs
+--   ("" expects the field absent); ARGV[2n+4 ..]: field, new value pairs ("" deletes it)
+-- Returns the hash's "#w" after the write when every field held its expected value and
+-- the new values were written, else 0.
+local anchor = redis.call('HMGET', KEYS[1], '#store', '#w')
+if anchor[1] ~= ARGV[1] or (tonumber(anchor[2]) or 0) < tonumber(ARGV[2]) then return -3 end
+local n = tonumber(ARGV[3])
+for i = 4, 2 * n + 2, 2 do
   if (redis.call('HGET', KEYS[1], ARGV[i]) or '') ~= ARGV[i + 1] then return 0 end
 end
-for i = 2 * n + 2, #ARGV, 2 do
+for i = 2 * n + 4, #ARGV, 2 do
   if ARGV[i + 1] == '' then
     redis.call('HDEL', KEYS[1], ARGV[i])
   else
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
   end
 end
-return 1
+return redis.call('HINCRBY', KEYS[1], '#w', 1)
 """
 
 #: Allocate ids for one rank and record them under the rank until its metadata
@@ -173,6 +204,52 @@ for i = 1, #KEYS do
   local newest = redis.call('HGET', KEYS[i], ARGV[1])
   if not newest or tonumber(newest) < token then redis.call('HSET', KEYS[i], ARGV[1], token) end
 end
+return 1
+"""
+
+#: Give a store its identity at first use: kept if one is there already.
+ESTABLISH_IDENTITY = """
+-- KEYS[1]: the metadata hash; ARGV[1]: a new random identity. Returns the identity it holds.
+redis.call('HSETNX', KEYS[1], '#store', ARGV[1])
+return redis.call('HGET', KEYS[1], '#store')
+"""
+
+#: Replace a store's identity after a loss: the metadata forgets every rank, so that
+#: each starts again empty (its counts in the surviving buckets become garbage).
+SWAP_IDENTITY = """
+-- KEYS[1]: the metadata hash; ARGV[1]: the identity the caller saw ("" none); ARGV[2]: the
+--   new identity; ARGV[3]: the lowest id the new identity may allocate (every surviving
+--   bucket's "#top" is below it)
+-- Only when the hash still holds ARGV[1]: drops every rank's "r:" and "a:" fields (fence
+-- tokens stay, so they keep rising), raises "#ids" to ARGV[3] and takes ARGV[2].
+-- Returns the identity the hash holds now (ARGV[2], or another caller's).
+local current = redis.call('HGET', KEYS[1], '#store') or ''
+if current ~= ARGV[1] then return current end
+local drop = {}
+for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local kind = string.sub(name, 1, 2)
+  if kind == 'r:' or kind == 'a:' then drop[#drop + 1] = name end
+end
+for i = 1, #drop, 1000 do redis.call('HDEL', KEYS[1], unpack(drop, i, math.min(i + 999, #drop))) end
+if tonumber(ARGV[3]) > (tonumber(redis.call('HGET', KEYS[1], '#ids')) or 0) then
+  redis.call('HSET', KEYS[1], '#ids', ARGV[3])
+end
+redis.call('HSET', KEYS[1], '#store', ARGV[2])
+redis.call('HINCRBY', KEYS[1], '#w', 1)
+return ARGV[2]
+"""
+
+#: Put a store's identity into one bucket, dropping its fence tokens: they may belong
+#: to an older identity whose tokens restart below them.
+MARK_BUCKET = """
+-- KEYS[1]: a bucket hash; ARGV[1]: the identity. A bucket holding it already is left alone.
+if redis.call('HGET', KEYS[1], '#store') == ARGV[1] then return 0 end
+local drop = {}
+for _, name in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if string.sub(name, 1, 2) == 'f:' then drop[#drop + 1] = name end
+end
+for i = 1, #drop, 1000 do redis.call('HDEL', KEYS[1], unpack(drop, i, math.min(i + 999, #drop))) end
+redis.call('HSET', KEYS[1], '#store', ARGV[1])
 return 1
 """
 
@@ -236,6 +313,9 @@ SCRIPTS = {
     "reserve_ids": RESERVE_IDS,
     "claim": CLAIM,
     "raise_fence": RAISE_FENCE,
+    "establish_identity": ESTABLISH_IDENTITY,
+    "swap_identity": SWAP_IDENTITY,
+    "mark_bucket": MARK_BUCKET,
     "register": REGISTER,
     "deregister": DEREGISTER,
     "renew_lease": RENEW_LEASE,
