@@ -37,6 +37,21 @@ def _without_publisher(ctx: ApiContext) -> tuple[list[str], int]:
     return missing, ranks
 
 
+#: Ranks a /readyz answer names at most (the rest are counted).
+_NAMED = 5
+
+
+def _store_losses(ctx: ApiContext) -> list[str]:
+    """``engine/dp_rank: why`` for every rank whose batches the store lost and that
+    is not rebuilt (it under-reports until then, and may stay so)."""
+    return [
+        f"{spec.name}/{status.dp_rank}: {status.store_loss}"
+        for spec in ctx.registry.all()
+        for status in ctx.consumers.rank_status(spec.name)
+        if status.store_loss is not None
+    ]
+
+
 def router(ctx: ApiContext) -> APIRouter:
     store, consumers = ctx.store, ctx.consumers
     routes = APIRouter(tags=["health"])
@@ -57,6 +72,9 @@ def router(ctx: ApiContext) -> APIRouter:
         await store.ping()  # any failure: the store handler answers 503
         if not consumers.running():
             return error_response(503, "event subscribers are not running")
+        if lost := _store_losses(ctx):
+            more = f"; and {len(lost) - _NAMED} more" if len(lost) > _NAMED else ""
+            return error_response(503, f"store lost data: {'; '.join(lost[:_NAMED])}{more}")
         missing, ranks = _without_publisher(ctx)
         if missing and len(missing) == ranks:
             return error_response(503, f"no engine rank has a publisher: {', '.join(missing)}")

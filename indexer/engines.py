@@ -327,6 +327,7 @@ class RankStatus(msgspec.Struct):
     applied_seq: int | None = None
     degraded: bool = False
     missing: list[Gap] = []  # unfilled gaps, newest last
+    store_loss: str | None = None  # the store lost batches of it: why, and how it recovers
     gaps: int = 0
     gaps_filled: int = 0
     gaps_unfilled: int = 0

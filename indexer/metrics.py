@@ -108,14 +108,22 @@ _GAUGES = {
     "lag_seconds": "Batch ts of the newest received batch minus that of the applied one.",
     "applied_seq": "Seq of the last applied batch.",
 }
+#: Gauges that are 1 while a status field is set (it says why), else 0.
+_SET = {
+    "store_loss": "Whether the store lost batches of the rank that are not applied again yet "
+    "(or could not be): /engines/{name} says which and why.",
+}
 
 
 class _RankGauges(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        families = {
-            name: GaugeMetricFamily(f"kvindex_ingest_{name}", doc, labels=_RANK)
-            for name, doc in _GAUGES.items()
-        }
+        families, flags = (
+            {
+                name: GaugeMetricFamily(f"kvindex_ingest_{name}", doc, labels=_RANK)
+                for name, doc in docs.items()
+            }
+            for docs in (_GAUGES, _SET)
+        )
         for source in list(_sources):
             for engine, status in source.statuses():
                 labels = [engine, str(status.dp_rank)]
@@ -123,7 +131,10 @@ class _RankGauges(Collector):
                     value = getattr(status, name)
                     if value is not None:
                         family.add_metric(labels, float(value))
+                for name, family in flags.items():
+                    family.add_metric(labels, float(getattr(status, name) is not None))
         yield from families.values()
+        yield from flags.values()
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())

@@ -103,6 +103,7 @@ async def run_api(
     settings = settings or config.api_settings()
     store = RedisStore(redis)
     registry = RedisRegistry(store)
+    registry.declare(config.engines)  # registered again should the registry be lost
     polls = config.indexer
     board = StatusBoard(store, registry, stale_after=3 * polls.status_interval)
     app = create_app(store, registry, board, settings)

@@ -72,7 +72,7 @@ from zmq.utils.monitor import parse_monitor_message
 from indexer import metrics
 from indexer.engines import BindPolicy, EngineSpec, Gap, RankStatus
 from indexer.model import CPU, GPU, GroupDeclaration, RankId
-from indexer.stores.base import ApplyResult, Fenced, Watermark
+from indexer.stores.base import ApplyResult, Fenced, Loss, StoreLost, Watermark
 from indexer.wire import (
     SEQ_BYTES,
     EventBatch,
@@ -304,6 +304,19 @@ class RankStore(Protocol):
         self, rank: RankId, media: Collection[str], *, reset_seq: bool = False
     ) -> None: ...
 
+    def last_loss(self) -> Loss | None: ...
+
+
+@dataclass(slots=True)
+class _Rebuild:
+    """A rank re-applying batches its store lost: degraded until ``_next`` passes ``last``."""
+
+    last: int  # the last batch applied before the loss
+    reason: str
+    restarts: int  # the rank's counts when the loss was found: a restart since, or a
+    gaps_unfilled: int  # gap given up since, settles it
+    clean: bool  # whether the rank is exact once rebuilt (it lost everything, or was exact)
+
 
 @dataclass(slots=True)
 class Shared:
@@ -340,6 +353,8 @@ class RankConsumer:
         self._stopping = False
         self.failed = False  # the sequencer died of a bug: the subscriber is not ready
         self.fenced = False  # another owner took the rank: nothing more is applied
+        self._losses_seen = 0  # the store's last loss this rank resynchronised after
+        self._rebuild: _Rebuild | None = None
         # Sequencer state.
         self._mark: Watermark | None = None  # last applied batch
         self._seen: Watermark | None = None  # highest seq and highest ts received, this incarnation
@@ -614,10 +629,14 @@ class RankConsumer:
             self._replay_wanted = self._has_replay  # catch up from the watermark
             n = 0
             while not self._stopping:
-                await self._tend_replay()
-                item = await self._take()
-                if item is not None:
-                    await self._handle(*item)
+                try:
+                    await self._follow_store()
+                    await self._tend_replay()
+                    item = await self._take()
+                    if item is not None:
+                        await self._handle(*item)
+                except StoreLost:
+                    continue  # resynchronised next turn; the batch in hand comes back by replay
                 n += 1
                 if n % _YIELD_EVERY == 0:
                     await asyncio.sleep(0)
@@ -842,8 +861,80 @@ class RankConsumer:
         self._attempts = 0
         status.applied_seq = None
         status.degraded = False
+        status.store_loss = None  # the new incarnation's stream is whole
         status.missing = []
         self._replay_wanted = self._has_replay
+
+    # --- the store losing data ---------------------------------------------------
+
+    def notice_store_loss(self) -> None:
+        """The store noticed a loss of data: resynchronise now, even if idle."""
+        self._wake()
+
+    async def _follow_store(self) -> None:
+        """Resynchronise after a loss the store noticed and this rank has not seen yet."""
+        loss = self._store.last_loss()
+        if loss is not None and loss.number != self._losses_seen:
+            await self._resync(loss)
+        if self._rebuild is not None:
+            self._check_rebuilt(self._rebuild)
+
+    async def _resync(self, loss: Loss) -> None:
+        """Continue from the store's watermark, asking replay for the batches after it.
+
+        A rank whose stored watermark is its own lost nothing. Otherwise it is
+        degraded, with the reason in its status, until the batches it had
+        applied are applied again (:meth:`_check_rebuilt`).
+        """
+        self._losses_seen = loss.number
+        stored = await self._store_call(self._store.watermark, self.rank)
+        had, status = self._mark, self.status
+        if stored == had:
+            return
+        if self._request is not None:
+            self._end_request()
+            self._close_dealer()  # so a late answer to the abandoned request never arrives
+        self._mark = stored
+        self._next = stored.seq + 1 if stored else 0
+        self._forget_pending()
+        self._gap, self._attempts = None, 0
+        status.applied_seq = stored.seq if stored else None
+        self._replay_wanted = self._has_replay
+        if had is None or had.seq < self._next:
+            return  # the store is ahead (another writer): nothing of ours was lost
+        clean = loss.wiped or not status.degraded
+        self._rebuild = _Rebuild(had.seq, loss.reason, status.restarts, status.gaps_unfilled, clean)
+        status.degraded = True
+        status.store_loss = (
+            f"{loss.reason}; batches {self._next}..{had.seq} lost, being applied again from replay"
+        )
+        log.warning("store lost batches", extra=self.ids(first=self._next, last=had.seq))
+
+    def _check_rebuilt(self, rebuild: _Rebuild) -> None:
+        """End a rebuild once it is settled: exact again, or degraded for good.
+
+        Exact when every lost batch was applied again with no gap given up
+        meanwhile, or when the engine restarted (its new stream is whole);
+        a rank that was already degraded stays so unless it lost everything
+        and replay brought it all back.
+        """
+        status = self.status
+        if status.restarts != rebuild.restarts:
+            exact = True
+        elif self._next > rebuild.last:
+            exact = status.gaps_unfilled == rebuild.gaps_unfilled
+        else:
+            return
+        self._rebuild = None
+        if exact:
+            status.store_loss = None
+            status.degraded = status.degraded and not rebuild.clean
+            log.info("rank rebuilt after a store loss", extra=self.ids(last=rebuild.last))
+            return
+        missing = status.missing[-1] if status.missing else None
+        lost = f" (batches {missing.first}..{missing.last} missing)" if missing else ""
+        status.store_loss = f"{rebuild.reason}; replay could not apply every lost batch{lost}"
+        log.warning("rank not rebuilt after a store loss", extra=self.ids(last=rebuild.last))
 
     async def _store_call(self, call: Callable[..., Awaitable[T]], *args: Any, **kw: Any) -> T:
         """Call the store until it succeeds: a batch in hand is never dropped."""
@@ -851,7 +942,7 @@ class RankConsumer:
         while True:
             try:
                 result = await call(*args, **kw)
-            except Fenced:
+            except (Fenced, StoreLost):
                 raise
             except Exception as e:
                 self.status.store_errors += 1

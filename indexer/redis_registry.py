@@ -13,6 +13,14 @@ copy, because the API calls them synchronously; the copy is reloaded when the
 registry's ``#version`` moves (:meth:`RedisRegistry.refresh`, polled by
 :meth:`RedisRegistry.follow`). A process sees its own changes at once and
 other processes' within one poll interval.
+
+The registry lives in Redis, so it can be lost with Redis's data (a restart
+without persistence, an older snapshot). Its ``#version`` only ever rises
+otherwise: a registry whose version is gone or went back was lost, and the
+process that finds it registers again every engine it knew (its last copy,
+then the engines declared by flags and config files); the others' copies
+fill in what it missed. Ingestion then resumes by itself: workers claim the
+ranks of registered engines.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ class RedisRegistry:
         self._key = store.registry_key
         self._version: bytes | None = None
         self._entries: dict[str, tuple[EngineSpec, bytes]] = {}
+        self._declared: dict[str, EngineSpec] = {}  # by flags and config files
 
     async def add(self, spec: EngineSpec) -> EngineSpec:
         """Register an engine (raises :class:`EngineExists` if the name is taken)."""
@@ -77,12 +86,28 @@ class RedisRegistry:
         (version,) = await self._store.execute([("HGET", self._key, _VERSION)])
         if version is not None and version == self._version:
             return
+        if self._version is not None and int(version or 0) < int(self._version):
+            await self._reseed()
         (fields,) = await self._store.execute([("HGETALL", self._key)])
         entries = {}
         for name, raw in fields.items():
             if name != _VERSION:
                 entries[name.decode()] = (_decode(raw), raw)
         self._entries, self._version = entries, fields.get(_VERSION)
+
+    async def _reseed(self) -> None:
+        """Register again every engine this process knew: the registry was lost."""
+        known = {name: raw for name, (_, raw) in self._entries.items()}
+        for name, spec in self._declared.items():
+            known.setdefault(name, msgspec.json.encode(spec))
+        scripts = [self._store.script("register", [self._key], [n, r]) for n, r in known.items()]
+        added = sum(await self._store.execute(scripts)) if scripts else 0
+        log.warning("engine registry lost: registered again", extra={"engines": added})
+
+    def declare(self, specs: Iterable[EngineSpec]) -> None:
+        """Remember engines declared by flags or config files, to register them again
+        if the registry is lost (without registering them now)."""
+        self._declared.update((spec.name, spec) for spec in specs)
 
     async def follow(self, interval: float) -> None:
         """Refresh every ``interval`` seconds, forever (run it as a task)."""
@@ -94,6 +119,8 @@ class RedisRegistry:
         One already registered stays as it is: the registry, changed by the
         API since, wins over a worker's flags.
         """
+        specs = list(specs)
+        self.declare(specs)
         for spec in specs:
             try:
                 await self.add(spec)

@@ -29,7 +29,7 @@ from indexer.rank_consumer import (
     Shared,
     SubscriberSettings,
 )
-from indexer.stores.base import Store
+from indexer.stores.base import Loss, Store
 from indexer.wire import EventBatch
 
 __all__ = ["RankPool", "Subscriber", "SubscriberSettings"]
@@ -150,6 +150,11 @@ class RankPool:
             consumer.metrics.remove()
         return consumer
 
+    def notice_store_loss(self, loss: Loss) -> None:
+        """Have every consumer resynchronise with the store (even idle ones)."""
+        for consumer in self._ranks.values():
+            consumer.notice_store_loss()
+
     def get(self, rank: RankId) -> RankConsumer | None:
         return self._ranks.get(rank)
 
@@ -215,6 +220,7 @@ class Subscriber:
         self._pool.open()
         if not self._listening:
             self._registry.listen(self._on_change)
+            self._store.on_loss(self._pool.notice_store_loss)
             self._listening = True
         for spec in self._registry.all():
             await self._start_engine(spec)

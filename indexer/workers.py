@@ -24,8 +24,16 @@ the one batch that can overlap a no-op. Fencing covers what timing cannot
 
 Every change of ownership goes to the ``P:owners`` stream: ``claimed`` (with
 the token and the watermark it resumes from), then one of ``released``
-(rebalancing or shutdown), ``lost``, ``fenced``, ``unregistered`` or
-``failed``, with the last applied seq.
+(rebalancing or shutdown), ``lost``, ``fenced``, ``unregistered``,
+``failed`` or ``store_lost``, with the last applied seq.
+
+When Redis loses data (:mod:`indexer.stores.redis`, "Losing data"), the
+leases, the fence tokens and the registry may have gone with it. A worker
+then stops every rank it owns (its writes are refused from the moment its
+store notices) and claims them again like any free rank, which the engine
+registry, re-seeded by every process that knew it
+(:meth:`~indexer.redis_registry.RedisRegistry.refresh`), makes possible. The
+new consumers resume from the store's watermarks through replay.
 """
 
 from __future__ import annotations
@@ -90,6 +98,7 @@ class _Owned:
     token: int
     entry: bytes
     valid_until: float  # monotonic: stop by then unless a renewal succeeds
+    losses: int  # the store's losses of data when it was claimed
 
 
 class Worker:
@@ -201,6 +210,8 @@ class Worker:
         for rank, owned in self._owned.items():
             if rank not in wanted or wanted[rank][1] != owned.entry:
                 unwanted[rank] = "unregistered"
+            elif owned.losses != self._store.losses:
+                unwanted[rank] = "store_lost"  # claimed anew: tokens may have gone with the data
             elif owned.consumer.fenced:
                 unwanted[rank] = "fenced"
             elif owned.consumer.failed:
@@ -214,6 +225,7 @@ class Worker:
         sent = time.monotonic()
         for rank in await self._leases.acquire(free[:count]):
             spec, entry = wanted[rank]
+            losses = self._store.losses
             token = await self._store.claim(rank, entry)
             if token is None:  # deregistered or changed since the registry was read
                 await self._leases.release(rank)
@@ -222,13 +234,14 @@ class Worker:
             seq = None if mark is None else mark.seq
             await record(self._store, "claimed", rank, worker=self.id, token=token, seq=seq)
             try:
-                consumer = self._pool.start(spec, rank.dp_rank, OwnedRank(self._store, token))
+                owned_rank = OwnedRank(self._store, token, losses)
+                consumer = self._pool.start(spec, rank.dp_rank, owned_rank)
             except Exception as e:
                 log.warning("cannot consume rank", extra={"engine": rank.engine, "error": repr(e)})
                 await record(self._store, "failed", rank, worker=self.id, token=token, seq=seq)
                 await self._leases.release(rank)
                 continue
-            self._owned[rank] = _Owned(consumer, token, entry, sent + self._ttl / 2)
+            self._owned[rank] = _Owned(consumer, token, entry, sent + self._ttl / 2, losses)
             log.info("rank claimed", extra={**consumer.ids(), "token": token, "from_seq": seq})
 
     async def _drop(self, rank: RankId, why: str) -> None:

@@ -1172,17 +1172,37 @@ class OwnedRank:
     What a worker gives the rank's consumer instead of the store itself, so
     that the consumer stops (:class:`~indexer.stores.base.Fenced`) the moment
     a newer owner has claimed the rank.
+
+    A claim holds within one incarnation of the store's data: once the store
+    notices a loss (``losses`` moved on since the claim), every write raises
+    Fenced too, and the worker claims the rank anew, so that no two owners can
+    both write after fence tokens were lost with the data.
     """
 
-    def __init__(self, store: RedisStore, token: int) -> None:
+    def __init__(self, store: RedisStore, token: int, losses: int | None = None) -> None:
         self.store = store
         self.token = token
+        #: the store's losses when the claim was made (default: now)
+        self.losses = store.losses if losses is None else losses
+
+    def _check_incarnation(self) -> None:
+        if self.store.losses != self.losses:
+            raise Fenced(f"the store lost data since token {self.token} was claimed")
 
     async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
-        return await self.store.apply_batch(rank, seq, batch, fence=self.token)
+        self._check_incarnation()
+        try:
+            return await self.store.apply_batch(rank, seq, batch, fence=self.token)
+        except StoreLost as e:
+            raise Fenced(f"the store lost data since token {self.token} was claimed: {e}") from e
 
     async def watermark(self, rank: RankId) -> Watermark | None:
         return await self.store.watermark(rank)
 
     async def clear(self, rank: RankId, media: Collection[str], *, reset_seq: bool = False) -> None:
+        self._check_incarnation()
         await self.store.clear(rank, media, reset_seq=reset_seq, fence=self.token)
+
+    def last_loss(self) -> Loss | None:
+        """None: an owner does not resynchronise after a loss, it is fenced (above)."""
+        return None

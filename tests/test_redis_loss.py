@@ -1,0 +1,218 @@
+"""A Redis that loses data while kvindex runs: never a silent wrong answer.
+
+Real redis-server processes restarted under a running consumer (real ZMQ,
+kvindex's vLLM-wire publisher with its replay buffer): restarted from an older
+RDB snapshot (the store is behind what was applied: the lost batches are
+applied again from replay, ending exact), restarted empty (every rank is
+rebuilt from replay, exact when the buffer reaches seq 0, degraded with a
+reason otherwise), and the engine registry of scale-out mode re-seeded by the
+processes that knew it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from prometheus_client import REGISTRY
+
+from indexer.engines import EngineSpec
+from indexer.redis_registry import RedisRegistry
+from indexer.stores import StoreUnavailable
+from indexer.stores.redis import RedisStore
+from indexer.subscriber import RankPool
+from indexer.workers import Worker, WorkerSettings
+from producer.publisher import Publisher
+
+from .apikit import LiveApi
+from .conftest import assert_matches_trace, free_ports, trace_batches, wait_until
+from .servers import RedisServer, free_port
+from .test_e2e import until
+from .test_store_conformance import RANK, check_trace_state, redis_config
+
+TRACE = "chat-clear"  # GPU + CPU offload and an AllBlocksCleared part-way
+
+
+@pytest.fixture
+def volatile_redis(tmp_path: Path) -> RedisServer:
+    """A private server without persistence: a restart comes back empty, or from the
+    last RDB snapshot taken with SAVE."""
+    server = RedisServer(tmp_path / "redis", free_port()).start()
+    yield server
+    server.stop()
+
+
+class Rank:
+    """``RANK``'s engine publishing on fresh ports, consumed into Redis by ``kvindex serve``'s
+    pipeline (subscriber and API)."""
+
+    def __init__(self, url: str, buffer_steps: int = 10_000) -> None:
+        self.store = RedisStore(redis_config(url))
+        self.live = LiveApi(store=self.store)
+        pub, replay = free_ports(), free_ports()
+        self.spec = EngineSpec(
+            RANK.engine, f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}"
+        )
+        self.publisher = Publisher(
+            self.spec.endpoint, self.spec.replay_endpoint, bind=True, buffer_steps=buffer_steps
+        )
+        self.live.publishers.append(self.publisher)
+
+    async def publish(self, batches) -> None:
+        for batch in batches:
+            assert self.publisher.publish(batch)
+        assert await asyncio.to_thread(self.publisher.flush)
+        await self.live.wait_applied(RANK.engine, [self.publisher.next_seq - 1])
+
+    def status(self):
+        return self.live.subscriber.rank_status(RANK.engine)[0]
+
+
+@pytest.fixture
+async def rank_over(request) -> AsyncIterator:
+    made: list[Rank] = []
+
+    async def make(url: str, **options) -> Rank:
+        rank = Rank(url, **options)
+        await rank.live.__aenter__()
+        await rank.live.registry.add(rank.spec)
+        made.append(rank)
+        return rank
+
+    yield make
+    for rank in made:
+        await rank.live.__aexit__()
+        await rank.store.close()
+
+
+def store_loss_gauge() -> float | None:
+    labels = {"engine": RANK.engine, "dp_rank": "0"}
+    return REGISTRY.get_sample_value("kvindex_ingest_store_loss", labels)
+
+
+async def test_restart_from_an_older_snapshot_reapplies_the_lost_batches(
+    volatile_redis: RedisServer, rank_over
+) -> None:
+    """SAVE at half the trace, restart from it after 90%: the consumer had applied 40%
+    more than the store holds, which replay brings back; the end is vLLM's state."""
+    batches = trace_batches(TRACE)
+    half, most = len(batches) // 2, len(batches) * 9 // 10
+    rank = await rank_over(volatile_redis.url)
+    await rank.publish(batches[:half])
+    await rank.store.execute([("SAVE",)])
+    await rank.publish(batches[half:most])
+    await asyncio.to_thread(volatile_redis.restart, signal.SIGKILL)  # back to the snapshot
+    await wait_until(lambda: rank.store.last_loss() is not None, what="the loss to be noticed")
+    assert not rank.store.last_loss().wiped
+    await rank.publish(batches[most:])
+    await wait_until(lambda: rank.status().store_loss is None, what="the rank to be rebuilt")
+    await check_trace_state(rank.store, TRACE)  # counts and every probe: no over-report
+    status = rank.status()
+    assert not status.degraded and status.restarts == 0 and status.gaps_unfilled == 0
+
+
+async def test_restart_to_empty_rebuilds_from_seq_0(volatile_redis, rank_over) -> None:
+    batches = trace_batches(TRACE)
+    rank = await rank_over(volatile_redis.url)
+    await rank.publish(batches)
+    await asyncio.to_thread(volatile_redis.restart)  # no persistence: everything is gone
+    await wait_until(lambda: rank.store.last_loss() is not None, what="the loss to be noticed")
+    assert rank.store.last_loss().wiped
+    await wait_until(lambda: rank.status().store_loss is None, what="the rank to be rebuilt")
+    await rank.live.wait_applied(RANK.engine, [len(batches) - 1])
+    await assert_matches_trace(rank.store, RANK, TRACE)
+    assert not rank.status().degraded
+    assert (await rank.live.client.get("/readyz")).status_code == 200
+    assert store_loss_gauge() == 0.0
+
+
+async def test_restart_to_empty_beyond_the_replay_buffer_stays_degraded_and_says_why(
+    volatile_redis, rank_over
+) -> None:
+    """The engine kept only its last 20 batches: what the store lost cannot all come
+    back. The rank under-reports, flagged, until the engine restarts."""
+    batches = trace_batches(TRACE)
+    rank = await rank_over(volatile_redis.url, buffer_steps=20)
+    await rank.publish(batches)
+    before = await rank.store.block_counts(RANK)
+    await asyncio.to_thread(volatile_redis.restart)
+    await wait_until(lambda: rank.status().degraded, what="the rank to be degraded")
+    await wait_until(
+        lambda: "could not apply" in (rank.status().store_loss or ""), what="rebuild to give up"
+    )
+    engine = (await rank.live.client.get(f"/engines/{RANK.engine}")).json()
+    (state,) = engine["ranks"]
+    assert state["degraded"] and "lost the store's identity" in state["store_loss"]
+    assert state["store_loss"].endswith(f"(batches 0..{len(batches) - 21} missing)")
+    ready = await rank.live.client.get("/readyz")
+    assert ready.status_code == 503 and "store lost data" in ready.json()["error"]
+    assert store_loss_gauge() == 1.0
+    after = await rank.store.block_counts(RANK)
+    assert all(after[m] <= before[m] for m in before), (before, after)  # under, never over
+
+    rank.publisher.close()  # the engine restarts: its new stream is whole from seq 0
+    rank.publisher = Publisher(rank.spec.endpoint, rank.spec.replay_endpoint, bind=True)
+    rank.live.publishers.append(rank.publisher)
+    later = batches[-1].ts + 1.0
+    await rank.publish([msgspec.structs.replace(b, ts=later + b.ts) for b in batches])
+    await wait_until(lambda: not rank.status().degraded, what="the restart to clear the flag")
+    assert rank.status().restarts == 1
+    assert rank.status().store_loss is None and store_loss_gauge() == 0.0
+    assert (await rank.live.client.get("/readyz")).status_code == 200
+    await assert_matches_trace(rank.store, RANK, TRACE)
+
+
+async def test_a_lost_registry_is_registered_again_and_workers_resume(volatile_redis) -> None:
+    """Scale-out: Redis restarts empty under a worker and an API replica. The registry
+    comes back from what they knew, the worker claims its rank again and rebuilds it
+    from replay: ingestion resumes by itself and ends in vLLM's state."""
+    config = redis_config(volatile_redis.url)
+    worker_store, api_store = RedisStore(config), RedisStore(config)
+    pub, replay = free_ports(), free_ports()
+    spec = EngineSpec(
+        RANK.engine, f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}"
+    )
+    replica = RedisRegistry(api_store)
+    settings = WorkerSettings(lease_ttl=1.0)
+    worker = Worker(worker_store, RedisRegistry(worker_store), RankPool(), settings, "w")
+    batches = trace_batches(TRACE)
+    half = len(batches) // 2
+
+    async def applied(seq: int) -> bool:
+        mark = await answered(worker_store.watermark(RANK))
+        return mark is not None and mark.seq == seq
+
+    async def replica_lists_it() -> bool:
+        await answered(replica.refresh())
+        return replica.all() == [spec]
+
+    with Publisher(spec.endpoint, spec.replay_endpoint, bind=True) as publisher:
+        await replica.add(spec)
+        await worker.start()
+        try:
+            for batch in batches[:half]:
+                assert publisher.publish(batch)
+            await until(lambda: applied(half - 1), 15, "the first half to be applied")
+            await asyncio.to_thread(volatile_redis.restart)
+            await until(replica_lists_it, 15, "the registry to be registered again")
+            for batch in batches[half:]:
+                assert publisher.publish(batch)
+            await until(lambda: applied(len(batches) - 1), 20, "ingestion to resume")
+            await assert_matches_trace(worker_store, RANK, TRACE)
+            assert worker.owned().get(RANK) is not None
+        finally:
+            await worker.stop()
+            await worker_store.close()
+            await api_store.close()
+
+
+async def answered(call):
+    """The call's answer, or None while Redis is restarting."""
+    try:
+        return await call
+    except StoreUnavailable:
+        return None
