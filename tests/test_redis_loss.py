@@ -12,6 +12,7 @@ processes that knew it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,9 +20,13 @@ from pathlib import Path
 import msgspec
 import pytest
 from prometheus_client import REGISTRY
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from indexer.engines import EngineSpec
 from indexer.redis_registry import RedisRegistry
+from indexer.replay import apply_trace, load_trace
 from indexer.stores import StoreUnavailable
 from indexer.stores.redis import RedisStore
 from indexer.subscriber import RankPool
@@ -29,7 +34,7 @@ from indexer.workers import Worker, WorkerSettings
 from producer.publisher import Publisher
 
 from .apikit import LiveApi
-from .conftest import assert_matches_trace, free_ports, trace_batches, wait_until
+from .conftest import assert_matches_trace, free_ports, trace_batches, trace_path, wait_until
 from .servers import RedisServer, free_port
 from .test_e2e import until
 from .test_store_conformance import RANK, check_trace_state, redis_config
@@ -216,3 +221,71 @@ async def answered(call):
         return await call
     except StoreUnavailable:
         return None
+
+
+# --- a cluster master losing data on its own ---------------------------------------------
+
+
+async def test_a_cluster_master_losing_the_metadata_is_a_fresh_store_with_no_stale_ids(
+    redis_cluster,
+) -> None:
+    """The master holding P:meta loses the index's keys; the others keep their buckets,
+    whose fields are named by ids the new metadata would allocate again unless told
+    (and another stream, applied after, would then find them: its batches taken for
+    applied, its counts added to the old ones)."""
+    config = redis_config(redis_cluster.url, cluster=True)
+    async with opened(config) as store:
+        await apply_trace(store, RANK, load_trace(trace_path(TRACE)))
+        await wipe_node_of(redis_cluster.url, config.prefix, store.meta_key)
+        await store.check()
+        assert store.last_loss().wiped and "P:meta lost" in store.last_loss().reason
+        assert await store.watermark(RANK) is None
+        await apply_trace(store, RANK, load_trace(trace_path("chat-sha256")))  # from seq 0
+        await check_trace_state(store, "chat-sha256")
+
+
+async def test_a_cluster_bucket_coming_back_older_starts_every_rank_again(redis_cluster) -> None:
+    """One bucket restored to what it held at half the trace (a failover to a replica
+    that missed writes): counts across masters no longer agree, so ranks start again."""
+    config = redis_config(redis_cluster.url, cluster=True)
+    trace = load_trace(trace_path(TRACE))
+    async with opened(config) as store:
+        bucket = next(k for k in store._bucket_keys if key_slot(k.encode()) != meta_slot(store))
+        await apply_trace(store, RANK, trace[: len(trace) // 2])
+        (older,) = await store.execute([("DUMP", bucket)])
+        await apply_trace(store, RANK, trace)
+        await store.execute([("RESTORE", bucket, 0, older, "REPLACE")])
+        await store.check()
+        assert store.last_loss().wiped and "older buckets" in store.last_loss().reason
+        assert await store.watermark(RANK) is None
+        await apply_trace(store, RANK, trace)
+        await check_trace_state(store, TRACE)
+
+
+def meta_slot(store: RedisStore) -> int:
+    return key_slot(store.meta_key.encode())
+
+
+@contextlib.asynccontextmanager
+async def opened(config):
+    store = RedisStore(config)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def wipe_node_of(url: str, prefix: str, key: str) -> None:
+    """Delete every key of the index held by the master that serves ``key``."""
+    cluster = RedisCluster.from_url(url)
+    await cluster.initialize()
+    node = cluster.get_node_from_key(key)
+    master = Redis(host=node.host, port=node.port)
+    try:
+        keys = [k async for k in master.scan_iter(match=f"*{prefix}*")]
+        assert keys
+        for key_ in keys:  # one by one: they are in many slots
+            await master.delete(key_)
+    finally:
+        await master.aclose()
+        await cluster.aclose()
