@@ -132,3 +132,16 @@ def test_the_image_holds_what_the_package_installs() -> None:
     for package in ("indexer", "api", "producer"):
         assert f"COPY {package} ./{package}" in dockerfile
     assert "RUN pip install ." in dockerfile
+
+
+def test_redis_persists_the_index(services: dict[str, dict]) -> None:
+    """AOF on a named volume, never evicting: a restart loses at most the last second."""
+    redis = services["redis"]
+    command = redis["command"]
+    options = dict(zip(command[1::2], command[2::2], strict=True))
+    assert options == {
+        "--appendonly": "yes",
+        "--appendfsync": "everysec",
+        "--maxmemory-policy": "noeviction",
+    }
+    assert redis["volumes"] == ["redis-data:/data:rw"]  # a named volume, not the container's disk
