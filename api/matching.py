@@ -160,11 +160,13 @@ class PrefixMatcher:
             name, model, block_size = spec.name, spec.model, query.overrides.block_size_of(spec)
             sizes.add(block_size)
             degraded = {s.dp_rank: is_degraded(s) for s in statuses[name]}
+            # A rank whose store lost data may hold older state: it matches nothing until rebuilt.
+            lost = [s.dp_rank for s in statuses[name] if s.store_loss is not None]
             dp_ranks = range(spec.dp_ranks)
             if not extra.get(name, _NONE).issubset(dp_ranks):
                 dp_ranks = sorted(extra[name].union(dp_ranks))
             for dp_rank in dp_ranks:
-                m = found.get((name, dp_rank), _NO_MATCH)
+                m = _NO_MATCH if lost and dp_rank in lost else found.get((name, dp_rank), _NO_MATCH)
                 entries.append(
                     EngineMatch(
                         name,

@@ -384,34 +384,44 @@ class RankConsumer:
     def start(self) -> None:
         """Open the sockets and start consuming (the watermark loads in the background)."""
         self._settings.bind.check(self._spec)  # again: a file may have appeared since
-        endpoint = self._spec.rank_endpoint(self.rank.dp_rank)
-        self._sub = self._socket(zmq.SUB, self._settings.sub_hwm)
-        self._sub.setsockopt(zmq.SUBSCRIBE, self._spec.topic.encode())
-        try:
-            with _socket_limit(self._shared.context):
-                self._monitor = self._sub.get_monitor_socket(
-                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                )
-        except BaseException:
-            self._sub.close(linger=0)
-            raise
-        try:
-            with _socket_limit(self._shared.context):
-                (self._sub.bind if self._spec.bind else self._sub.connect)(endpoint)
-        except BaseException:
-            self._sub.disable_monitor()
-            self._monitor.close(linger=0)
-            self._sub.close(linger=0)
-            raise
-        name = f"{self.rank.engine}/{self.rank.dp_rank}"
+        self._open_sub()
         self._publisher_check = asyncio.get_running_loop().call_later(
             self._settings.no_publisher_after, self._check_publisher
         )
-        self._tasks = [
-            asyncio.create_task(self._read_live(), name=f"live {name}"),
-            asyncio.create_task(self._watch_connection(), name=f"monitor {name}"),
-        ]
+        name = f"{self.rank.engine}/{self.rank.dp_rank}"
         self._runner = asyncio.create_task(self._run(), name=f"sequencer {name}")
+
+    def _open_sub(self) -> None:
+        """The SUB socket, its connection monitor, and the tasks reading both."""
+        sub = self._socket(zmq.SUB, self._settings.sub_hwm)
+        sub.setsockopt(zmq.SUBSCRIBE, self._spec.topic.encode())
+        try:
+            with _socket_limit(self._shared.context):
+                monitor = sub.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                )
+        except BaseException:
+            sub.close(linger=0)
+            raise
+        try:
+            with _socket_limit(self._shared.context):
+                (sub.bind if self._spec.bind else sub.connect)(self._endpoint())
+        except BaseException:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+            raise
+        self._sub, self._monitor = sub, monitor
+        name = f"{self.rank.engine}/{self.rank.dp_rank}"
+        self._tasks = [
+            asyncio.create_task(self._read_live(sub), name=f"live {name}"),
+            asyncio.create_task(self._watch_connection(monitor), name=f"monitor {name}"),
+        ]
+
+    def _close_sub(self) -> None:
+        self._sub.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sub.close(linger=0)
 
     async def stop(self) -> None:
         """Finish the batch in hand (up to ``stop_grace``), then close everything
@@ -431,9 +441,7 @@ class RankConsumer:
         if self._request is not None:
             self._end_request()
         self._close_dealer()
-        self._sub.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sub.close(linger=0)
+        self._close_sub()
         self.status.connected = False
         self._intake.clear()
         self._forget_pending()
@@ -477,8 +485,8 @@ class RankConsumer:
 
     # --- readers ---------------------------------------------------------------
 
-    async def _read_live(self) -> None:
-        async for frames in _messages(self._sub):
+    async def _read_live(self, sub: zmq.asyncio.Socket) -> None:
+        async for frames in _messages(sub):
             try:
                 _, seq, payload = decode_frames(frames)
                 ts = batch_ts(payload)
@@ -560,33 +568,36 @@ class RankConsumer:
         if rejected[error.reason] == 1:
             log.warning("bad frame", extra=self.ids(reason=error.reason, detail=error.detail[:200]))
 
-    async def _watch_connection(self) -> None:
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
         peers = 0
         while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 peers += 1
             elif event == zmq.EVENT_DISCONNECTED:
                 peers = max(0, peers - 1)
-                if not self._spec.bind:
-                    self._reconnect()
             if (peers > 0) != self.status.connected:
                 self.status.connected = peers > 0
                 log.info("rank connected" if peers else "rank disconnected", extra=self.ids())
                 if peers:
                     self._connected()
+            if event == zmq.EVENT_DISCONNECTED and not self._spec.bind:
+                self._replace_sub()
+                return
 
-    def _reconnect(self) -> None:
-        """Connect afresh after a disconnection: ZeroMQ reconnects after a network
-        error, but gives up on a peer that broke the protocol (a frame over
-        ``max_message_bytes``), which would leave the rank deaf for good."""
-        endpoint = self._endpoint()
-        with contextlib.suppress(zmq.ZMQError):  # already gone
-            self._sub.disconnect(endpoint)
+    def _replace_sub(self) -> None:
+        """A fresh SUB socket after a disconnection. ZeroMQ reconnects after a
+        network error but gives up on a peer that broke the protocol (a frame
+        over ``max_message_bytes``), which would leave the rank deaf for good;
+        and a message cut short by the disconnection must not be continued by
+        the next connection's frames (libzmq aborts the process on that)."""
+        self._tasks[0].cancel()  # the reader: it never touches the old socket again
+        self._close_sub()
         try:
-            self._sub.connect(endpoint)
-        except zmq.ZMQError as e:
-            log.warning("cannot reconnect", extra=self.ids(endpoint=endpoint, error=str(e)))
+            self._open_sub()
+        except (OSError, zmq.ZMQError) as e:
+            self.failed = True  # nothing more can be received: the subscriber is not ready
+            log.error("cannot reopen the SUB socket", extra=self.ids(error=str(e)))
 
     def _connected(self) -> None:
         """A publisher is there: ask it soon whether anything was missed while it was not."""
@@ -970,6 +981,9 @@ class RankConsumer:
         if self._dealer is None:
             self._generation += 1
             dealer = self._socket(zmq.DEALER, self._settings.replay_hwm)
+            # One connection per request: a broken one times the request out, and
+            # a reconnection could continue a message it cut short (see _replace_sub).
+            dealer.setsockopt(zmq.RECONNECT_IVL, -1)
             with _socket_limit(self._shared.context):
                 dealer.connect(self._spec.rank_endpoint(self.rank.dp_rank, replay=True))
             self._dealer = dealer
@@ -1029,7 +1043,10 @@ class RankConsumer:
         else:
             self.status.replays += 1
             self.metrics.replays.inc()
-        await dealer.send_multipart((b"", start.to_bytes(SEQ_BYTES, "big")))
+        # A kept DEALER whose engine restarted has no peer (it never reconnects) and would
+        # block the sequencer here: unsent, the request times out and the next connects anew.
+        with contextlib.suppress(zmq.Again):
+            await dealer.send_multipart((b"", start.to_bytes(SEQ_BYTES, "big")), zmq.NOBLOCK)
 
     def _end_request(self) -> _Request:
         request, self._request = self._request, None

@@ -25,11 +25,13 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from indexer.engines import EngineSpec
+from indexer.model import GPU
 from indexer.redis_registry import RedisRegistry
 from indexer.replay import apply_trace, load_trace
 from indexer.stores import StoreUnavailable
 from indexer.stores.redis import RedisStore
 from indexer.subscriber import RankPool
+from indexer.wire import BlockStored
 from indexer.workers import Worker, WorkerSettings
 from producer.publisher import Publisher
 
@@ -158,13 +160,19 @@ async def test_restart_to_empty_beyond_the_replay_buffer_stays_degraded_and_says
     assert store_loss_gauge() == 1.0
     after = await rank.store.block_counts(RANK)
     assert all(after[m] <= before[m] for m in before), (before, after)  # under, never over
+    held = await held_gpu_hash(rank.store, batches[-20:])  # re-applied, yet not trusted:
+    answer = (await rank.live.client.get(f"/prefix-match?block_hashes={held}")).json()
+    (match,) = answer["engines"]
+    assert match["degraded"] and (match["gpu_blocks"], match["prefix_blocks"]) == (0, 0)
 
     rank.publisher.close()  # the engine restarts: its new stream is whole from seq 0
     rank.publisher = Publisher(rank.spec.endpoint, rank.spec.replay_endpoint, bind=True)
     rank.live.publishers.append(rank.publisher)
     later = batches[-1].ts + 1.0
     await rank.publish([msgspec.structs.replace(b, ts=later + b.ts) for b in batches])
-    await wait_until(lambda: not rank.status().degraded, what="the restart to clear the flag")
+    # Up to subscriber.reconnect_max (10 s) for the sockets to find the new publisher.
+    restarted = "the restart to clear the flag"
+    await wait_until(lambda: not rank.status().degraded, timeout=30, what=restarted)
     assert rank.status().restarts == 1
     assert rank.status().store_loss is None and store_loss_gauge() == 0.0
     assert (await rank.live.client.get("/readyz")).status_code == 200
@@ -213,6 +221,17 @@ async def test_a_lost_registry_is_registered_again_and_workers_resume(volatile_r
             await worker.stop()
             await worker_store.close()
             await api_store.close()
+
+
+async def held_gpu_hash(store: RedisStore, batches) -> int:
+    """A hash the batches store on GPU that the store holds for ``RANK`` now."""
+    for batch in batches:
+        for event in batch.events:
+            if isinstance(event, BlockStored) and event.medium == GPU:
+                for h in event.block_hashes:
+                    if any(r.medium == GPU for r in await store.block_residency(h)):
+                        return h
+    pytest.fail("no GPU block of these batches is held")
 
 
 async def answered(call):
