@@ -313,7 +313,7 @@ class RankResidency:
         """
         group, kind = op.tier.group_idx, op.kind
         known = self.group_kinds.get(group, _UNSEEN)
-        if known is _UNSEEN or (kind is not None and not (known or "").startswith(kind)):
+        if known is _UNSEEN or (kind is not None and not refines(known, kind)):
             self.group_kinds[group] = kind
             self._rules = None
 
@@ -540,6 +540,12 @@ def leading_run(chain: Sequence[BlockHash], tables: Sequence[dict[BlockHash, int
 
 SLIDING_WINDOW, MAMBA = "sliding_window", "mamba"
 _RULES_CACHED = 256
+
+
+def refines(known: object, kind: str) -> bool:
+    """Whether a remembered kind says all that ``kind`` says (and perhaps more:
+    ``sliding_window:128:16`` refines ``sliding_window:128`` and ``sliding_window``)."""
+    return isinstance(known, str) and (known == kind or known.startswith(kind + ":"))
 
 
 def sliding_window_kind(window: int | None, block_size: int) -> str:
@@ -800,9 +806,7 @@ class GroupDeclaration:
         found = []
         for group, kind, window, size in sorted(new, key=repr):
             seen, declared = _kind_key(kind, window, size), self.kinds.get(group)
-            agrees = declared is not None and (
-                declared.startswith(seen) or seen.startswith(declared)
-            )
+            agrees = declared is not None and (refines(declared, seen) or refines(seen, declared))
             if not agrees or size not in (0, self.block_size):
                 found.append(
                     {"group_idx": group, "declared": declared, "seen": seen, "block_size": size}

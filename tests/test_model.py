@@ -12,6 +12,7 @@ from indexer.model import (
     CPU,
     GPU,
     STORAGE,
+    GroupRule,
     PrefixMatch,
     RankResidency,
     Tier,
@@ -113,6 +114,20 @@ def test_sliding_window_groups_are_tracked_but_not_scored() -> None:
     assert counts(state, group=1) == {1: 1, 2: 1}
     assert state.distinct_blocks(GPU) == 2
     assert leading_run([1, 2], state.scored_tables(GPU)) == 1
+
+
+def test_a_groups_window_is_remembered_until_its_kind_changes() -> None:
+    state = RankResidency()
+    apply(state, stored([1], group=1, kind="sliding_window", window=128))
+    assert state.group_rules() == (GroupRule(1, 128, 16),)
+    # a chunk-end placeholder (no block size) and a removal say less: both keep it
+    apply(state, stored([2], CPU, group=1, kind="sliding_window", block_size=0, window=128))
+    apply(state, removed([1], group=1))
+    assert state.group_kinds == {1: "sliding_window:128:16"}
+    apply(state, stored([1], group=1, kind="mamba"))  # another kind replaces it
+    assert state.group_rules() == (GroupRule(1, 0),)
+    apply(state, stored([1], group=1, kind="full_attention"))
+    assert state.group_rules() == ()  # every group full attention: not a hybrid model
 
 
 def test_unclassified_group_is_scored_and_removal_keeps_its_kind() -> None:
