@@ -913,13 +913,20 @@ class RankConsumer:
         self._replay_wanted = self._has_replay
         if had is None or had.seq < self._next:
             return  # the store is ahead (another writer): nothing of ours was lost
-        clean = loss.wiped or not status.degraded
-        self._rebuild = _Rebuild(had.seq, loss.reason, status.restarts, status.gaps_unfilled, clean)
+        lost = f"batches {self._next}..{had.seq}"
+        self._begin_rebuild(had.seq, loss.reason, lost, loss.wiped or not status.degraded)
+
+    def rebuilding(self, last: int, reason: str) -> None:
+        """The rank's previous consumer here had applied up to ``last`` when the store
+        lost data (a worker claiming it anew): degraded until that is applied again."""
+        self._begin_rebuild(last, reason, f"batches up to {last}", clean=True)
+
+    def _begin_rebuild(self, last: int, reason: str, lost: str, clean: bool) -> None:
+        status = self.status
+        self._rebuild = _Rebuild(last, reason, status.restarts, status.gaps_unfilled, clean)
         status.degraded = True
-        status.store_loss = (
-            f"{loss.reason}; batches {self._next}..{had.seq} lost, being applied again from replay"
-        )
-        log.warning("store lost batches", extra=self.ids(first=self._next, last=had.seq))
+        status.store_loss = f"{reason}; {lost} lost, being applied again from replay"
+        log.warning("store lost batches", extra=self.ids(lost=lost))
 
     def _check_rebuilt(self, rebuild: _Rebuild) -> None:
         """End a rebuild once it is settled: exact again, or degraded for good.

@@ -127,6 +127,9 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._dropping: set[asyncio.Task] = set()
         self._live = 0  # live workers, as of the last heartbeat
+        #: ranks consumed here before: the last seq applied, and the store's losses when
+        #: that consumer was claimed (a loss since means it may have to be applied again)
+        self._retired: dict[RankId, tuple[int, int]] = {}
         self._balances = 0
 
     async def start(self) -> None:
@@ -241,6 +244,7 @@ class Worker:
                 await record(self._store, "failed", rank, worker=self.id, token=token, seq=seq)
                 await self._leases.release(rank)
                 continue
+            self._follow_loss(rank, consumer)
             self._owned[rank] = _Owned(consumer, token, entry, sent + self._ttl / 2, losses)
             log.info("rank claimed", extra={**consumer.ids(), "token": token, "from_seq": seq})
 
@@ -259,12 +263,30 @@ class Worker:
             self._leases.forget(rank)
         await self._pool.stop(rank)
         seq = owned.consumer.status.applied_seq
+        self._remember(rank, seq, owned.losses)
         log.info("rank dropped", extra={**owned.consumer.ids(), "why": why, "applied_seq": seq})
         try:
             await record(self._store, why, rank, worker=self.id, token=owned.token, seq=seq)
             await self._leases.release(rank)
         except Exception as e:  # Redis is down: the lease expires by itself
             log.warning("could not record a dropped rank", extra={"error": repr(e)})
+
+    def _remember(self, rank: RankId, seq: int | None, losses: int) -> None:
+        """Keep what a dropped consumer had applied (the furthest of this worker's
+        consumers of the rank since the earliest claim not yet followed up)."""
+        prior = self._retired.get(rank)
+        if prior is not None:
+            seq, losses = max(prior[0], -1 if seq is None else seq), prior[1]
+        if seq is not None:
+            self._retired[rank] = (seq, losses)
+
+    def _follow_loss(self, rank: RankId, consumer: RankConsumer) -> None:
+        """A rank claimed anew after the store lost data that an earlier consumer here
+        had applied: degraded until that is applied again (the store may be behind it)."""
+        retired, loss = self._retired.get(rank), self._store.last_loss()
+        if retired is not None and loss is not None and retired[1] != loss.number:
+            del self._retired[rank]
+            consumer.rebuilding(retired[0], loss.reason)
 
     # --- statuses ---------------------------------------------------------------------
 

@@ -179,48 +179,96 @@ async def test_restart_to_empty_beyond_the_replay_buffer_stays_degraded_and_says
     await assert_matches_trace(rank.store, RANK, TRACE)
 
 
-async def test_a_lost_registry_is_registered_again_and_workers_resume(volatile_redis) -> None:
+class ScaledOut:
+    """``RANK``'s engine, a ``kvindex indexer`` worker and an API replica's registry, in
+    process, over one Redis."""
+
+    def __init__(self, url: str, buffer_steps: int) -> None:
+        config = redis_config(url)
+        self.store, self.replica_store = RedisStore(config), RedisStore(config)
+        pub, replay = free_ports(), free_ports()
+        self.spec = EngineSpec(
+            RANK.engine, f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}"
+        )
+        self.replica = RedisRegistry(self.replica_store)
+        settings = WorkerSettings(lease_ttl=1.0)
+        self.worker = Worker(self.store, RedisRegistry(self.store), RankPool(), settings, "w")
+        self.publisher = Publisher(
+            self.spec.endpoint, self.spec.replay_endpoint, bind=True, buffer_steps=buffer_steps
+        )
+
+    async def publish(self, batches) -> None:
+        for batch in batches:
+            assert self.publisher.publish(batch)
+        assert await asyncio.to_thread(self.publisher.flush)
+        last = self.publisher.next_seq - 1
+
+        async def applied() -> bool:
+            mark = await answered(self.store.watermark(RANK))
+            return mark is not None and mark.seq == last
+
+        await until(applied, 20, f"seq {last} to be applied")
+
+    def status(self):
+        consumer = self.worker._pool.get(RANK)
+        return None if consumer is None else consumer.status
+
+
+@pytest.fixture
+async def scaled_out(volatile_redis) -> AsyncIterator:
+    made: list[ScaledOut] = []
+
+    async def make(buffer_steps: int = 10_000) -> ScaledOut:
+        made.append(top := ScaledOut(volatile_redis.url, buffer_steps))
+        await top.replica.add(top.spec)
+        await top.worker.start()
+        return top
+
+    yield make
+    for top in made:
+        await top.worker.stop()
+        top.publisher.close()
+        await top.store.close()
+        await top.replica_store.close()
+
+
+async def test_a_lost_registry_is_registered_again_and_workers_resume(
+    volatile_redis, scaled_out
+) -> None:
     """Scale-out: Redis restarts empty under a worker and an API replica. The registry
     comes back from what they knew, the worker claims its rank again and rebuilds it
     from replay: ingestion resumes by itself and ends in vLLM's state."""
-    config = redis_config(volatile_redis.url)
-    worker_store, api_store = RedisStore(config), RedisStore(config)
-    pub, replay = free_ports(), free_ports()
-    spec = EngineSpec(
-        RANK.engine, f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}"
-    )
-    replica = RedisRegistry(api_store)
-    settings = WorkerSettings(lease_ttl=1.0)
-    worker = Worker(worker_store, RedisRegistry(worker_store), RankPool(), settings, "w")
+    top = await scaled_out()
     batches = trace_batches(TRACE)
     half = len(batches) // 2
 
-    async def applied(seq: int) -> bool:
-        mark = await answered(worker_store.watermark(RANK))
-        return mark is not None and mark.seq == seq
-
     async def replica_lists_it() -> bool:
-        await answered(replica.refresh())
-        return replica.all() == [spec]
+        await answered(top.replica.refresh())
+        return top.replica.all() == [top.spec]
 
-    with Publisher(spec.endpoint, spec.replay_endpoint, bind=True) as publisher:
-        await replica.add(spec)
-        await worker.start()
-        try:
-            for batch in batches[:half]:
-                assert publisher.publish(batch)
-            await until(lambda: applied(half - 1), 15, "the first half to be applied")
-            await asyncio.to_thread(volatile_redis.restart)
-            await until(replica_lists_it, 15, "the registry to be registered again")
-            for batch in batches[half:]:
-                assert publisher.publish(batch)
-            await until(lambda: applied(len(batches) - 1), 20, "ingestion to resume")
-            await assert_matches_trace(worker_store, RANK, TRACE)
-            assert worker.owned().get(RANK) is not None
-        finally:
-            await worker.stop()
-            await worker_store.close()
-            await api_store.close()
+    await top.publish(batches[:half])
+    await asyncio.to_thread(volatile_redis.restart)
+    await until(replica_lists_it, 15, "the registry to be registered again")
+    await top.publish(batches[half:])
+    await assert_matches_trace(top.store, RANK, TRACE)
+    await wait_until(lambda: top.status() is not None and top.status().store_loss is None)
+    assert not top.status().degraded
+
+
+async def test_a_worker_flags_the_ranks_it_cannot_rebuild(volatile_redis, scaled_out) -> None:
+    """The engine's buffer no longer reaches seq 0: the rank claimed anew after the loss
+    is degraded, saying why, in the status API replicas read."""
+    top = await scaled_out(buffer_steps=20)
+    batches = trace_batches(TRACE)
+    await top.publish(batches)
+    await asyncio.to_thread(volatile_redis.restart)
+
+    def flagged() -> bool:
+        status = top.status()
+        return status is not None and "could not apply" in (status.store_loss or "")
+
+    await wait_until(flagged, timeout=20, what="the rank to be flagged")
+    assert top.status().degraded and "lost the store's identity" in top.status().store_loss
 
 
 async def held_gpu_hash(store: RedisStore, batches) -> int:
