@@ -265,7 +265,7 @@ class RankResidency:
     unknown_removals: int = 0
     #: the rules of its groups, while ``group_kinds`` stays as it is (None: stale)
     _rules: tuple[GroupRule, ...] | None = field(default=None, repr=False, compare=False)
-    #: (medium, group) -> its count tables, while ``tables`` keeps its tiers (None: stale)
+    #: (medium, group) -> its count tables; None when a tier came or went
     _by_group: dict[tuple[str, int], list] | None = field(default=None, repr=False, compare=False)
 
     def apply(self, ops: Iterable[Op]) -> int:
@@ -280,6 +280,7 @@ class RankResidency:
             table = tables.get(tier)
             if table is None:
                 table = tables[tier] = TierTable()
+                self._by_group = None
             if locality is not None:
                 table.locality = locality
             if delta > 0:
@@ -341,7 +342,7 @@ class RankResidency:
     def group_tables(self, medium: str, group_idx: int) -> list[dict[BlockHash, int]]:
         """Count tables of one group on one medium (one per ownership)."""
         by_group = self._by_group
-        if by_group is None or sum(map(len, by_group.values())) != len(self.tables):
+        if by_group is None:
             by_group = self._by_group = {}
             for tier, table in self.tables.items():
                 by_group.setdefault((tier.medium, tier.group_idx), []).append(table.counts)
@@ -724,6 +725,9 @@ def hybrid_match(
     ends = chain[chunk_blocks - 1 :: chunk_blocks]
 
     def lower(media: Sequence[str], start: int, cap: int) -> int:
+        if cap <= start:
+            return start
+
         def held(r: GroupRule) -> _Held:
             return _Held([c for m in media for c in tables(m, r.group_idx)], ends)
 
@@ -742,11 +746,13 @@ def hybrid_match(
             reach = full.prefix_blocks // chunk_blocks
     end = lower(LOWER_TIERS, first, reach)
     prefix = max(gpu, end * chunk_blocks)
-    on_cpu = [_Held(tables(CPU, r.group_idx), ends).flags(first, end) for r in fulls or rules]
-    taken = on_cpu[0] if len(on_cpu) == 1 else bytes(map(min, *on_cpu))
-    from_cpu = taken.count(1) * chunk_blocks
-    if taken[:1] == b"\x01":  # the first chunk is partly on GPU
-        from_cpu -= gpu - first * chunk_blocks
+    from_cpu = 0
+    if end > first:
+        on_cpu = [_Held(tables(CPU, r.group_idx), ends).flags(first, end) for r in fulls or rules]
+        taken = on_cpu[0] if len(on_cpu) == 1 else bytes(map(min, *on_cpu))
+        from_cpu = taken.count(1) * chunk_blocks
+        if taken[:1] == b"\x01":  # the first chunk is partly on GPU
+            from_cpu -= gpu - first * chunk_blocks
     return PrefixMatch(
         gpu,
         cpu * chunk_blocks,

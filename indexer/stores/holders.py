@@ -311,7 +311,8 @@ class Hybrids:
                         walk &= ~_unchanged(bits & walk & group, needs, size, match, chain, windows)
             if mask & ~walk:
                 out.append((mask & ~walk, match))
-            out += [(bit, self._walk(bit, match, chain, asked)) for bit in _bits(walk)]
+            if walk:
+                out += [(bit, self._walk(bit, match, chain, asked)) for bit in _bits(walk)]
         # a rank without a full-attention group may match with nothing on it
         lonely = sum(asked.values()) & self.unanchored & ~covered
         out += [(bit, self._walk(bit, _EMPTY, chain, asked)) for bit in _bits(lonely)]
