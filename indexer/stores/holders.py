@@ -16,6 +16,10 @@ turning scored or not). A hash held by one rank maps to that rank's own bit
 object, and masks several ranks share are pooled (one object per distinct
 value), so the index costs one dict slot per distinct hash and medium, and
 a walk compares runs of equal masks by identity.
+
+Hybrid models' window groups (sliding window, Mamba) have masks of their
+own, kept the same way: a hybrid rank's full-attention answer stands where
+those masks hold what it ends with (:class:`Hybrids`).
 """
 
 from __future__ import annotations
