@@ -290,6 +290,14 @@ async def answered(call):
         return None
 
 
+async def test_a_store_that_lost_nothing_says_so(store) -> None:
+    """Every store (memory, Redis, cluster): no loss on record, no listener called."""
+    heard = []
+    store.on_loss(heard.append)
+    assert (await store.apply_batch(RANK, 0, trace_batches(TRACE)[0])).applied
+    assert store.last_loss() is None and heard == []
+
+
 # --- a cluster master losing data on its own ---------------------------------------------
 
 

@@ -66,7 +66,9 @@ such a store are silently wrong, so every process checks for it:
   writes this way, which is what matters to it: another process's writes
   are noticed by that process.
 - Every write script checks both before writing (atomically, in its slot) and
-  answers -3 instead; the process also reads the anchors every
+  answers -3 instead (a batch applied in one call on a standalone server
+  checks P:meta's alone: one server loses or rolls back every anchor
+  together); the process also reads the anchors every
   ``identity_check`` seconds, so a loss is noticed within about a second even
   when nothing is written. The apply path also refuses a rank whose stored
   watermark is below the last one this process committed for it.
@@ -532,7 +534,7 @@ class RedisStore:
         return ("EVALSHA", self._shas[name], len(keys), *keys, *args)
 
     async def _cas(self, expect: Mapping[str, bytes], store: Mapping[str, bytes]) -> bool:
-        since, identity = self.losses, await self._known_identity()
+        since, identity = self.losses, self._identity or await self._known_identity()
         args = [identity, self._floors[0], len(expect)]
         for pairs in (expect, store):
             for name, value in pairs.items():
@@ -567,7 +569,8 @@ class RedisStore:
         since = self.losses
         for _ in range(MAX_ATTEMPTS):
             blob, meta = self._cache.get(rank) or await self._read_meta(rank)
-            await self._check_kept(rank, meta, since)
+            if self._lost_since(rank, meta, since):
+                raise await self._lost(since)
             if meta is not None and meta.seq is not None and seq <= meta.seq:
                 return ApplyResult(applied=False)
             plan = plan_writes(meta or RankMeta(rid=0), ops, seq, batch.ts)
@@ -587,13 +590,14 @@ class RedisStore:
                 await self._check_fence(rank, fence)
         raise RuntimeError(f"{rank}: metadata kept changing under {MAX_ATTEMPTS} attempts")
 
-    async def _check_kept(self, rank: RankId, meta: RankMeta | None, since: int) -> None:
-        """Raise :class:`StoreLost` if the rank's stored watermark is below what this
-        process committed, or a loss was noticed since the caller started."""
+    def _lost_since(self, rank: RankId, meta: RankMeta | None, since: int) -> bool:
+        """Whether the rank's stored watermark is below what this process committed,
+        or a loss was noticed since the caller started."""
         committed = self._committed.get(rank)
+        if committed is None:
+            return since != self.losses
         stored = -1 if meta is None or meta.seq is None else meta.seq
-        if since != self.losses or (committed is not None and stored < committed):
-            raise await self._lost(since)
+        return stored < committed or since != self.losses
 
     async def _check_fence(self, rank: RankId, fence: int | None) -> None:
         """After a failed compare-and-set: raise :class:`Fenced` if another owner claimed."""
@@ -680,12 +684,13 @@ class RedisStore:
         fence = next(iter(guard.items()), ("", ""))
         calls = self._calls(sizes)
         one_step = len(calls) == 1 and not self.config.cluster
-        since, identity = self.losses, await self._known_identity()
+        since, identity = self.losses, self._identity or await self._known_identity()
         commands, anchors = [], []
         for group in calls:
             keys = [self._encoded_bucket_keys[b] for b in group]
-            anchors.append([1 + b for b in group] + ([0] if one_step else []))
-            floors = _encode([self._floors[a] for a in anchors[-1]])
+            # One server holds every anchor and loses them together: P:meta's stands for all.
+            anchors.append([-1] * len(group) + [0] if one_step else [1 + b for b in group])
+            floors = _encode([self._floors[a] if a >= 0 else -1 for a in anchors[-1]])
             sections_blob = _encode([sections[b] for b in group])
             args = [mark, meta.rid, tiers_blob, sections_blob, identity, floors, *fence]
             if one_step:
@@ -698,7 +703,8 @@ class RedisStore:
             raise await self._lost(since)
         for written, counters in zip(anchors, results, strict=True):
             for a, count in zip(written, counters[1:], strict=False):
-                self._floors[a] = max(self._floors[a], count)
+                if a >= 0:
+                    self._floors[a] = max(self._floors[a], count)
         if FENCED in codes:
             raise Fenced(f"{name}: a newer owner's token is in a bucket")
         if one_step:
@@ -861,8 +867,13 @@ class RedisStore:
                 self._floors = [max(floor, a.writes) for floor, a in seen]
 
     async def _read_anchors(self) -> list[_Anchor]:
-        commands = [("HMGET", key, "#store", "#w", "#top") for key in self._anchor_keys]
-        return [_Anchor.parse(reply) for reply in await self._run(commands)]
+        """P:meta's anchor, then the buckets'. Read the buckets first: identities go
+        into P:meta before the buckets, so a bucket holding one P:meta lacks truly lost
+        it (a cluster reads its masters one by one, not at one instant)."""
+        fields = ("#store", "#w", "#top")
+        buckets = await self._run([("HMGET", key, *fields) for key in self._bucket_keys])
+        (meta,) = await self._run([("HMGET", self._meta_key, *fields)])
+        return [_Anchor.parse(reply) for reply in (meta, *buckets)]
 
     async def _establish(self) -> str:
         """A fresh store's first identity (another process's, if it was first)."""

@@ -31,8 +31,9 @@ APPLY_OPS = """
 --   markers (number t: +1 per following hash in tier t; -t: -1) and hashes (strings, each
 --   operated on under the last marker before it); block key = KEYS[i] .. ":" .. hash
 -- ARGV[5], ARGV[6]: the store identity the writer knows, and msgpack: per KEYS entry the
---   lowest "#w" it may hold; when any does not hold that identity or holds a lower "#w",
---   nothing is written and {-3} is returned: the store lost data.
+--   lowest "#w" it may hold (-1: not checked, nor counted); when any checked one does not
+--   hold that identity or holds a lower "#w", nothing is written and {-3} is returned: the
+--   store lost data.
 -- ARGV[7], ARGV[8]: the rank's fence field and the writer's lease token ("" and "": unfenced);
 --   when any bucket (or the metadata hash) holds a newer token in that field, nothing is
 --   written and {-2} is returned: another owner has claimed the rank.
@@ -43,7 +44,8 @@ APPLY_OPS = """
 -- Bucket field "g<gid>" = "epoch:seq:n": the last batch applied there by the generation and
 -- n, its distinct resident hashes in the bucket; "#top": the highest id any field of the
 -- bucket or of its blocks is named after (what a new identity must allocate above).
--- Returns {block operations applied, then each KEYS entry's "#w" after the call}.
+-- Returns {block operations applied, then each KEYS entry's "#w" after the call (0: not
+-- counted)}.
 local call = redis.call
 local mark = ARGV[1]
 local e, s = string.match(mark, '^(%d+):(%d+)$')
@@ -66,10 +68,13 @@ local function shared(key, tier)
   return false
 end
 
-local identity, floors = ARGV[5], cmsgpack.unpack(ARGV[6])
+local identity, floors, tops = ARGV[5], cmsgpack.unpack(ARGV[6]), {}
 for i = 1, #KEYS do
-  local anchor = call('HMGET', KEYS[i], '#store', '#w')
-  if anchor[1] ~= identity or (tonumber(anchor[2]) or 0) < floors[i] then return {-3} end
+  if floors[i] >= 0 then
+    local anchor = call('HMGET', KEYS[i], '#store', '#w', '#top')
+    if anchor[1] ~= identity or (tonumber(anchor[2]) or 0) < floors[i] then return {-3} end
+    tops[i] = tonumber(anchor[3]) or 0
+  end
 end
 
 local fence, token = ARGV[7], tonumber(ARGV[8])
@@ -138,11 +143,11 @@ for i = 1, buckets do
     if not gen.skip then call('HSET', bucket, 'g' .. gid, mark .. ':' .. gen.n) end
   end
   if unknown > 0 then call('HINCRBY', bucket, 'u' .. ARGV[2], unknown) end
-  if top > (tonumber(call('HGET', bucket, '#top')) or 0) then call('HSET', bucket, '#top', top) end
+  if tops[i] and top > tops[i] then call('HSET', bucket, '#top', top) end
 end
 if ARGV[9] then call('HSET', KEYS[#KEYS], ARGV[9], ARGV[11]) end
 local counters = {applied}
-for i = 1, #KEYS do counters[i + 1] = call('HINCRBY', KEYS[i], '#w', 1) end
+for i = 1, #KEYS do counters[i + 1] = floors[i] >= 0 and call('HINCRBY', KEYS[i], '#w', 1) or 0 end
 return counters
 """
 
