@@ -572,17 +572,15 @@ class GroupRule(NamedTuple):
     window: int | None = None
     block_size: int = 0
 
-    def need(self, chunk_blocks: int = 1) -> int:
-        """Held units a hit must end with (0: every unit from the start).
-
-        Units are blocks (``chunk_blocks`` 1) or offloaded chunks.
-        """
+    def need(self, chunk_blocks: int | None = None) -> int:
+        """Held units a hit must end with (0: every unit from the start): blocks,
+        or offloaded chunks of ``chunk_blocks`` blocks."""
         window = self.window
         if window is None:
             return 0
         if window == 0:
             return 1
-        if chunk_blocks == 1:  # the input token itself is inside the window
+        if chunk_blocks is None:  # the input token itself is inside the window
             return max(1, -(-(window - 1) // self.block_size))
         return -(-window // (chunk_blocks * self.block_size))
 

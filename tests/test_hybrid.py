@@ -76,17 +76,18 @@ def units(table: set, keys: list) -> set[int]:
 KINDS = [("sliding_window", 8), ("sliding_window", 13), ("sliding_window", 40), ("mamba", None)]
 
 
-def need_of(kind: str, window: int | None, chunk: int) -> int:
+def need_of(kind: str, window: int | None, chunk: int | None = None) -> int:
+    """Blocks (``chunk`` None) or chunks a group needs before a hit's end."""
     if kind == "mamba":
         return 1
-    if chunk == 1:
+    if chunk is None:  # blocks: the window minus the token itself
         return max(1, -(-(window - 1) // BLOCK))
     return -(-window // (chunk * BLOCK))
 
 
 def brute_force(held: dict, kind: str, window: int | None, chunk: int | None) -> PrefixMatch:
     """vLLM's answers from the statement above; ``held[(medium, group)]``: sets of hashes."""
-    rules = [(0, 0), (1, need_of(kind, window, 1))]
+    rules = [(0, 0), (1, need_of(kind, window))]
     gpu_groups = [(n, units(held[GPU, g], CHAIN)) for g, n in rules]
     full = best(gpu_groups[:1], 0, len(CHAIN))
     gpu = best(gpu_groups, 0, full)
@@ -124,23 +125,23 @@ def _differs(full: int, gpu: int) -> int | None:
     return full if full != gpu else None
 
 
-_subsets = st.sets(st.sampled_from(CHAIN), max_size=len(CHAIN))
+#: a set of the chain's hashes, each in or out (dense and sparse runs alike)
+_subsets = st.lists(st.booleans(), min_size=len(CHAIN), max_size=len(CHAIN)).map(
+    lambda flags: {h for h, held in zip(CHAIN, flags, strict=True) if held}
+)
 
 
 @settings(max_examples=400, deadline=None)
 @given(
-    st.dictionaries(
-        st.tuples(st.sampled_from([GPU, CPU, STORAGE]), st.sampled_from([0, 1])), _subsets
-    ),
+    st.fixed_dictionaries({(m, g): _subsets for m in (GPU, CPU, STORAGE) for g in (0, 1)}),
     st.sampled_from(KINDS),
-    st.sampled_from([None, 4, 6]),
+    st.sampled_from([None, 1, 4, 6]),
     st.booleans(),
 )
 def test_the_reference_walk_is_vllms_rule(held, spec, chunk, long_prefix) -> None:
     kind, window = spec
     if long_prefix:  # most real residency: full attention holds a long leading run
-        held[GPU, 0] = held.get((GPU, 0), set()) | set(CHAIN[:18])
-    held = {(m, g): held.get((m, g), set()) for m in (GPU, CPU, STORAGE) for g in (0, 1)}
+        held[GPU, 0] = held[GPU, 0] | set(CHAIN[:18])
     state = RankResidency()
     events = [
         stored(sorted(hs), m, 0, "full_attention", block_size=BLOCK)
@@ -157,6 +158,19 @@ def test_the_reference_walk_is_vllms_rule(held, spec, chunk, long_prefix) -> Non
     events.append(stored([999], GPU, 1, kind, block_size=BLOCK, window=window))
     state.apply(plan_batch(EventBatch(1.0, events)))
     assert state.match(CHAIN, chunk) == brute_force(held, kind, window, chunk)
+
+
+def test_lower_tiers_need_the_whole_window_in_chunks() -> None:
+    """A window of 13 tokens needs cdiv(12, 4) = 3 blocks on GPU but cdiv(13, 4) = 4
+    chunks of one block on CPU: vLLM's connector counts the token itself."""
+    state = RankResidency()
+    events = [stored(CHAIN[:10], block_size=BLOCK), stored(CHAIN, CPU, block_size=BLOCK)]
+    window = {"kind": "sliding_window", "block_size": BLOCK, "window": 13}
+    events += [stored(CHAIN[7:10], group=1, **window), stored(CHAIN[21:], CPU, 1, **window)]
+    state.apply(plan_batch(EventBatch(1.0, events)))
+    assert state.match(CHAIN, 1) == PrefixMatch(10, 0, 0, 10, 0, 0, None)
+    state.apply(plan_batch(EventBatch(2.0, [stored([CHAIN[20]], CPU, 1, **window)])))
+    assert state.match(CHAIN, 1) == PrefixMatch(10, 24, 0, 24, 14, 0, None)
 
 
 def test_several_groups_of_one_kind_each_need_the_window() -> None:
@@ -213,7 +227,7 @@ async def test_every_store_answers_like_the_reference_on_random_hybrid_streams(
         for seq, batch in enumerate(hybrid_stream(rng, 30, kind, window)):
             await store.apply_batch(rank, seq, batch)
             reference[rank].apply(plan_batch(batch))
-    for declared in (None, 4, 6):
+    for declared in (None, 1, 4, 6):
         for chain in chains:
             found = await store.prefix_match(chain, {"engine-a": declared})
             want = {
