@@ -1045,9 +1045,8 @@ class RankConsumer:
             raise
         self._request = _Request(start, self._next, now, probe)
         self._replay_wanted = False
-        if probe:
-            self._last_probe = now
-        else:
+        self._last_probe = now  # any request asks what a probe would
+        if not probe:
             self.status.replays += 1
             self.metrics.replays.inc()
         # A kept DEALER whose engine restarted has no peer (it never reconnects) and would

@@ -13,7 +13,9 @@ not count in the memory of the consumer under test. Scenarios:
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 
 import zmq
@@ -41,19 +43,23 @@ def _subscribed(xpub: zmq.Socket) -> None:
         pass
 
 
-def oversize(ctx: zmq.Context, pub: int) -> None:
+def oversize(ctx: zmq.Context, pub: int) -> list[zmq.Socket]:
     xpub = ctx.socket(zmq.XPUB)
     xpub.bind(f"tcp://127.0.0.1:{pub}")
     _subscribed(xpub)
     for seq in range(10):
         xpub.send_multipart(_frame(seq, batch(seq)))
     xpub.send_multipart(_frame(10, b"\x93\xcb" + bytes(8) + bytes(200 * MB)))
-    _subscribed(xpub)  # ZeroMQ dropped the consumer on the frame's header: it came back
-    for seq in range(11, 20):
-        xpub.send_multipart(_frame(seq, batch(seq)))
+    # ZeroMQ drops the consumer on the frame's header and it comes back by itself:
+    # say the rest until it must have heard (what it hears twice is a duplicate).
+    for _ in range(100):
+        for seq in range(11, 20):
+            xpub.send_multipart(_frame(seq, batch(seq)))
+        time.sleep(0.1)
+    return [xpub]
 
 
-def held(ctx: zmq.Context, pub: int) -> None:
+def held(ctx: zmq.Context, pub: int) -> list[zmq.Socket]:
     xpub = ctx.socket(zmq.XPUB)
     xpub.setsockopt(zmq.SNDHWM, 0)
     xpub.bind(f"tcp://127.0.0.1:{pub}")
@@ -62,6 +68,7 @@ def held(ctx: zmq.Context, pub: int) -> None:
         xpub.send_multipart(_frame(seq, batch(seq)))
     for seq in range(6, 6 + FLOOD):
         xpub.send_multipart(_frame(seq, batch(seq, MB)))
+    return [xpub]
 
 
 def flood(ctx: zmq.Context, pub: int, replay: int) -> None:
@@ -77,13 +84,18 @@ def flood(ctx: zmq.Context, pub: int, replay: int) -> None:
         router.send_multipart([peer, b"", REPLAY_END, b""])
 
 
+def _exit_with_the_test() -> None:
+    """End this process when the test closes its stdin, or dies."""
+    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+
+
 def main(scenario: str, pub: int, replay: int) -> None:
+    _exit_with_the_test()
     ctx = zmq.Context()
     if scenario == "flood":
         flood(ctx, pub, replay)
-    else:
-        {"oversize": oversize, "held": held}[scenario](ctx, pub)
-    time.sleep(3600)  # until the test ends it: closing would drop what is still queued
+    _open = {"oversize": oversize, "held": held}[scenario](ctx, pub)  # referenced: not closed
+    threading.Event().wait()  # until the end: closing would drop what is still queued
 
 
 if __name__ == "__main__":

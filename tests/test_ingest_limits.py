@@ -51,7 +51,10 @@ def reset_peak() -> int:
 @contextlib.asynccontextmanager
 async def engine_process(scenario: str, pub: int, replay: int) -> AsyncIterator[None]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.flood", scenario, str(pub), str(replay), cwd=ROOT
+        sys.executable,
+        *("-m", "tests.flood", scenario, str(pub), str(replay)),
+        cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE,  # it ends when this closes, even if the test dies
     )
     try:
         yield
