@@ -48,6 +48,13 @@ acknowledged (the watermark) only by the store applying it. The one store
 answer that is not retried is :class:`~indexer.stores.base.Fenced`: another
 owner has taken the rank, so the consumer stops applying at once and says so
 (:attr:`RankConsumer.fenced`).
+
+When the store loses data it had acknowledged (a Redis restarted empty or
+from an older snapshot: :class:`~indexer.stores.base.StoreLost`, or a loss
+the store noticed on its own), the consumer continues from the store's
+watermark and asks replay for the batches after it; the rank is degraded,
+with the reason in ``store_loss``, until every batch it had applied before
+is applied again, or the engine restarts.
 """
 
 from __future__ import annotations
