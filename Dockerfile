@@ -20,6 +20,7 @@ COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY indexer ./indexer
 COPY api ./api
 COPY producer ./producer
+COPY kvindex ./kvindex
 # The build fails here, not at run time, if the compiled core did not build.
 RUN pip install . \
     && cd / && python -c "from indexer import native; assert native.AVAILABLE, native.IMPORT_ERROR"

@@ -8,8 +8,8 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 CHAIN_HASH = Extension(
-    "indexer._chainhash",
-    ["indexer/_chainhash.pyx"],
+    "indexer.engines.vllm._chainhash",
+    ["indexer/engines/vllm/_chainhash.pyx"],
     # SHA-256 from OpenSSL's libcrypto (the one Python's hashlib uses); its
     # low-level SHA256_* calls are deprecated in OpenSSL 3 yet are the ones
     # without a per-call algorithm lookup. XXH3 is inlined from xxhash.h

@@ -21,11 +21,10 @@ from api.limits import BodyLimit
 from api.openapi import install_openapi
 from api.settings import ApiSettings
 from api.store_guard import GuardedStore
-from indexer.engines import ConsumerView, Registry, UnknownEngine
-from indexer.model import RankId
+from indexer.core.events import EventBatch, RankId
+from indexer.registry import ConsumerView, Registry, UnknownEngine
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex
-from indexer.wire import EventBatch
 
 DESCRIPTION = """\
 Which engine holds how much of a prompt's KV cache, per tier, from the KV

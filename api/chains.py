@@ -1,6 +1,7 @@
 """Which block-hash chain stands for a ``tokens`` query on each engine.
 
-An engine whose hashes kvindex can reproduce (DESIGN §4) gets them computed
+An engine whose hashes kvindex can reproduce (a declared ``hash_algo``, and
+its ``hash_seed`` where vLLM would seed the chain at random) gets them computed
 exactly as vLLM does, once per distinct (algorithm, seed, block size) in the
 query and converted to the form the engine publishes (uint64 or raw bytes).
 Any other engine is matched through the learned token index, rank by rank.
@@ -13,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from api.errors import ApiError
-from indexer.engines import EngineSpec
-from indexer.hashing import HashSpec, MMFeature, block_hashes, published_ints
-from indexer.wire import BlockHash
+from indexer.core.events import BlockHash
+from indexer.engines.vllm.hashing import HashSpec, MMFeature, block_hashes, published_ints
+from indexer.registry import EngineSpec
 
 
 @functools.lru_cache(maxsize=256)

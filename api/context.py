@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from api.settings import ApiSettings
-from indexer.engines import ConsumerView, Registry
+from indexer.registry import ConsumerView, Registry
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex
 

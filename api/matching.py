@@ -17,9 +17,9 @@ from api.chains import ChainComputer, Overrides, Prompt
 from api.context import ApiContext
 from api.errors import ApiError
 from api.schemas import EngineMatch, PrefixMatchResponse
-from indexer.engines import EngineSpec, RankStatus, UnknownEngine
-from indexer.model import PrefixMatch, RankId
-from indexer.wire import BlockHash
+from indexer.core.events import BlockHash, RankId
+from indexer.core.matching import PrefixMatch
+from indexer.registry import EngineSpec, RankStatus, UnknownEngine
 
 _NO_MATCH = PrefixMatch()
 _NONE: frozenset[int] = frozenset()

@@ -23,8 +23,8 @@ from api.openapi import answers, body
 from api.parsing import StrictQueryRoute, decode_body, hash_text, parse_hash
 from api.schemas import HASH_PATTERN, BlockResidencies, EngineState, RankState, Stats
 from indexer import native
-from indexer.engines import BindRefused, EngineExists, EngineSpec, RankStatus, UnknownEngine
-from indexer.model import MEDIA, RankId
+from indexer.core.events import MEDIA, RankId
+from indexer.registry import BindRefused, EngineExists, EngineSpec, RankStatus, UnknownEngine
 
 log = logging.getLogger("kvindex.api")
 _encode = msgspec.json.Encoder().encode

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from api.errors import ApiError, ErrorBody
 from api.openapi import answers
 from api.schemas import HASH_PATTERN, MAX_TOKEN, MAX_UINT64, Token
-from indexer.wire import BlockHash
+from indexer.core.events import BlockHash
 
 T = TypeVar("T")
 

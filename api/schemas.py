@@ -2,7 +2,7 @@
 
 msgspec structs, so that one definition validates a body, encodes an answer
 and (through :mod:`api.openapi`) documents both in the OpenAPI schema.
-Engine configuration and rank status reuse :mod:`indexer.engines` so the
+Engine configuration and rank status reuse :mod:`indexer.registry` so the
 API cannot drift from what the registry and the subscriber hold.
 """
 
@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from indexer.engines import EngineSpec, RankStatus
-from indexer.hashing import HASH_ALGOS
+from indexer.engines.vllm.hashing import HASH_ALGOS
+from indexer.registry import EngineSpec, RankStatus
 from indexer.stores.base import Residency
 
 MAX_TOKEN = (1 << 63) - 1

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from indexer.engines import BindPolicy
-from indexer.model import TierWeights
+from indexer.core.matching import TierWeights
+from indexer.registry import BindPolicy
 
 
 @dataclass(frozen=True, slots=True)

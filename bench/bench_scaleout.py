@@ -35,19 +35,19 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from indexer.engines import EngineSpec
-from indexer.leases import Leases, live_workers, owners_key
-from indexer.model import RankId
-from indexer.redis_registry import RedisRegistry
+from indexer.cluster.leases import Leases, live_workers, owners_key
+from indexer.cluster.registry import RedisRegistry
+from indexer.core.events import EventBatch, RankId
+from indexer.engines.vllm.wire import encode_batch
+from indexer.registry import EngineSpec
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.wire import EventBatch, encode_batch
 from producer.publisher import Publisher
 from producer.sim import SimConfig, SimEngine
 from producer.workload import Workload, WorkloadConfig
 from tests.servers import LocalCluster, RedisServer, free_port
 
 LEASE_TTL = 2.0
-KVINDEX = (sys.executable, "-m", "indexer.cli", "indexer")
+KVINDEX = (sys.executable, "-m", "kvindex.cli", "indexer")
 _TICKS = os.sysconf("SC_CLK_TCK")
 WORKLOAD = WorkloadConfig(seed=7, max_context_tokens=1024, system_prompt_tokens=(128, 400))
 SIM = SimConfig(gpu_blocks=256, cpu_chunks=128)

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from indexer.model import RankId
-from indexer.wire import AllBlocksCleared, BlockStored, decode_batch, normalise_medium
+from indexer.core.events import AllBlocksCleared, BlockStored, RankId, normalise_medium
+from indexer.engines.vllm.wire import decode_batch
 
 os.environ.setdefault("DYN_LOG", "error")  # its tracing logs every refused event otherwise
 

@@ -3,7 +3,7 @@
 kvindex's vLLM-wire :class:`~producer.publisher.Publisher` runs in a forked
 child and publishes the fleet's payloads (re-stamped with a fresh batch ts,
 not re-encoded, so the publisher is never the bottleneck); this process's
-single asyncio thread runs the :class:`~indexer.subscriber.Subscriber` into a
+single asyncio thread runs the :class:`~indexer.ingest.subscriber.Subscriber` into a
 MemoryStore. Three runs:
 
 - ``sustained``: a burst published live with high-water marks large enough
@@ -27,11 +27,10 @@ import time
 
 from bench.ingest import kvindex
 from bench.report import Figure, Report
-from indexer.engines import EngineRegistry, EngineSpec
-from indexer.model import RankId
+from indexer.core.events import EventBatch, RankId
+from indexer.ingest.subscriber import Subscriber, SubscriberSettings
+from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
-from indexer.subscriber import Subscriber, SubscriberSettings
-from indexer.wire import EventBatch
 
 SECTION = "3"
 RANK = RankId("bench", 0)

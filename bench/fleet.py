@@ -19,9 +19,9 @@ import random
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from indexer.hashing import HashSpec, block_hashes
-from indexer.model import RankId
-from indexer.wire import encode_batch
+from indexer.core.events import RankId
+from indexer.engines.vllm.hashing import HashSpec, block_hashes
+from indexer.engines.vllm.wire import encode_batch
 from producer.sim import SimConfig, SimEngine
 from producer.workload import Workload, WorkloadConfig
 

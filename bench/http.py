@@ -27,8 +27,8 @@ from bench.measure import interleaved, latency_ms
 from bench.query import load
 from bench.report import Figure, Goal, Report
 from indexer import native
-from indexer.engines import EngineRegistry, EngineSpec, RankStatus
-from indexer.hashing import HASH_ALGOS, HashSpec, block_hashes
+from indexer.engines.vllm.hashing import HASH_ALGOS, HashSpec, block_hashes
+from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore
 from tests.servers import free_port
 

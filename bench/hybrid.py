@@ -24,9 +24,9 @@ from bench import query
 from bench.fleet import CHUNK_BLOCKS, Fleet
 from bench.measure import latency_ms
 from bench.report import Figure, Goal, Report
-from indexer.model import RankId
+from indexer.core.events import BlockRemoved, BlockStored, EventBatch, RankId
+from indexer.engines.vllm.wire import decode_batch, encode_batch
 from indexer.stores import MemoryStore
-from indexer.wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 
 SECTION = "10"
 WINDOW = 128

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from bench.report import Figure, Report
-from indexer.engines import EngineRegistry, EngineSpec
+from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.log import setup_logging
+from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
-from indexer.subscriber import Subscriber, SubscriberSettings
 
 SECTION = "9"
 RANKS = 1000

@@ -5,16 +5,16 @@ receive them) from bytes in memory: no sockets, no sequencing beyond the
 store's own watermark check. Candidates run in turn, repeated, and each
 figure is a median:
 
-- kvindex: :func:`~indexer.wire.decode_batch` then
+- kvindex: :func:`~indexer.engines.vllm.wire.decode_batch` then
   :meth:`MemoryStore.apply_batch <indexer.stores.MemoryStore.apply_batch>`;
 - naive consumer: untyped ``msgspec.msgpack.decode`` and a dict of counts,
   what one writes first (goal: kvindex >= 1.5x it);
 - decode floor: msgspec's typed decoding of the payloads into every field
-  of vLLM's event structs (:class:`~indexer.wire.EventBatch`) and nothing
+  of vLLM's event structs (:class:`~indexer.core.events.EventBatch`) and nothing
   else: no checks, no apply (goal: >= 0.7x it, i.e. validating, planning and
   applying cost at most ~40% on top of decoding);
 - the same floor for the fields the index reads
-  (:class:`~indexer.wire.IndexedBatch`, what kvindex decodes: no token ids),
+  (:class:`~indexer.engines.vllm.wire.IndexedBatch`, what kvindex decodes: no token ids),
   to show what is left to apply;
 - Dynamo's RadixTree, for reference (see :mod:`bench.dynamo`).
 """
@@ -29,9 +29,9 @@ import msgspec
 from bench import dynamo
 from bench.measure import interleaved
 from bench.report import Figure, Goal, Report
-from indexer.model import RankId
+from indexer.core.events import EventBatch, RankId
+from indexer.engines.vllm.wire import IndexedBatch, decode_batch
 from indexer.stores import MemoryStore
-from indexer.wire import EventBatch, IndexedBatch, decode_batch
 
 Stream = Sequence[tuple[RankId, int, bytes]]
 SECTION = "1"

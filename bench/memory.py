@@ -24,9 +24,8 @@ from collections.abc import Callable, Iterator
 from bench.fleet import Fleet, rank_of
 from bench.query import entries, load
 from bench.report import Figure, Report
-from indexer.model import RankId
+from indexer.core.events import BlockStored, EventBatch, RankId
 from indexer.stores import MemoryStore
-from indexer.wire import BlockStored, EventBatch
 
 SECTION = "7"
 #: Full-run sizes; quick runs measure the first only.

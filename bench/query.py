@@ -17,8 +17,8 @@ from bench import dynamo
 from bench.fleet import CHUNK_BLOCKS, Fleet
 from bench.measure import latency_ms
 from bench.report import Figure, Goal, Report
+from indexer.engines.vllm.wire import decode_batch
 from indexer.stores import MemoryStore
-from indexer.wire import decode_batch
 
 SECTION = "4"
 LENGTHS = (64, 512, 2048)

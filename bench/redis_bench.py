@@ -38,10 +38,10 @@ from bench.measure import latency_ms
 from bench.memory import SIZES, synthetic_batches
 from bench.query import LENGTHS, entries
 from bench.report import Figure, Goal, Report
-from indexer.model import RankId
+from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engines.vllm.wire import decode_batch
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.wire import BlockStored, EventBatch, decode_batch
 from tests.servers import RedisServer, free_port
 
 SECTION_INGEST, SECTION_QUERY, SECTION_MEMORY = "2", "5", "7"

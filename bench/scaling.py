@@ -22,8 +22,9 @@ from bench.ingest import decode_floor, kvindex
 from bench.measure import interleaved, latency_ms
 from bench.query import load, ours, timed_calls
 from bench.report import Figure, Report
+from indexer.core.events import BlockRemoved, BlockStored, EventBatch
+from indexer.engines.vllm.wire import encode_batch
 from indexer.stores import MemoryStore
-from indexer.wire import BlockRemoved, BlockStored, EventBatch, encode_batch
 
 SECTION = "8"
 

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from indexer.engines import RankStatus
+from indexer.registry import RankStatus
 
 _RANK = ["engine", "dp_rank"]
 

@@ -18,7 +18,7 @@ log = logging.getLogger("kvindex.native")
 
 def _import_core() -> tuple[ModuleType | None, str | None]:
     try:
-        from indexer import _chainhash
+        from indexer.engines.vllm import _chainhash
     except ImportError as error:
         return None, f"{type(error).__name__}: {error}"
     return _chainhash, None

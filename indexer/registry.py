@@ -5,7 +5,7 @@ file and CLI flags seed it, the operator API (``POST``/``DELETE /engines``)
 changes it at runtime, and consumers follow it. :class:`Registry` is what
 the API needs of one: :class:`EngineRegistry` keeps engines in process and
 has the subscriber of ``kvindex serve`` listen to it;
-:class:`~indexer.redis_registry.RedisRegistry` keeps them in Redis for API
+:class:`~indexer.cluster.registry.RedisRegistry` keeps them in Redis for API
 replicas and indexer workers. ``RankStatus`` is what operators see of each rank.
 """
 
@@ -23,8 +23,8 @@ from typing import Annotated, Literal, Protocol
 
 import msgspec
 
-from indexer.hashing import HASH_ALGOS
-from indexer.wire import offset_endpoint
+from indexer.engines.vllm.hashing import HASH_ALGOS
+from indexer.engines.vllm.wire import offset_endpoint
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
 # Checked by EngineSpec.__post_init__, which says what was expected; the

@@ -43,9 +43,9 @@ from typing import Any
 
 import msgspec
 
-from indexer.hashing import MMFeature, block_extra_keys
-from indexer.model import RankId
-from indexer.wire import STORED, BlockHash, BlockStored, EventBatch
+from indexer.core.events import BlockHash, BlockStored, EventBatch, RankId
+from indexer.engines.vllm.hashing import MMFeature, block_extra_keys
+from indexer.engines.vllm.wire import STORED
 
 _encode = msgspec.msgpack.Encoder().encode
 

@@ -15,15 +15,15 @@ from indexer.log import setup_logging
 
 if TYPE_CHECKING:
     from api.settings import ApiSettings
-    from indexer.replay import Expected, ReplayStats, Trace
-    from indexer.serve import ServeConfig
+    from indexer.ingest.trace import Expected, ReplayStats, Trace
     from indexer.stores.redis import RedisConfig
+    from kvindex.config import ServeConfig
 
 log = logging.getLogger("kvindex")
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from indexer.replay import load_expected, load_trace
+    from indexer.ingest.trace import load_expected, load_trace
     from indexer.stores import StoreUnavailable
     from indexer.stores.redis import RedisConfig
 
@@ -62,8 +62,8 @@ async def _replay_into_store(
     redis: RedisConfig | None, trace: Trace, expected: Expected | None
 ) -> tuple[dict, ReplayStats]:
     """Replay into the embedded store, or into Redis after forgetting an earlier replay."""
-    from indexer.model import RankId
-    from indexer.replay import replay_report
+    from indexer.core.events import RankId
+    from indexer.ingest.trace import replay_report
     from indexer.stores import MemoryStore
     from indexer.stores.redis import RedisStore
 
@@ -88,9 +88,9 @@ def _service(args: argparse.Namespace) -> int:
     run, 2 if it would run with the engine registry open to anyone."""
     import zmq
 
-    from indexer.engines import EngineExists
-    from indexer.serve import ConfigError, OpenDoor, ServeConfig, load_config
+    from indexer.registry import EngineExists
     from indexer.stores import StoreUnavailable
+    from kvindex.config import ConfigError, OpenDoor, ServeConfig, load_config
 
     try:
         config = load_config(args.config) if args.config else ServeConfig()
@@ -110,7 +110,7 @@ def _service(args: argparse.Namespace) -> int:
 def _http_settings(args: argparse.Namespace, config: ServeConfig) -> ApiSettings:
     """The API's settings with the token resolved; refused (``OpenDoor``) if a
     non-loopback listener would have none, unless ``--insecure-no-auth``."""
-    from indexer.serve import refuse_open_door, resolve_auth_token
+    from kvindex.config import refuse_open_door, resolve_auth_token
 
     settings = resolve_auth_token(config.api_settings(), args.auth_token_file)
     if not args.insecure_no_auth:
@@ -121,14 +121,14 @@ def _http_settings(args: argparse.Namespace, config: ServeConfig) -> ApiSettings
 
 
 async def _serve(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig | None) -> None:
-    from indexer.serve import serve
+    from kvindex.serve import serve
 
     settings = _http_settings(args, config)
     await serve(config, args.engine, host=args.host, port=args.port, redis=redis, settings=settings)
 
 
 def _needs_redis(args: argparse.Namespace, redis: RedisConfig | None) -> RedisConfig:
-    from indexer.serve import ConfigError
+    from kvindex.config import ConfigError
 
     if redis is None:
         raise ConfigError(f"kvindex {args.command} shares state through Redis: give --redis-url")
@@ -138,7 +138,7 @@ def _needs_redis(args: argparse.Namespace, redis: RedisConfig | None) -> RedisCo
 async def _indexer(
     args: argparse.Namespace, config: ServeConfig, redis: RedisConfig | None
 ) -> bool:
-    from indexer.processes import run_indexer
+    from kvindex.processes import run_indexer
 
     if args.lease_ttl is not None:
         config = msgspec.structs.replace(
@@ -155,7 +155,7 @@ async def _indexer(
 
 
 async def _api(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig | None) -> None:
-    from indexer.processes import run_api
+    from kvindex.processes import run_api
 
     redis = _needs_redis(args, redis)
     settings = _http_settings(args, config)
@@ -163,7 +163,7 @@ async def _api(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig
 
 
 def _engine_flag(text: str):
-    from indexer.engines import parse_engine_flag
+    from indexer.registry import parse_engine_flag
 
     try:
         return parse_engine_flag(text)

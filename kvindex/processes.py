@@ -1,6 +1,6 @@
 """``kvindex indexer`` and ``kvindex api``: kvindex as many processes over one Redis.
 
-- ``kvindex indexer`` runs a :class:`~indexer.workers.Worker`: it consumes the
+- ``kvindex indexer`` runs a :class:`~indexer.cluster.workers.Worker`: it consumes the
   engine ranks it holds leases on into the Redis store, and hands them over
   when workers join, leave or die. Run as many as the fleet needs.
 - ``kvindex api`` serves the HTTP API over the Redis store, the Redis engine
@@ -27,14 +27,15 @@ from prometheus_client import start_http_server
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer import native
-from indexer.engines import EngineSpec
-from indexer.redis_registry import RedisRegistry
-from indexer.serve import ServeConfig, cannot_listen, listen, serve_http, stop_signals
-from indexer.status_board import StatusBoard
+from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.status_board import StatusBoard
+from indexer.cluster.workers import Worker
+from indexer.ingest.subscriber import RankPool
+from indexer.registry import EngineSpec
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.subscriber import RankPool
-from indexer.workers import Worker
+from kvindex.config import ServeConfig
+from kvindex.http import cannot_listen, listen, serve_http, stop_signals
 
 log = logging.getLogger("kvindex.processes")
 

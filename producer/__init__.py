@@ -1,7 +1,8 @@
 """Engine-side half of kvindex: what an engine runs to publish KV cache events.
 
-Imports only msgspec, pyzmq, the standard library and :mod:`indexer.wire`, so
-an engine process never pulls in the server's dependencies (FastAPI, redis).
+Imports only msgspec, pyzmq, the standard library, :mod:`indexer.core` and
+:mod:`indexer.engines.vllm`, so an engine process never pulls in the server's
+dependencies (FastAPI, redis).
 """
 
 from producer.sim import SimConfig, SimEngine

@@ -19,7 +19,8 @@ vLLM does when a send fails), ``drop_live`` are seqs buffered for replay but
 not sent live (a subscriber-side loss that replay repairs), and a small
 ``buffer_steps`` makes replay come back short.
 
-Imports only msgspec, pyzmq, the standard library and :mod:`indexer.wire`.
+Imports only msgspec, pyzmq, the standard library, :mod:`indexer.core.events`
+and :mod:`indexer.engines.vllm.wire`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from typing import NamedTuple
 import msgspec
 import zmq
 
-from indexer.wire import REPLAY_END, EventBatch, encode_batch, offset_endpoint
+from indexer.core.events import EventBatch
+from indexer.engines.vllm.wire import REPLAY_END, encode_batch, offset_endpoint
 
 log = logging.getLogger("kvindex.publisher")
 
@@ -57,7 +59,7 @@ class _Item(NamedTuple):
 
 
 class Publisher:
-    """Publish :class:`~indexer.wire.EventBatch` es as one engine's dp rank.
+    """Publish :class:`~indexer.core.events.EventBatch` es as one engine's dp rank.
 
     ``endpoint``/``replay_endpoint`` are the rank-0 addresses, offset by
     ``data_parallel_rank`` as vLLM does. ``bind`` None follows vLLM's

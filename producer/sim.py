@@ -35,8 +35,8 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from indexer.hashing import HashSpec, block_hashes
-from indexer.wire import BlockRemoved, BlockStored, EventBatch
+from indexer.core.events import BlockRemoved, BlockStored, EventBatch
+from indexer.engines.vllm.hashing import HashSpec, block_hashes
 from producer.tracker import Event, GroupSpec, OffloadEvent, OffloadKey, RequestView, Tracker
 
 #: The single KV-cache group of the simulated model and its attention kind.

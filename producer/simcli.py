@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from indexer.wire import MEDIA
+from indexer.core.events import MEDIA
 from producer.publisher import Publisher
 from producer.sim import SimConfig, SimEngine
 from producer.workload import Request, Workload, WorkloadConfig
@@ -55,7 +55,7 @@ class Layout:
 
 
 def engine_spec(layout: Layout, engine: int, config: SimConfig, model: str) -> dict:
-    """The ``POST /engines`` body (an :class:`indexer.engines.EngineSpec`) for one engine.
+    """The ``POST /engines`` body (an :class:`indexer.registry.EngineSpec`) for one engine.
 
     The engine's seed is declared only when it is one kvindex could know: a
     secret xxhash seed stays secret, and kvindex matches by tokens instead.

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from indexer.wire import BlockRemoved, BlockStored
+from indexer.core.events import BlockRemoved, BlockStored
 
 BlockHash = int | bytes
 OffloadMedium = Literal["CPU", "STORAGE"]

@@ -8,13 +8,13 @@ import httpx
 from fastapi import FastAPI
 
 from api import ApiSettings, create_app
-from indexer.engines import EngineRegistry, EngineSpec, RankStatus
-from indexer.model import RankId
-from indexer.replay import Trace
+from indexer.core.events import EventBatch, RankId
+from indexer.engines.vllm.wire import decode_batch
+from indexer.ingest.subscriber import Subscriber
+from indexer.ingest.trace import Trace
+from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore
 from indexer.stores.base import Store
-from indexer.subscriber import Subscriber
-from indexer.wire import EventBatch, decode_batch
 from producer.publisher import Publisher
 
 from .conftest import free_ports, wait_until
@@ -23,7 +23,7 @@ Observer = Callable[[RankId, EventBatch], None]
 
 
 class FakeConsumers:
-    """A :class:`~indexer.engines.ConsumerView` standing in for the subscriber.
+    """A :class:`~indexer.registry.ConsumerView` standing in for the subscriber.
 
     :meth:`apply` does what the subscriber does with a batch: apply it to the
     store, then tell the observers (the learned token index) if it was new.

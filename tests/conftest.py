@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from indexer.model import CPU, GPU, RankId
-from indexer.replay import load_trace
+from indexer.core.events import CPU, GPU, EventBatch, RankId
+from indexer.engines.vllm.wire import decode_batch
+from indexer.ingest.trace import load_trace
 from indexer.stores import MemoryStore, Store
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.wire import EventBatch, decode_batch
 
 if TYPE_CHECKING:
     from .servers import LocalCluster, RedisServer

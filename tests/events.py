@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from indexer.wire import BlockHash, BlockRemoved, BlockStored
+from indexer.core.events import BlockHash, BlockRemoved, BlockStored
 
 
 def stored(

@@ -20,7 +20,8 @@ import time
 
 import zmq
 
-from indexer.wire import REPLAY_END, BlockStored, EventBatch, encode_batch
+from indexer.core.events import BlockStored, EventBatch
+from indexer.engines.vllm.wire import REPLAY_END, encode_batch
 
 MB = 1 << 20
 #: Token ids of five bytes each (above 65,535): a 1 MB batch of one block.

@@ -12,12 +12,12 @@ import pytest
 import uvicorn
 
 from api import ApiSettings, create_app
-from indexer.engines import EngineRegistry, RankStatus
-from indexer.hashing import HashSpec, block_hashes
-from indexer.model import RankId, TierWeights
-from indexer.replay import load_trace
+from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.core.matching import TierWeights
+from indexer.engines.vllm.hashing import HashSpec, block_hashes
+from indexer.ingest.trace import load_trace
+from indexer.registry import EngineRegistry, RankStatus
 from indexer.stores import MemoryStore, StoreUnavailable
-from indexer.wire import BlockStored, EventBatch
 
 from .apikit import Api, FakeConsumers, LiveApi, csv, engine
 from .conftest import (

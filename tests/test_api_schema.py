@@ -19,8 +19,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from api import ApiSettings
-from indexer.model import RankId
-from indexer.replay import load_trace
+from indexer.core.events import RankId
+from indexer.ingest.trace import load_trace
 
 from .apikit import Api, engine
 from .conftest import trace_path

@@ -16,7 +16,7 @@ import pytest
 
 from .conftest import free_ports
 
-KVINDEX = (sys.executable, "-m", "indexer.cli")
+KVINDEX = (sys.executable, "-m", "kvindex.cli")
 
 
 def fails_in_one_line(*argv: str) -> str:

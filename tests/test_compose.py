@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from api.settings import ApiSettings
-from indexer.cli import build_parser
-from indexer.serve import AUTH_TOKEN_ENV, refuse_open_door, resolve_auth_token
+from kvindex.cli import build_parser
+from kvindex.config import AUTH_TOKEN_ENV, refuse_open_door, resolve_auth_token
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = shutil.which("docker-compose")

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 import httpx
 import pytest
 
-from indexer.wire import BlockRemoved
+from indexer.core.events import BlockRemoved
 from producer.publisher import Publisher
 from producer.sim import SimConfig, SimEngine
 from producer.simcli import Layout, engine_spec
@@ -122,7 +122,7 @@ async def kvindex(tmp_path) -> AsyncIterator[httpx.AsyncClient]:
     port = free_ports()
     with open(tmp_path / "serve.log", "w+") as log:
         service = subprocess.Popen(
-            [sys.executable, "-m", "indexer.cli", "serve", "--port", str(port)],
+            [sys.executable, "-m", "kvindex.cli", "serve", "--port", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,
         )

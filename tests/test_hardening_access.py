@@ -24,25 +24,24 @@ import pytest
 from fastapi import FastAPI
 
 from api import ApiSettings, create_app
-from indexer.engines import BindPolicy, BindRefused, EngineRegistry, EngineSpec, parse_engine_flag
-from indexer.serve import (
+from indexer.ingest.subscriber import Subscriber, SubscriberSettings
+from indexer.registry import BindPolicy, BindRefused, EngineRegistry, EngineSpec, parse_engine_flag
+from indexer.stores import MemoryStore
+from kvindex.config import (
     AUTH_TOKEN_ENV,
     ConfigError,
     OpenDoor,
     ServeConfig,
-    listen,
     refuse_open_door,
     resolve_auth_token,
-    serve_http,
 )
-from indexer.stores import MemoryStore
-from indexer.subscriber import Subscriber, SubscriberSettings
+from kvindex.http import listen, serve_http
 from producer.publisher import Publisher
 
 from .apikit import Api
 from .conftest import free_ports, wait_until
 
-KVINDEX = (sys.executable, "-m", "indexer.cli")
+KVINDEX = (sys.executable, "-m", "kvindex.cli")
 
 
 def spec(endpoint: str, **fields) -> EngineSpec:

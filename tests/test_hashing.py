@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.hashing import (
+from indexer.engines.vllm.hashing import (
     HASH_ALGOS,
     HashSpec,
     MMFeature,
@@ -225,7 +225,7 @@ def test_token_sequence_type_does_not_change_hashes() -> None:
 def test_sha256_needs_neither_xxhash_nor_cbor2() -> None:
     script = (
         "import sys\n"
-        "from indexer.hashing import HashSpec, block_hashes\n"
+        "from indexer.engines.vllm.hashing import HashSpec, block_hashes\n"
         "assert block_hashes(HashSpec('sha256', None, 4), range(8))\n"
         "assert 'xxhash' not in sys.modules and 'cbor2' not in sys.modules, 'eager import'\n"
     )

@@ -4,7 +4,7 @@ The index must say, for every hash and medium, exactly which ranks hold it in
 a scored table, whatever the history (refcounts above one, groups changing
 kind, clears, forgotten ranks whose bits are reused), and the store's prefix
 match must equal the model's own walk of each rank's tables
-(:meth:`~indexer.model.RankResidency.match`), hybrid ranks included.
+(:meth:`~indexer.core.residency.RankResidency.match`), hybrid ranks included.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.model import CPU, GPU, MEDIA, RankId, is_scored, is_windowed
+from indexer.core.events import CPU, GPU, MEDIA, AllBlocksCleared, BlockStored, EventBatch, RankId
+from indexer.core.hybrid import is_scored, is_windowed
 from indexer.stores import MemoryStore
-from indexer.wire import AllBlocksCleared, BlockStored, EventBatch
 
 from .events import removed, stored
 

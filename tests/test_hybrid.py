@@ -16,20 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.engines import EngineSpec, KVGroup
-from indexer.model import (
-    CPU,
-    GPU,
-    LOWER_TIERS,
-    STORAGE,
-    PrefixMatch,
-    RankId,
-    RankResidency,
-    plan_batch,
-)
+from indexer.core.events import CPU, GPU, LOWER_TIERS, STORAGE, AllBlocksCleared, EventBatch, RankId
+from indexer.core.matching import PrefixMatch
+from indexer.core.residency import RankResidency, plan_batch
+from indexer.registry import EngineSpec, KVGroup
 from indexer.stores import Store
 from indexer.stores.redis import RedisStore
-from indexer.wire import AllBlocksCleared, EventBatch
 from producer.publisher import Publisher
 
 from .apikit import Api, LiveApi, csv

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import msgspec
 
-from indexer.engines import EngineRegistry, EngineSpec
-from indexer.model import GPU, RankId
-from indexer.rank_consumer import RankConsumer
+from indexer.core.events import GPU, RankId
+from indexer.ingest.rank_consumer import RankConsumer
+from indexer.ingest.subscriber import Subscriber
+from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
-from indexer.subscriber import Subscriber
 
 from . import flood
 from .conftest import free_ports, wait_until

@@ -19,11 +19,11 @@ import msgspec
 import pytest
 
 from api import ApiSettings, create_app
-from indexer.engines import EngineRegistry, EngineSpec
-from indexer.model import RankId
-from indexer.rank_consumer import SocketLimit
+from indexer.core.events import RankId
+from indexer.ingest.rank_consumer import SocketLimit
+from indexer.ingest.subscriber import Subscriber, raise_file_limit
+from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
-from indexer.subscriber import Subscriber, raise_file_limit
 
 from .conftest import assert_matches_trace, free_ports, trace_batches, wait_until
 from .test_subscriber import FAST, Engine, applied, publish, status

@@ -8,20 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.model import (
-    CPU,
-    GPU,
-    STORAGE,
-    GroupRule,
-    PrefixMatch,
-    RankResidency,
-    Tier,
-    TierWeights,
-    leading_run,
-    match_prefix,
-    plan_batch,
-)
-from indexer.wire import AllBlocksCleared, EventBatch
+from indexer.core.events import CPU, GPU, STORAGE, AllBlocksCleared, EventBatch
+from indexer.core.hybrid import GroupRule
+from indexer.core.matching import PrefixMatch, TierWeights, leading_run, match_prefix
+from indexer.core.residency import RankResidency, Tier, plan_batch
 
 from .events import removed, stored
 

@@ -17,20 +17,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from indexer import hashing, native
+from indexer import native
+from indexer.engines.vllm import hashing
 
 from .apikit import Api
 
 REPO = Path(__file__).resolve().parents[1]
 #: Run before kvindex is imported: the extension then fails to import, as when it never built.
-WITHOUT_EXTENSION = "import sys; sys.modules['indexer._chainhash'] = None\n"
+WITHOUT_EXTENSION = "import sys; sys.modules['indexer.engines.vllm._chainhash'] = None\n"
 
 
 def test_the_compiled_core_is_in_use() -> None:
     assert native.AVAILABLE, f"the compiled core did not build or load: {native.IMPORT_ERROR}"
     assert native.IMPORT_ERROR is None
     module_file = Path(native.chainhash.__file__)
-    assert module_file.parent == REPO / "indexer"
+    assert module_file.parent == REPO / "indexer" / "engines" / "vllm"
     assert any(module_file.name.endswith(suffix) for suffix in EXTENSION_SUFFIXES)
 
 
@@ -65,7 +66,7 @@ def test_without_the_extension_hashes_stay_exact_and_status_says_why() -> None:
     script = (
         "import json\n"
         "from indexer import native\n"
-        "from indexer.hashing import HashSpec, block_hashes\n"
+        "from indexer.engines.vllm.hashing import HashSpec, block_hashes\n"
         "print(json.dumps([native.status(), block_hashes(HashSpec('sha256', None, 16), "
         "list(range(48)))]))\n"
     )
@@ -73,7 +74,7 @@ def test_without_the_extension_hashes_stay_exact_and_status_says_why() -> None:
     assert result.returncode == 0, result.stderr
     status, hashes = json.loads(result.stdout)
     assert status["compiled_core"] is False
-    assert "indexer._chainhash" in status["compiled_core_error"]
+    assert "indexer.engines.vllm._chainhash" in status["compiled_core_error"]
     spec = hashing.HashSpec("sha256", None, 16)
     assert hashes == hashing.block_hashes(spec, list(range(48)), compiled=False)
 
@@ -83,7 +84,7 @@ def test_serve_warns_on_start_without_the_extension() -> None:
 
     script = (
         "import sys\n"
-        "from indexer.cli import main\n"
+        "from kvindex.cli import main\n"
         f"sys.exit(main(['serve', '--port', '{free_port()}']))\n"
     )
     process = subprocess.Popen(
@@ -102,7 +103,7 @@ def test_serve_warns_on_start_without_the_extension() -> None:
     assert entry["level"] == "warning"
     assert entry["event"].startswith("compiled core not in use")
     assert entry["role"] == "serve"
-    assert "indexer._chainhash" in entry["import_error"]
+    assert "indexer.engines.vllm._chainhash" in entry["import_error"]
 
 
 def test_warning_is_silent_when_the_core_is_in_use(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,6 +1,6 @@
 """kvindex's publisher speaks vLLM 0.33's wire byte for byte, live and on replay.
 
-Its output is read with raw ZMQ sockets and decoded with :mod:`indexer.wire`;
+Its output is read with raw ZMQ sockets and decoded with :mod:`indexer.engines.vllm.wire`;
 the subscriber tests use it as the vLLM-like engine in every scenario, and
 the last test here rebuilds a trace's state from its replay socket alone.
 """
@@ -13,11 +13,11 @@ import sys
 import pytest
 import zmq
 
-from indexer.engines import EngineRegistry, EngineSpec
-from indexer.model import RankId
+from indexer.core.events import EventBatch, RankId
+from indexer.engines.vllm.wire import REPLAY_END, decode_batch, decode_frames, offset_endpoint
+from indexer.ingest.subscriber import Subscriber, SubscriberSettings
+from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
-from indexer.subscriber import Subscriber, SubscriberSettings
-from indexer.wire import REPLAY_END, EventBatch, decode_batch, decode_frames, offset_endpoint
 from producer.publisher import Publisher
 
 from .conftest import FIXTURES, assert_matches_trace, free_ports, trace_batches, wait_until

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from indexer.cli import build_parser
-from indexer.serve import load_config
+from kvindex.cli import build_parser
+from kvindex.config import load_config
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

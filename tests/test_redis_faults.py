@@ -22,12 +22,12 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from indexer.model import RankId
-from indexer.replay import apply_trace, load_trace
+from indexer.core.events import AllBlocksCleared, EventBatch, RankId
+from indexer.engines.vllm.wire import decode_batch
+from indexer.ingest.trace import apply_trace, load_trace
 from indexer.stores import StoreUnavailable
-from indexer.stores import redis as redis_store
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.wire import AllBlocksCleared, EventBatch, decode_batch
+from indexer.stores.redis import store as redis_store
 
 from .conftest import trace_path
 from .servers import RedisServer, free_port
@@ -174,10 +174,10 @@ async def test_racing_indexers_apply_each_batch_once(
 
 WORKER = """
 import asyncio, sys
-from indexer.model import RankId
+from indexer.core.events import RankId
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.replay import load_trace
-from indexer.wire import decode_batch
+from indexer.ingest.trace import load_trace
+from indexer.engines.vllm.wire import decode_batch
 
 async def main():
     store = RedisStore(RedisConfig(sys.argv[1], prefix=sys.argv[2], sweep_interval=None))

@@ -24,15 +24,14 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from indexer.engines import EngineSpec
-from indexer.model import GPU
-from indexer.redis_registry import RedisRegistry
-from indexer.replay import apply_trace, load_trace
+from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.workers import Worker, WorkerSettings
+from indexer.core.events import GPU, BlockStored
+from indexer.ingest.subscriber import RankPool
+from indexer.ingest.trace import apply_trace, load_trace
+from indexer.registry import EngineSpec
 from indexer.stores import StoreUnavailable
 from indexer.stores.redis import RedisStore
-from indexer.subscriber import RankPool
-from indexer.wire import BlockStored
-from indexer.workers import Worker, WorkerSettings
 from producer.publisher import Publisher
 
 from .apikit import LiveApi

@@ -20,7 +20,7 @@ from .conftest import (
 
 def run_replay(*args: str) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "indexer.cli", "replay", *args],
+        [sys.executable, "-m", "kvindex.cli", "replay", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -50,7 +50,7 @@ def test_replay_without_probes_reports_blocks_only() -> None:
 
 def test_replay_of_a_missing_file_fails_clearly(tmp_path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "indexer.cli", "replay", str(tmp_path / "none.msgpack")],
+        [sys.executable, "-m", "kvindex.cli", "replay", str(tmp_path / "none.msgpack")],
         capture_output=True,
         text=True,
         timeout=60,

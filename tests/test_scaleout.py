@@ -25,16 +25,16 @@ import httpx
 import msgspec
 import pytest
 
-from indexer.engines import EngineSpec, UnknownEngine
-from indexer.leases import Leases, live_workers, owners_key
-from indexer.model import RankId
-from indexer.redis_registry import RedisRegistry
-from indexer.replay import load_trace
+from indexer.cluster.leases import Leases, live_workers, owners_key
+from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.workers import Worker, WorkerSettings
+from indexer.core.events import RankId
+from indexer.engines.vllm.wire import decode_batch
+from indexer.ingest.subscriber import RankPool
+from indexer.ingest.trace import load_trace
+from indexer.registry import EngineSpec, UnknownEngine
 from indexer.stores.base import Fenced
 from indexer.stores.redis import OwnedRank, RedisConfig, RedisStore
-from indexer.subscriber import RankPool
-from indexer.wire import decode_batch
-from indexer.workers import Worker, WorkerSettings
 from producer.publisher import Publisher
 from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
@@ -163,7 +163,7 @@ async def _owns(worker: Worker, token: int | None) -> bool:
 
 # --- the topology as processes ---------------------------------------------------------
 
-KVINDEX = (sys.executable, "-m", "indexer.cli", "--log-level", "INFO")
+KVINDEX = (sys.executable, "-m", "kvindex.cli", "--log-level", "INFO")
 ENGINES = 12
 LEASE_TTL = 2.0
 CONFIGS = [

@@ -1,6 +1,6 @@
 """``kvindex serve``: config file and flags, then the real process end to end.
 
-The process tests run ``python -m indexer.cli serve`` against kvindex's own
+The process tests run ``python -m kvindex.cli serve`` against kvindex's own
 vLLM-wire publisher, read the engine state over HTTP, and stop it with a
 signal: it must exit 0 after stopping its ranks, and a restarted serve on the
 same Redis index must carry on from the persisted watermark.
@@ -20,8 +20,9 @@ import httpx
 import msgspec
 import pytest
 
-from indexer.engines import EngineSpec, parse_engine_flag
-from indexer.serve import ConfigError, ServeConfig, listen, load_config
+from indexer.registry import EngineSpec, parse_engine_flag
+from kvindex.config import ConfigError, ServeConfig, load_config
+from kvindex.http import listen
 from producer.publisher import Publisher
 
 from .conftest import free_ports, load_expected_json, trace_batches
@@ -55,7 +56,7 @@ auth_token = "s3cret"
 """
 
 
-KVINDEX = (sys.executable, "-m", "indexer.cli")
+KVINDEX = (sys.executable, "-m", "kvindex.cli")
 
 
 def write(path: Path, text: str, **ports: int) -> Path:
@@ -256,7 +257,7 @@ async def test_request_heads_are_bounded_by_max_body_bytes() -> None:
     from fastapi import FastAPI
 
     from api import ApiSettings
-    from indexer.serve import serve_http
+    from kvindex.http import serve_http
 
     app = FastAPI()
 

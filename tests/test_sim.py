@@ -11,11 +11,11 @@ from collections import Counter
 import msgspec
 import pytest
 
-from indexer.engines import EngineSpec
-from indexer.hashing import HashSpec, block_hashes
-from indexer.model import RankId
+from indexer.core.events import BlockRemoved, BlockStored, EventBatch, RankId
+from indexer.engines.vllm.hashing import HashSpec, block_hashes
+from indexer.engines.vllm.wire import decode_batch, encode_batch
+from indexer.registry import EngineSpec
 from indexer.stores import MemoryStore
-from indexer.wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from producer.sim import SimConfig, SimEngine
 from producer.simcli import Layout, engine_spec
 from producer.workload import Workload, WorkloadConfig
@@ -441,7 +441,7 @@ def test_printed_specs_register_and_match_the_publishers_ports():
 
 def test_kvindex_sim_print_specs():
     result = subprocess.run(
-        [sys.executable, "-m", "indexer.cli", "sim", "--engines", "2", "--print-specs"],
+        [sys.executable, "-m", "kvindex.cli", "sim", "--engines", "2", "--print-specs"],
         capture_output=True,
         text=True,
         check=True,

@@ -1,7 +1,7 @@
 """One suite, every store: memory, a standalone redis-server, a 3-master Redis Cluster.
 
 A store is done when these pass unchanged: vLLM's fixture traces end in vLLM's
-own state and answers, and every rule of DESIGN §3 holds. The Redis stores
+own state and answers, and every residency rule of :mod:`indexer.core` holds. The Redis stores
 are also checked against the memory store on random streams of events.
 """
 
@@ -14,11 +14,12 @@ import sys
 
 import pytest
 
-from indexer.model import CPU, GPU, STORAGE, PrefixMatch, RankId
-from indexer.replay import answer_probes, apply_trace, load_expected, load_trace
+from indexer.core.events import CPU, GPU, STORAGE, AllBlocksCleared, EventBatch, RankId
+from indexer.core.matching import PrefixMatch
+from indexer.engines.vllm.wire import decode_batch
+from indexer.ingest.trace import answer_probes, apply_trace, load_expected, load_trace
 from indexer.stores import MemoryStore, Store, StoreUnavailable, Watermark
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.wire import AllBlocksCleared, EventBatch, decode_batch
 
 from .conftest import (
     FIXTURES,
@@ -107,7 +108,7 @@ def test_replay_command_reports_with_redis_what_it_does_in_memory(
     server = server_for(request, kind)
 
     def replay(*flags: str) -> dict:
-        command = [sys.executable, "-m", "indexer.cli", "replay", str(trace_path(name))]
+        command = [sys.executable, "-m", "kvindex.cli", "replay", str(trace_path(name))]
         command += ["--probe", str(expected_path(name)), *flags]
         return json.loads(subprocess.run(command, capture_output=True, check=True).stdout)
 

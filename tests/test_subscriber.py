@@ -19,22 +19,19 @@ import zmq
 import zmq.asyncio
 from prometheus_client import REGISTRY
 
-from indexer.engines import EngineRegistry, EngineSpec, UnknownEngine
-from indexer.model import CPU, GPU, RankId
-from indexer.replay import load_trace
-from indexer.stores import ApplyResult, MemoryStore, StoreUnavailable
-from indexer.subscriber import Subscriber, SubscriberSettings
-from indexer.wire import (
+from indexer.core.events import CPU, GPU, BlockStored, EventBatch, RankId, WireError
+from indexer.engines.vllm.wire import (
     STORED,
-    BlockStored,
-    EventBatch,
     StoredHashes,
-    WireError,
     batch_ts,
     decode_batch,
     encode_batch,
     split_replay,
 )
+from indexer.ingest.subscriber import Subscriber, SubscriberSettings
+from indexer.ingest.trace import load_trace
+from indexer.registry import EngineRegistry, EngineSpec, UnknownEngine
+from indexer.stores import ApplyResult, MemoryStore, StoreUnavailable
 from producer.publisher import Publisher
 
 from .conftest import (

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from indexer.hashing import HashSpec, block_hashes
-from indexer.model import RankId
+from indexer.core.events import BlockHash, BlockRemoved, BlockStored, EventBatch, RankId
+from indexer.engines.vllm.hashing import HashSpec, block_hashes
 from indexer.token_index import TokenIndex
-from indexer.wire import BlockHash, BlockRemoved, BlockStored, EventBatch
 
 from .apikit import LiveApi
 

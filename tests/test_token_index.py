@@ -14,10 +14,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from indexer.hashing import MMFeature
-from indexer.model import RankId
+from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engines.vllm.hashing import MMFeature
 from indexer.token_index import TokenIndex
-from indexer.wire import BlockStored, EventBatch
 from producer.sim import SimConfig, SimEngine
 from producer.workload import Request, Workload, WorkloadConfig
 

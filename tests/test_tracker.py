@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from indexer.wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from indexer.core.events import BlockRemoved, BlockStored, EventBatch
+from indexer.engines.vllm.wire import decode_batch, encode_batch
 from producer.tracker import GroupSpec, OffloadEvent, OffloadKey, RequestView, Tracker
 
 from .conftest import FIXTURES

@@ -9,19 +9,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.wire import (
-    STORED,
+from indexer.core.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
+    WireError,
+    normalise_medium,
+)
+from indexer.engines.vllm.wire import (
+    STORED,
     IndexedBatch,
     StoredHashes,
-    WireError,
     decode_batch,
     decode_frames,
     encode_batch,
-    normalise_medium,
 )
 
 from .conftest import FIXTURES

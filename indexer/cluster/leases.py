@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
-from indexer.model import RankId
+from indexer.core.events import RankId
 from indexer.stores.redis import RedisStore
 
 #: Entries the ownership stream keeps (approximately).

@@ -30,8 +30,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from indexer.engines import EngineExists, EngineSpec, UnknownEngine
 from indexer.periodic import repeat
+from indexer.registry import EngineExists, EngineSpec, UnknownEngine
 from indexer.stores.redis import RedisStore
 
 log = logging.getLogger("kvindex.registry")
@@ -40,7 +40,7 @@ _decode = msgspec.json.Decoder(EngineSpec).decode
 
 
 class RedisRegistry:
-    """Implements :class:`~indexer.engines.Registry` over Redis (no change listeners:
+    """Implements :class:`~indexer.registry.Registry` over Redis (no change listeners:
     workers compare what they consume with :meth:`entries` instead)."""
 
     def __init__(self, store: RedisStore) -> None:

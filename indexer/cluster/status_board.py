@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from indexer.engines import RankStatus, Registry
-from indexer.leases import live_workers
+from indexer.cluster.leases import live_workers
 from indexer.periodic import repeat
+from indexer.registry import RankStatus, Registry
 from indexer.stores.redis import RedisStore
 
 log = logging.getLogger("kvindex.status")
@@ -50,7 +50,7 @@ async def publish(
 
 class StatusBoard:
     """Every live worker's published statuses: the API's
-    :class:`~indexer.engines.ConsumerView` when it runs as its own process.
+    :class:`~indexer.registry.ConsumerView` when it runs as its own process.
 
     :meth:`rank_status` answers from the last :meth:`refresh` (the API calls
     it synchronously); :meth:`follow` refreshes it in the background.

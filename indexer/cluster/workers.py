@@ -1,6 +1,6 @@
 """``kvindex indexer`` workers: the fleet's ranks shared out among processes through Redis.
 
-A :class:`Worker` consumes the ranks it holds a lease on (:mod:`indexer.leases`).
+A :class:`Worker` consumes the ranks it holds a lease on (:mod:`indexer.cluster.leases`).
 Three loops, so that slow work never delays a renewal:
 
 - every ``lease_ttl / 4`` seconds it beats its heartbeat and renews its leases;
@@ -32,7 +32,7 @@ leases, the fence tokens and the registry may have gone with it. A worker
 then stops every rank it owns (its writes are refused from the moment its
 store notices) and claims them again like any free rank, which the engine
 registry, re-seeded by every process that knew it
-(:meth:`~indexer.redis_registry.RedisRegistry.refresh`), makes possible. The
+(:meth:`~indexer.cluster.registry.RedisRegistry.refresh`), makes possible. The
 new consumers resume from the store's watermarks through replay.
 """
 
@@ -51,15 +51,15 @@ from typing import Annotated
 
 import msgspec
 
-from indexer.engines import EngineSpec, RankStatus
-from indexer.leases import Leases, record
-from indexer.model import RankId
+from indexer.cluster.leases import Leases, record
+from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.status_board import Published, publish
+from indexer.core.events import RankId
+from indexer.ingest.rank_consumer import RankConsumer
+from indexer.ingest.subscriber import RankPool
 from indexer.periodic import repeat
-from indexer.rank_consumer import RankConsumer
-from indexer.redis_registry import RedisRegistry
-from indexer.status_board import Published, publish
+from indexer.registry import EngineSpec, RankStatus
 from indexer.stores.redis import OwnedRank, RedisStore
-from indexer.subscriber import RankPool
 
 log = logging.getLogger("kvindex.worker")
 
@@ -104,7 +104,7 @@ class _Owned:
 class Worker:
     """The ranks one ``kvindex indexer`` process owns, consumed into the Redis store.
 
-    Implements the status side of :class:`~indexer.engines.ConsumerView`
+    Implements the status side of :class:`~indexer.registry.ConsumerView`
     (``running``) and the metrics' status source through its :class:`RankPool`.
     """
 

@@ -1,11 +1,11 @@
 """One engine rank's live and replayed batches, applied in order, each seq once.
 
 A :class:`RankConsumer` consumes one (engine, dp rank): a SUB socket for
-live batches, a DEALER to the engine's replay ROUTER (DESIGN §2), and tasks:
+live batches, a DEALER to the engine's replay ROUTER, and tasks:
 a live reader, a replay reader, a connection monitor and the sequencer that
 applies. Who decides which ranks run is not its business: the
-:class:`~indexer.subscriber.Subscriber` of ``kvindex serve`` runs every
-registered rank, an :class:`~indexer.workers.Worker` of ``kvindex indexer``
+:class:`~indexer.ingest.subscriber.Subscriber` of ``kvindex serve`` runs every
+registered rank, an :class:`~indexer.cluster.workers.Worker` of ``kvindex indexer``
 the ranks it holds a lease on.
 
 Readers split frames as fast as they come into an intake bounded in batches
@@ -37,7 +37,7 @@ The sequencer applies strictly in seq order, each seq once:
   range; a range longer than ``gap_clear_threshold`` also drops its GPU/CPU
   counts, which can no longer be trusted;
 - a seq at or below one already seen with a newer batch ``ts`` is a new
-  engine incarnation (DESIGN §3): GPU/CPU counts and the watermark are
+  engine incarnation: GPU/CPU counts and the watermark are
   dropped and consumption restarts from the new seq. Replay is asked from
   the last applied seq itself, so an answer that lacks it, or carries it with
   another ts, reveals a restart the live stream alone cannot show (the engine
@@ -77,18 +77,11 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from indexer import metrics
-from indexer.engines import BindPolicy, EngineSpec, Gap, RankStatus
-from indexer.model import CPU, GPU, GroupDeclaration, RankId
+from indexer.core.events import CPU, GPU, EventBatch, RankId, WireError
+from indexer.core.hybrid import GroupDeclaration
+from indexer.engines.vllm.wire import SEQ_BYTES, batch_ts, decode_batch, decode_frames, split_replay
+from indexer.registry import BindPolicy, EngineSpec, Gap, RankStatus
 from indexer.stores.base import ApplyResult, Fenced, Loss, StoreLost, Watermark
-from indexer.wire import (
-    SEQ_BYTES,
-    EventBatch,
-    WireError,
-    batch_ts,
-    decode_batch,
-    decode_frames,
-    split_replay,
-)
 
 log = logging.getLogger("kvindex.subscriber")
 
@@ -149,7 +142,7 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     - ``stop_grace``: seconds to finish the batch in hand at shutdown.
     - ``max_missing``: unfilled ranges kept per rank for operators.
     - ``bind``: where engines with ``bind: true`` may make kvindex listen
-      (:class:`~indexer.engines.BindPolicy`; default: loopback tcp only).
+      (:class:`~indexer.registry.BindPolicy`; default: loopback tcp only).
     """
 
     replay_timeout: _Seconds = 2.0

@@ -1,11 +1,11 @@
 """The rank consumers of one process, and the subscriber that runs every registered rank.
 
-A :class:`RankPool` holds the running :class:`~indexer.rank_consumer.RankConsumer`
+A :class:`RankPool` holds the running :class:`~indexer.ingest.rank_consumer.RankConsumer`
 s of a process: one ZMQ context, one budget of replay requests, the batch
 observers, the status gauges. Two things decide what runs in it: the
 :class:`Subscriber` of ``kvindex serve`` follows an
-:class:`~indexer.engines.EngineRegistry` and runs every rank of every engine;
-a :class:`~indexer.workers.Worker` of ``kvindex indexer`` runs the ranks it
+:class:`~indexer.registry.EngineRegistry` and runs every rank of every engine;
+a :class:`~indexer.cluster.workers.Worker` of ``kvindex indexer`` runs the ranks it
 holds a lease on.
 """
 
@@ -20,17 +20,16 @@ from collections.abc import Callable, Iterator
 import zmq.asyncio
 
 from indexer import metrics
-from indexer.engines import Change, EngineRegistry, EngineSpec, RankStatus
-from indexer.model import RankId
-from indexer.rank_consumer import (
+from indexer.core.events import EventBatch, RankId
+from indexer.ingest.rank_consumer import (
     Observer,
     RankConsumer,
     RankStore,
     Shared,
     SubscriberSettings,
 )
+from indexer.registry import Change, EngineRegistry, EngineSpec, RankStatus
 from indexer.stores.base import Loss, Store
-from indexer.wire import EventBatch
 
 __all__ = ["RankPool", "Subscriber", "SubscriberSettings"]
 
@@ -193,7 +192,7 @@ class RankPool:
 class Subscriber:
     """Consumes every registered engine rank into the store.
 
-    Implements :class:`~indexer.engines.ConsumerView` for the API. Engines
+    Implements :class:`~indexer.registry.ConsumerView` for the API. Engines
     added to or removed from the registry while running are started or
     stopped (and their store state forgotten) before the registry call returns.
     """

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import msgspec
 
-from indexer.model import MEDIA, PrefixMatch, RankId
+from indexer.core.events import MEDIA, RankId
+from indexer.core.matching import PrefixMatch
+from indexer.engines.vllm.wire import decode_batch
 from indexer.stores.base import Store
-from indexer.wire import decode_batch
 
 Trace = list[tuple[int, bytes]]
 _NO_MATCH = PrefixMatch()

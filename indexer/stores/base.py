@@ -10,8 +10,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from indexer.model import PrefixMatch, RankId
-from indexer.wire import BlockHash, EventBatch
+from indexer.core.events import BlockHash, EventBatch, RankId
+from indexer.core.matching import PrefixMatch
 
 
 class StoreUnavailable(RuntimeError):

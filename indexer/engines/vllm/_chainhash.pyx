@@ -3,7 +3,8 @@
 
 Each block ``i`` is ``(parent, tokens_i, extra_keys_i)`` serialised as vLLM
 does (pickle protocol 5, or canonical CBOR) and digested (SHA-256 from
-OpenSSL's libcrypto, or XXH3-128 from xxhash's header, compiled in). ``indexer.hashing`` holds the pure-Python reference these bytes
+OpenSSL's libcrypto, or XXH3-128 from xxhash's header, compiled in).
+``indexer.engines.vllm.hashing`` holds the pure-Python reference these bytes
 must equal; this module writes the same bytes without building a Python
 object per block. The caller serialises each block's extra keys once
 (``fragments``), already in the form they take inside the block, because

@@ -9,7 +9,7 @@ read in C a slice at a time, and each rank's run ends where its bit drops
 out.
 
 The index is derived, never the source of truth: :class:`IndexedResidency`
-keeps :class:`~indexer.model.RankResidency`'s exact per-tier refcounts and
+keeps :class:`~indexer.core.residency.RankResidency`'s exact per-tier refcounts and
 sets or clears the rank's bit when a hash enters or leaves the union of its
 scored tables of a medium (count 0 <-> above 0, clears, a group's kind
 turning scored or not). A hash held by one rank maps to that rank's own bit
@@ -29,23 +29,10 @@ from dataclasses import dataclass, field
 from itertools import compress, count, filterfalse, repeat
 from operator import and_, ne, or_
 
-from indexer.model import (
-    CPU,
-    GPU,
-    MEDIA,
-    STORAGE,
-    GroupRule,
-    PrefixMatch,
-    RankId,
-    RankResidency,
-    Tier,
-    TierOp,
-    _decrement,
-    hybrid_match,
-    is_scored,
-    is_windowed,
-)
-from indexer.wire import BlockHash
+from indexer.core.events import CPU, GPU, MEDIA, STORAGE, BlockHash, RankId
+from indexer.core.hybrid import GroupRule, hybrid_match, is_scored, is_windowed
+from indexer.core.matching import PrefixMatch
+from indexer.core.residency import RankResidency, Tier, TierOp, _decrement
 
 _MATCHES_CACHED = 4096
 #: Distinct masks kept as one shared object each; past this many the pool starts over
@@ -133,7 +120,7 @@ class HolderIndex:
 
         A chunk size of None or 0 means the rank is matched on GPU only.
 
-        Same answers as :func:`~indexer.model.match_prefix` over each rank's
+        Same answers as :func:`~indexer.core.matching.match_prefix` over each rank's
         own tables (the conformance suite and ``tests/test_holders.py`` hold
         it to that). Every run is found for all ranks at once, on bitmasks
         (see :func:`_segments`): the GPU run here, the lower tiers' in
@@ -256,7 +243,7 @@ class Hybrids:
     where its window group holds the units that answer ends with: checked on
     the index's window masks, for every rank sharing an answer and a window
     at once. The other ranks, and those failing the check, are walked one by
-    one on their own tables (:func:`~indexer.model.hybrid_match`).
+    one on their own tables (:func:`~indexer.core.hybrid.hybrid_match`).
     """
 
     def __init__(self) -> None:

@@ -3,22 +3,23 @@
 The default for ``kvindex serve``. It forgets everything on exit; run with a
 Redis URL for an index that survives restarts and serves many API replicas.
 
-Each rank's exact refcounts live in its :class:`~indexer.model.RankResidency`
-(here the :class:`~indexer.stores.holders.IndexedResidency` flavour); prefix
-queries read the shared :class:`~indexer.stores.holders.HolderIndex`, which
+Each rank's exact refcounts live in its :class:`~indexer.core.residency.RankResidency`
+(here the :class:`~indexer.stores.memory.holders.IndexedResidency` flavour); prefix
+queries read the shared :class:`~indexer.stores.memory.holders.HolderIndex`, which
 walks a chain once for all ranks instead of once per rank, and takes the
 answers of hybrid models' ranks (a sliding-window or Mamba group seen) to
-vLLM's hybrid rule (:class:`~indexer.stores.holders.Hybrids`).
+vLLM's hybrid rule (:class:`~indexer.stores.memory.holders.Hybrids`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from indexer.model import MEDIA, PrefixMatch, RankId, plan_batch
+from indexer.core.events import MEDIA, BlockHash, EventBatch, RankId
+from indexer.core.matching import PrefixMatch
+from indexer.core.residency import plan_batch
 from indexer.stores.base import ApplyResult, Loss, Residency, Watermark
-from indexer.stores.holders import HolderIndex, Hybrids, IndexedResidency
-from indexer.wire import BlockHash, EventBatch
+from indexer.stores.memory.holders import HolderIndex, Hybrids, IndexedResidency
 
 
 class MemoryStore:

@@ -258,7 +258,7 @@ redis.call('HSET', KEYS[1], '#store', ARGV[1])
 return 1
 """
 
-#: Register an engine (``indexer.redis_registry``); readers poll "#version".
+#: Register an engine (``indexer.cluster.registry``); readers poll "#version".
 REGISTER = """
 -- KEYS[1]: the engine registry hash; ARGV[1]: the engine's name; ARGV[2]: its spec (JSON)
 -- Returns 1 when registered, 0 when the name is taken.
@@ -285,7 +285,7 @@ end
 return spec
 """
 
-#: Keep a lease (``indexer.leases``) only while it is still the caller's.
+#: Keep a lease (``indexer.cluster.leases``) only while it is still the caller's.
 RENEW_LEASE = """
 -- KEYS[1]: the lease; ARGV[1]: the holder's value; ARGV[2]: the new time to live, ms
 -- Returns 1 when the lease held that value (its time to live restarts), else 0.

@@ -7,7 +7,7 @@ Key layout under a prefix ``P`` (several indexes can share one Redis)::
                      "a:<dp>:<engine>" -> "first:last", ids allocated, not yet taken;
                      "f:<dp>:<engine>" -> the rank's fence: its newest owner's token
     {P:meta}:engines hash in P:meta's slot: engine name -> EngineSpec (JSON),
-                     "#version" -> change counter (:mod:`indexer.redis_registry`)
+                     "#version" -> change counter (:mod:`indexer.cluster.registry`)
     P:{tag}          bucket hash: "g<gid>" -> "epoch:seq:n", "u<rid>" -> unknown removals,
                      "f:<dp>:<engine>" -> the newest owner's token the bucket has seen
     P:{tag}:<hash>   block hash: "<tid>" -> count, one field per residency
@@ -37,7 +37,7 @@ usually fits one script call, which checks and moves the watermark itself:
 one round trip, applied atomically. ``epoch`` grows when the engine restarts
 (``reset_seq``), so its new seqs from 0 are never mistaken for old ones.
 
-Fencing, for indexer workers that hand ranks over (:mod:`indexer.workers`):
+Fencing, for indexer workers that hand ranks over (:mod:`indexer.cluster.workers`):
 a new owner first :meth:`RedisStore.claim` s the rank, which increments its
 fence token in ``P:meta`` (only while the engine is registered: the registry
 shares the slot) and raises every bucket's copy of it. Writes made under a
@@ -109,23 +109,16 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from indexer.model import (
-    GPU,
-    MEDIA,
+from indexer.core.events import GPU, MEDIA, BlockHash, EventBatch, RankId
+from indexer.core.hybrid import group_rules, hybrid_match, is_scored
+from indexer.core.matching import PrefixMatch, chunk_end, leading_run, match_prefix
+from indexer.core.residency import (
     ClearMedium,
     Op,
-    PrefixMatch,
-    RankId,
     RankResidency,
     Tier,
     TierOp,
     TierTable,
-    chunk_end,
-    group_rules,
-    hybrid_match,
-    is_scored,
-    leading_run,
-    match_prefix,
     plan_batch,
 )
 from indexer.periodic import repeat
@@ -138,8 +131,7 @@ from indexer.stores.base import (
     StoreUnavailable,
     Watermark,
 )
-from indexer.stores.redis_scripts import SCRIPTS
-from indexer.wire import BlockHash, EventBatch
+from indexer.stores.redis.scripts import SCRIPTS
 
 log = logging.getLogger("kvindex.redis")
 

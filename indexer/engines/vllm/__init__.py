@@ -1,0 +1,1 @@
+"""vLLM's adapter: its ZMQ KV event wire (:mod:`.wire`) and block hashing (:mod:`.hashing`)."""

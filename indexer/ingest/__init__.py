@@ -1,0 +1,1 @@
+"""Ingest: ZMQ sockets and replay per engine rank, the subscriber, and trace replay."""

@@ -1,0 +1,7 @@
+"""``python -m kvindex``: the ``kvindex`` command."""
+
+import sys
+
+from kvindex.cli import main
+
+sys.exit(main())

@@ -1,0 +1,169 @@
+"""The config file of ``kvindex serve``, ``kvindex indexer`` and ``kvindex api``.
+
+Each command reads the sections it needs (:mod:`kvindex.serve`,
+:mod:`kvindex.processes`). YAML, or TOML by its ``.toml`` suffix::
+
+    engines:                      # EngineSpec fields, see indexer.registry
+      - name: vllm-a
+        endpoint: tcp://10.0.0.5:5557
+        replay_endpoint: tcp://10.0.0.5:5558
+        dp_ranks: 2
+        blocks_per_chunk: 16
+    subscriber:                   # SubscriberSettings, see indexer.ingest.subscriber
+      replay_timeout: 2.0
+      gap_clear_threshold: 1000
+      bind:                       # BindPolicy: where engines with bind: true may
+        ipc_dir: /run/kvindex     # make kvindex listen (default: loopback tcp only)
+    api:                          # ApiSettings, see api.settings
+      auth_token_file: /run/secrets/kvindex-token   # or auth_token, $KVINDEX_AUTH_TOKEN
+    redis:                        # RedisConfig, see indexer.stores.redis
+      url: redis://127.0.0.1:6379/0
+      cluster: false
+    indexer:                      # WorkerSettings, see indexer.cluster.workers
+      lease_ttl: 6.0
+
+The API's auth token comes from a flag, the environment or this file
+(:func:`resolve_auth_token`); a listener other machines can reach without one
+is refused (:func:`refuse_open_door`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from api.settings import ApiSettings
+from indexer.cluster.workers import WorkerSettings
+from indexer.ingest.subscriber import SubscriberSettings
+from indexer.registry import BindRefused, EngineSpec, is_loopback
+from indexer.stores.redis import RedisConfig
+
+
+class ConfigError(ValueError):
+    """The config file cannot be used; the message says where and why."""
+
+
+class OpenDoor(ConfigError):
+    """The API would let anyone who reaches it register engines: refused at start."""
+
+
+#: The environment variable holding the API's bearer token.
+AUTH_TOKEN_ENV = "KVINDEX_AUTH_TOKEN"
+
+
+class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The ``--config`` file."""
+
+    engines: list[EngineSpec] = []
+    subscriber: SubscriberSettings = SubscriberSettings()
+    api: dict[str, Any] = {}
+    redis: dict[str, Any] | None = None
+    indexer: WorkerSettings = WorkerSettings()
+
+    def api_settings(self) -> ApiSettings:
+        """The api section, with the subscriber's bind policy for ``POST /engines``."""
+        if "engine_binds" in self.api:
+            raise ConfigError("api: engine_binds is the subscriber's: set subscriber.bind")
+        return _dataclass(ApiSettings, {**self.api, "engine_binds": self.subscriber.bind}, "api")
+
+    def check_binds(self, engines: Sequence[EngineSpec] = ()) -> None:
+        """Refuse the file's and flags' engines that would bind where they may not."""
+        for spec in [*self.engines, *engines]:
+            try:
+                self.subscriber.bind.check(spec)
+            except BindRefused as e:
+                raise ConfigError(str(e)) from None
+
+    def redis_config(
+        self, url: str | None, *, cluster: bool = False, prefix: str | None = None
+    ) -> RedisConfig | None:
+        """The Redis store's config; the flags (``url``, ``cluster``, ``prefix``)
+        override the file's. None: no Redis at all."""
+        if self.redis is None and url is None:
+            return None
+        section = dict(self.redis or {})
+        flags = {"url": url, "cluster": cluster or None, "prefix": prefix}
+        section.update((k, v) for k, v in flags.items() if v is not None)
+        return _dataclass(RedisConfig, section, "redis")
+
+
+def _dataclass(cls: type, section: dict[str, Any], name: str) -> Any:
+    unknown = set(section) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ConfigError(f"{name}: unknown field(s) {', '.join(sorted(unknown))}")
+    try:
+        return msgspec.convert(section, cls)
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ConfigError(f"{name}: {e}") from None
+
+
+def load_config(path: str | Path) -> ServeConfig:
+    """Read a YAML or TOML config file (TOML when the name ends in ``.toml``)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+        return msgspec.convert(data or {}, ServeConfig)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: {_yaml_problem(e)}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}") from None
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error in one line (its own text spans several, with a caret drawing)."""
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
+        return f"not valid YAML: {' '.join(str(error).split())}"
+    mark = error.problem_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}"
+    context = f" ({error.context})" if error.context else ""
+    return f"YAML syntax error at {where}: {error.problem}{context}"
+
+
+def resolve_auth_token(
+    settings: ApiSettings, token_file: str | None = None, environ: Mapping[str, str] = os.environ
+) -> ApiSettings:
+    """The settings with ``auth_token`` from the first source that has one:
+    ``token_file`` (``--auth-token-file``), ``$KVINDEX_AUTH_TOKEN``,
+    ``api.auth_token_file``, ``api.auth_token``. A file or the environment
+    keeps the token out of ``ps`` and out of a config file others may read."""
+    from_env = environ.get(AUTH_TOKEN_ENV, "").strip()
+    if token_file:
+        token = _read_token(token_file)
+    elif from_env:
+        token = from_env
+    elif settings.auth_token_file:
+        token = _read_token(settings.auth_token_file)
+    else:
+        return settings
+    return dataclasses.replace(settings, auth_token=token)
+
+
+def _read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"auth token file {path}: {e.strerror}") from None
+    if not token:
+        raise ConfigError(f"auth token file {path} is empty")
+    return token
+
+
+def refuse_open_door(host: str, settings: ApiSettings) -> None:
+    """Raise :class:`OpenDoor` when a non-loopback listener would have no token."""
+    if is_loopback(host) or settings.auth_token is not None:
+        return
+    raise OpenDoor(
+        f"--host {host} is reachable from other machines and no auth token is set, so anyone"
+        f" could register or remove engines: set ${AUTH_TOKEN_ENV}, --auth-token-file or"
+        " api.auth_token_file (or pass --insecure-no-auth to run open anyway)"
+    )
