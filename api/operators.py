@@ -22,8 +22,8 @@ from api.matching import is_degraded
 from api.openapi import answers, body
 from api.parsing import StrictQueryRoute, decode_body, hash_text, parse_hash
 from api.schemas import HASH_PATTERN, BlockResidencies, EngineState, RankState, Stats
-from indexer import native
 from indexer.core.events import MEDIA, RankId
+from indexer.engines.vllm import native
 from indexer.registry import BindRefused, EngineExists, EngineSpec, RankStatus, UnknownEngine
 
 log = logging.getLogger("kvindex.api")

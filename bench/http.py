@@ -26,7 +26,7 @@ from bench.fleet import BLOCK_SIZE, CHUNK_BLOCKS, Fleet, rank_of
 from bench.measure import interleaved, latency_ms
 from bench.query import load
 from bench.report import Figure, Goal, Report
-from indexer import native
+from indexer.engines.vllm import native
 from indexer.engines.vllm.hashing import HASH_ALGOS, HashSpec, block_hashes
 from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore

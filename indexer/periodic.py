@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from indexer.stores.base import StoreUnavailable
+from indexer.errors import StoreUnavailable
 
 log = logging.getLogger("kvindex.periodic")
 

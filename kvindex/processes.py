@@ -26,10 +26,10 @@ from prometheus_client import start_http_server
 
 from api.app import create_app
 from api.settings import ApiSettings
-from indexer import native
 from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.status_board import StatusBoard
 from indexer.cluster.workers import Worker
+from indexer.engines.vllm import native
 from indexer.ingest.subscriber import RankPool
 from indexer.registry import EngineSpec
 from indexer.stores.base import StoreUnavailable

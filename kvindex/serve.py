@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from api.app import create_app
 from api.settings import ApiSettings
-from indexer import native
+from indexer.engines.vllm import native
 from indexer.ingest.subscriber import Subscriber
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores.base import Store

@@ -17,8 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from indexer import native
-from indexer.engines.vllm import hashing
+from indexer.engines.vllm import hashing, native
 
 from .apikit import Api
 
@@ -65,7 +64,7 @@ def _run(script: str) -> subprocess.CompletedProcess:
 def test_without_the_extension_hashes_stay_exact_and_status_says_why() -> None:
     script = (
         "import json\n"
-        "from indexer import native\n"
+        "from indexer.engines.vllm import native\n"
         "from indexer.engines.vllm.hashing import HashSpec, block_hashes\n"
         "print(json.dumps([native.status(), block_hashes(HashSpec('sha256', None, 16), "
         "list(range(48)))]))\n"

@@ -12,10 +12,18 @@ from typing import Protocol
 
 from indexer.core.events import BlockHash, EventBatch, RankId
 from indexer.core.matching import PrefixMatch
+from indexer.errors import StoreUnavailable
 
-
-class StoreUnavailable(RuntimeError):
-    """The store cannot be reached; callers retry, the API answers 503."""
+__all__ = [
+    "ApplyResult",
+    "Fenced",
+    "Loss",
+    "Residency",
+    "Store",
+    "StoreLost",
+    "StoreUnavailable",
+    "Watermark",
+]
 
 
 class Fenced(RuntimeError):

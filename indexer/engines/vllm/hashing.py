@@ -33,7 +33,7 @@ from itertools import repeat
 from operator import getitem
 from typing import Any
 
-from indexer import native
+from indexer.engines.vllm import native
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
@@ -249,7 +249,7 @@ def block_hashes(
     CBOR encode other types differently, so the digest would silently differ.
     A LoRA needs
     both name and path because vLLM keys blocks by both. The compiled core
-    computes them when it is built (:mod:`indexer.native`); ``compiled=False``
+    computes them when it is built (:mod:`indexer.engines.vllm.native`); ``compiled=False``
     runs the pure-Python reference, block by block: the executable spec the
     compiled core is tested and measured against.
     """
