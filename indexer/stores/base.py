@@ -1,7 +1,8 @@
 """The one protocol every store implements, and the values it speaks in.
 
-The conformance suite (``tests/test_store_conformance.py``) runs the same
-tests against every implementation; a new backend is done when it passes.
+The conformance suite (:mod:`indexer.stores.conformance`) runs the same
+checks against every implementation (``await run(factory)``); a new backend is
+done when it passes.
 """
 
 from __future__ import annotations

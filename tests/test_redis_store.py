@@ -1,0 +1,100 @@
+"""The Redis store alone: configuration, key layout, connections, and the replay command.
+
+The rules every store follows are checked in ``test_store_conformance.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from indexer.core.events import CPU, GPU, STORAGE
+from indexer.stores import StoreUnavailable
+from indexer.stores.conformance import RANK, apply, counts
+from indexer.stores.redis import RedisConfig, RedisStore
+
+from .conftest import expected_path, redis_config, server_for, trace_path
+from .events import stored
+from .servers import LocalCluster, RedisServer, free_port
+
+
+@pytest.mark.parametrize("name", ["chat-sha256", "hybrid-mamba"])
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+def test_replay_command_reports_with_redis_what_it_does_in_memory(
+    request: pytest.FixtureRequest, kind: str, name: str
+) -> None:
+    server = server_for(request, kind)
+
+    def replay(*flags: str) -> dict:
+        command = [sys.executable, "-m", "kvindex.cli", "replay", str(trace_path(name))]
+        command += ["--probe", str(expected_path(name)), *flags]
+        return json.loads(subprocess.run(command, capture_output=True, check=True).stdout)
+
+    flags = ["--redis-url", server.url, "--redis-prefix", redis_config(server.url).prefix]
+    flags += ["--redis-cluster"] if kind == "cluster" else []
+    in_memory = replay()
+    assert in_memory["probes"] and in_memory["blocks"]["GPU"] > 0
+    assert replay(*flags) == in_memory
+    assert replay(*flags) == in_memory  # a second replay into the same prefix starts afresh
+
+
+def test_a_prefix_cannot_hold_a_hash_tag_or_a_glob() -> None:
+    for prefix in ("", "a{b}", "idx*", "x[1]"):
+        with pytest.raises(ValueError, match="prefix"):
+            RedisConfig(prefix=prefix)
+
+
+async def test_indexes_with_other_prefixes_share_a_server_independently(
+    redis_server: RedisServer,
+) -> None:
+    stores = [RedisStore(redis_config(redis_server.url)) for _ in range(2)]
+    try:
+        for i, store in enumerate(stores):
+            await apply(store, 0, stored([1, 2 + i]))
+        await stores[0].forget(RANK)
+        await stores[0].sweep()
+        assert await stores[0].ranks() == []
+        assert await stores[1].block_counts(RANK) == {GPU: 2, CPU: 0, STORAGE: 0}
+        assert await counts(stores[1], 3) == {GPU: 1}
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_buckets_spread_evenly_over_the_cluster(redis_cluster: LocalCluster) -> None:
+    """Masters own slot ranges; every one of them should get its share of buckets."""
+    store = RedisStore(redis_config(redis_cluster.url, cluster=True))
+    try:
+        await store.ping()  # learns the slot map
+        owners = [store._client.get_node_from_key(key).name for key in store._bucket_keys]
+    finally:
+        await store.close()
+    shares = sorted(owners.count(node) for node in set(owners))
+    assert len(shares) == len(redis_cluster.nodes)
+    assert shares[-1] - shares[0] <= 1
+
+
+@pytest.mark.parametrize("via", ["acl-user", "unix-socket"])
+async def test_urls_with_an_acl_user_or_a_unix_socket(tmp_path, via: str) -> None:
+    socket = tmp_path / "redis.sock"
+    acl = ("--user", "indexer", "on", ">s3cret", "~*", "&*", "+@all", "--user", "default", "off")
+    extra = acl if via == "acl-user" else ("--unixsocket", str(socket), "--unixsocketperm", "700")
+    auth = ("indexer", "s3cret") if via == "acl-user" else None
+    server = RedisServer(tmp_path / "redis", free_port(), extra, auth).start()
+    url = server.url if via == "acl-user" else f"unix://{socket}?db=0"
+    bad_url = url.replace("s3cret", "badpass")
+    stores = [RedisStore(redis_config(url)), RedisStore(redis_config(bad_url))]
+    try:
+        await apply(stores[0], 0, stored([1]))
+        assert await counts(stores[0], 1) == {GPU: 1}
+        if via == "acl-user":
+            with pytest.raises(StoreUnavailable) as refused:
+                await stores[1].ping()
+            assert "badpass" not in str(refused.value)  # no password in messages
+    finally:
+        for store in stores:
+            await store.close()
+        server.stop()
