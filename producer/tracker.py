@@ -23,16 +23,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from indexer.core.events import BlockRemoved, BlockStored
+from indexer.core.events import BlockHash, BlockRemoved, BlockStored
 
-BlockHash = int | bytes
 OffloadMedium = Literal["CPU", "STORAGE"]
 #: A tier holding a chunk: ``(medium, ownership)``; ownership None is the engine's own.
-Residency = tuple[str, str | None]
+OffloadTier = tuple[str, str | None]
 Event = BlockStored | BlockRemoved
 
 #: The offload manager's own tier. Stores and lookup hits land here first.
-PRIMARY: Residency = ("CPU", None)
+PRIMARY: OffloadTier = ("CPU", None)
 
 
 class OffloadKey(NamedTuple):
@@ -95,7 +94,7 @@ class OffloadEvent:
 
     ``removal_expected`` is False for tiers that never report removals (they
     must not keep a snapshot alive). ``metadata_only`` marks the removal of a
-    residency that was never published (a failed store): it is forgotten
+    tier copy that was never published (a failed store): it is forgotten
     without an event.
     """
 
@@ -134,7 +133,7 @@ class _Snapshot:
     block_size: int
     lora_id: int | None
     lora_name: str | None
-    residencies: set[Residency] = field(default_factory=lambda: {PRIMARY})
+    tiers: set[OffloadTier] = field(default_factory=lambda: {PRIMARY})
 
 
 class Tracker:
@@ -169,7 +168,7 @@ class Tracker:
         """Note a primary-tier hit on a complete chunk (ready or still being written).
 
         A hit proves the primary tier holds the chunk, so it is registered as
-        a residency even on an existing snapshot, whose payload is kept. A key
+        a holding tier even on an existing snapshot, whose payload is kept. A key
         the manager has not allocated (a miss or a deferred lookup) adds nothing.
         """
         group = self._describable(key) if allocated else None
@@ -198,7 +197,7 @@ class Tracker:
         # one batch; drop a snapshot only once every store has registered.
         for key in removed:
             snapshot = self._snapshots.get(key)
-            if snapshot is not None and not snapshot.residencies:
+            if snapshot is not None and not snapshot.tiers:
                 del self._snapshots[key]
         return published
 
@@ -217,14 +216,14 @@ class Tracker:
 
     def _replace(self, key: OffloadKey, snapshot: _Snapshot) -> None:
         if old := self._snapshots.get(key):
-            snapshot.residencies |= old.residencies
+            snapshot.tiers |= old.tiers
         self._snapshots[key] = snapshot
 
     def _mark_primary(self, key: OffloadKey) -> bool:
-        """Register the primary residency on an existing snapshot; False if none."""
+        """Register the primary tier on an existing snapshot; False if none."""
         snapshot = self._snapshots.get(key)
         if snapshot is not None:
-            snapshot.residencies.add(PRIMARY)
+            snapshot.tiers.add(PRIMARY)
         return snapshot is not None
 
     @staticmethod
@@ -258,7 +257,7 @@ class Tracker:
                 stored.append(self._placeholder(key, event))
                 continue
             if event.removal_expected:
-                snapshot.residencies.add((event.medium, event.ownership))
+                snapshot.tiers.add((event.medium, event.ownership))
             stored.append(
                 BlockStored(
                     block_hashes=list(snapshot.block_hashes),
@@ -291,7 +290,7 @@ class Tracker:
 
     def _removals(self, event: OffloadEvent) -> list[BlockRemoved]:
         # One event per KV group keeps group_idx unambiguous for the consumer.
-        residency = (event.medium, event.ownership)
+        tier = (event.medium, event.ownership)
         by_group: dict[int, list[BlockHash]] = {}
         for key in event.keys:
             hashes = by_group.setdefault(key.group_idx, [])
@@ -299,7 +298,7 @@ class Tracker:
             if snapshot is None:
                 hashes.append(key.block_hash)
             else:
-                snapshot.residencies.discard(residency)
+                snapshot.tiers.discard(tier)
                 hashes.extend(snapshot.block_hashes)
         if event.metadata_only:
             return []
