@@ -1,0 +1,195 @@
+"""Differential tests: every store equals the pure reference after every batch.
+
+The reference is :mod:`indexer.core` alone: per rank a
+:class:`~indexer.core.residency.RankResidency` fed :func:`plan_batch`'s ops,
+its own prefix walk (:meth:`RankResidency.match`, vLLM's hybrid rule
+included) and the watermark rule (a seq at or below the last is dropped).
+Random streams mix duplicates and holes, operator clears, engine restarts
+(``reset_seq``), forgotten ranks, unknown removals, several ranks and
+engines, several KV groups of every kind, and int and bytes hashes; after
+each step the store's counts, anomalies, watermarks, ranks and prefix
+answers must be the reference's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.core.events import CPU, GPU, MEDIA, AllBlocksCleared, EventBatch, RankId
+from indexer.core.residency import RankResidency, plan_batch
+from indexer.stores import MemoryStore, Store, Watermark
+from indexer.stores.redis import RedisStore
+
+from .conftest import redis_config
+from .events import removed, stored
+from .servers import LocalCluster, RedisServer
+from .test_store_conformance import DropsRemovals
+
+RANKS = [RankId("a", 0), RankId("a", 1), RankId("b", 0)]
+#: int hashes and bytes hashes (a bytes hash is its own key, never its int)
+POOL = [*range(1, 11), b"\x01" * 32, b"\x02" * 32, (1).to_bytes(32, "big")]
+CHAINS = [POOL[:12], POOL[::-1], [1, 2, 3, 7, 8, 9, 10, POOL[10], POOL[11]], POOL[10:]]
+
+
+@dataclass
+class Reference:
+    """The rules of :mod:`indexer.core` and the watermark rule, nothing else."""
+
+    states: dict[RankId, RankResidency] = field(default_factory=dict)
+    marks: dict[RankId, Watermark] = field(default_factory=dict)
+
+    def apply(self, rank: RankId, seq: int, batch: EventBatch) -> bool:
+        mark = self.marks.get(rank)
+        if mark is not None and seq <= mark.seq:
+            return False
+        self.states.setdefault(rank, RankResidency()).apply(plan_batch(batch))
+        self.marks[rank] = Watermark(seq, batch.ts)
+        return True
+
+    def clear(self, rank: RankId, media: list[str], reset_seq: bool) -> None:
+        if rank in self.states:
+            self.states[rank].clear(media)
+        if reset_seq:
+            self.marks.pop(rank, None)
+
+    def forget(self, rank: RankId) -> None:
+        self.states.pop(rank, None)
+        self.marks.pop(rank, None)
+
+    def residency(self, h: object) -> set[tuple]:
+        return {
+            (rank.engine, rank.dp_rank, *tier, table.locality, table.counts[h])
+            for rank, state in self.states.items()
+            for tier, table in state.tables.items()
+            if h in table.counts
+        }
+
+
+_hashes = st.lists(st.sampled_from(POOL), min_size=1, max_size=6)
+_event = st.one_of(
+    st.builds(
+        stored,
+        _hashes,
+        medium=st.sampled_from([GPU, GPU, CPU, "STORAGE", "cpu"]),
+        owner=st.sampled_from([None, None, "kvcr"]),
+        group=st.sampled_from([0, 0, 1, 2]),
+        kind=st.sampled_from([None, "full_attention", "sliding_window", "mamba"]),
+        locality=st.sampled_from([None, "LOCAL"]),
+        block_size=st.sampled_from([0, 4, 4, 16]),
+        window=st.sampled_from([None, 8, 13]),
+    ),
+    st.builds(
+        removed,
+        _hashes,
+        medium=st.sampled_from([GPU, CPU, "STORAGE"]),
+        owner=st.sampled_from([None, "kvcr"]),
+        group=st.sampled_from([0, 1, 2]),
+    ),
+    st.just(AllBlocksCleared()),
+)
+#: ("batch", rank, seq step (0: a duplicate, 2: a hole), events), a clear, a restart, a forget
+_step = st.one_of(
+    st.tuples(
+        st.just("batch"),
+        st.sampled_from(RANKS),
+        st.sampled_from([1, 1, 1, 0, 2]),
+        st.lists(_event, max_size=6),
+    ),
+    st.tuples(st.just("clear"), st.sampled_from(RANKS), st.sampled_from([[CPU], [GPU, CPU]])),
+    st.tuples(st.just("restart"), st.sampled_from(RANKS)),
+    st.tuples(st.just("forget"), st.sampled_from(RANKS)),
+)
+_streams = st.lists(_step, min_size=1, max_size=20)
+_declared = st.sampled_from([None, 2, 3])
+
+
+async def check_equal(
+    store: Store, ref: Reference, engines: dict[str, int | None], at: int
+) -> None:
+    for rank in RANKS:
+        state = ref.states.get(rank)
+        want = {m: state.distinct_blocks(m) if state else 0 for m in MEDIA}
+        assert await store.block_counts(rank) == want, (at, rank)
+        unknown = state.unknown_removals if state else 0
+        assert await store.anomalies(rank) == {"unknown_removals": unknown}, (at, rank)
+        assert await store.watermark(rank) == ref.marks.get(rank), (at, rank)
+    assert await store.ranks() == sorted(ref.states.keys() | ref.marks.keys()), at
+    for h in POOL:
+        rows = await store.block_residency(h)
+        got = {
+            (r.engine, r.dp_rank, r.medium, r.ownership, r.group_idx, r.locality, r.count)
+            for r in rows
+        }
+        assert got == ref.residency(h), (at, h)
+    for chain in CHAINS:
+        want_match = {
+            rank: state.match(chain, engines[rank.engine] or state.chunk_blocks)
+            for rank, state in ref.states.items()
+        }
+        assert await store.prefix_match(chain, engines) == want_match, (at, chain)
+
+
+async def run_stream(make: Callable[[], Store], steps: list[tuple], declared: int | None) -> None:
+    store, ref = make(), Reference()
+    engines = {"a": declared, "b": None}
+    seqs = dict.fromkeys(RANKS, -1)
+    ts = 0.0
+    try:
+        for at, (what, rank, *args) in enumerate(steps):
+            if what == "batch":
+                step, events = args
+                seqs[rank] = max(0, seqs[rank] + step)
+                ts += 1.0
+                batch = EventBatch(ts, events, 0)
+                applied = (await store.apply_batch(rank, seqs[rank], batch)).applied
+                assert applied == ref.apply(rank, seqs[rank], batch), at
+            elif what == "clear":
+                await store.clear(rank, args[0])
+                ref.clear(rank, args[0], reset_seq=False)
+            elif what == "restart":  # the engine numbers its batches from 0 again
+                await store.clear(rank, [GPU, CPU], reset_seq=True)
+                ref.clear(rank, [GPU, CPU], reset_seq=True)
+                seqs[rank] = -1
+            else:
+                await store.forget(rank)
+                ref.forget(rank)
+                seqs[rank] = -1
+            await check_equal(store, ref, engines, at)
+    finally:
+        await store.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(_streams, _declared)
+def test_the_memory_store_equals_the_reference_after_every_batch(steps, declared) -> None:
+    asyncio.run(run_stream(MemoryStore, steps, declared))
+
+
+@settings(max_examples=40, deadline=None)
+@given(_streams, _declared)
+def test_the_redis_store_equals_the_reference_after_every_batch(
+    redis_server: RedisServer, steps, declared
+) -> None:
+    make = lambda: RedisStore(redis_config(redis_server.url))  # noqa: E731
+    asyncio.run(run_stream(make, steps, declared))
+
+
+@settings(max_examples=30, deadline=None)
+@given(_streams, _declared)
+def test_the_redis_cluster_store_equals_the_reference_after_every_batch(
+    redis_cluster: LocalCluster, steps, declared
+) -> None:
+    make = lambda: RedisStore(redis_config(redis_cluster.url, cluster=True))  # noqa: E731
+    asyncio.run(run_stream(make, steps, declared))
+
+
+def test_a_store_that_drops_removals_differs_from_the_reference() -> None:
+    steps = [("batch", RANKS[0], 1, [stored([1, 2])]), ("batch", RANKS[0], 1, [removed([1])])]
+    with pytest.raises(AssertionError):
+        asyncio.run(run_stream(DropsRemovals, steps, None))
