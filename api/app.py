@@ -16,11 +16,10 @@ from fastapi import FastAPI
 from api import health, operators, prefix
 from api.chains import learned
 from api.context import ApiContext
-from api.errors import install_error_handlers
+from api.errors import GuardedStore, install_error_handlers
 from api.limits import BodyLimit
 from api.openapi import install_openapi
 from api.settings import ApiSettings
-from api.store_guard import GuardedStore
 from indexer.core.events import EventBatch, RankId
 from indexer.registry import ConsumerView, Registry, UnknownEngine
 from indexer.stores.base import Store

@@ -2,13 +2,21 @@
 
 Routers and operators read the message, so every handler here turns its
 exception into a sentence that names the offending input. FastAPI's own
-``{"detail": ...}`` shapes are replaced; a store that cannot be reached is a
-503, never a 500.
+``{"detail": ...}`` shapes are replaced.
+
+A store that fails is a 503, never a 500, and this module is the one place
+that says so: :class:`GuardedStore` turns whatever the backend raised (a
+Redis timeout, a dropped connection, a cluster redirect storm surface as
+whatever exception the client library raises) into :class:`StoreUnavailable`,
+and one handler answers it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -18,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from api.metrics import STORE_ERRORS
-from indexer.stores.base import StoreUnavailable
+from indexer.stores.base import Store, StoreUnavailable
 
 log = logging.getLogger("kvindex.api")
 
@@ -35,10 +43,6 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.headers = headers
-
-
-class StoreError(Exception):
-    """The store failed while answering; wraps the cause for the 503 handler."""
 
 
 _encode = msgspec.json.Encoder().encode
@@ -91,6 +95,32 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+class GuardedStore:
+    """Delegates to a :class:`Store`; any failure raises :class:`StoreUnavailable`.
+
+    Every call site would otherwise need its own ``try``: the API cannot know
+    which exceptions a backend's client library raises.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        method = getattr(self._store, name)
+
+        @functools.wraps(method)
+        async def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await method(*args, **kwargs)
+            except StoreUnavailable:
+                raise
+            except Exception as e:
+                raise StoreUnavailable(str(e) or type(e).__name__) from e
+
+        setattr(self, name, guarded)  # built once per method
+        return guarded
+
+
 _logged_store_errors: set[str] = set()
 
 
@@ -109,4 +139,3 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(StoreUnavailable, _store_error)
-    app.add_exception_handler(StoreError, _store_error)

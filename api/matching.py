@@ -19,7 +19,7 @@ from api.errors import ApiError
 from api.schemas import EngineMatch, PrefixMatchResponse
 from indexer.core.events import BlockHash, RankId
 from indexer.core.matching import PrefixMatch
-from indexer.registry import EngineSpec, RankStatus, UnknownEngine
+from indexer.registry import EngineSpec, RankStatus, UnknownEngine, is_degraded
 
 _NO_MATCH = PrefixMatch()
 _NONE: frozenset[int] = frozenset()
@@ -43,11 +43,6 @@ class _Lookup:
     chain: list[BlockHash]
     chunk_blocks: dict[str, int | None]
     rank: RankId | None = None  # keep only this rank's answer: its chain is its own
-
-
-def is_degraded(status: RankStatus | None) -> bool:
-    """An unfilled gap, or no live connection (unknown counts as not connected)."""
-    return status is None or status.degraded or not status.connected
 
 
 class PrefixMatcher:

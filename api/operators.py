@@ -18,13 +18,19 @@ from fastapi import APIRouter, Path, Request, Response
 from api.auth import require_token
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
-from api.matching import is_degraded
 from api.openapi import answers, body
 from api.parsing import StrictQueryRoute, decode_body, hash_text, parse_hash
 from api.schemas import HASH_PATTERN, BlockResidencies, EngineState, RankState, Stats
 from indexer.core.events import MEDIA, RankId
 from indexer.engines.vllm import native
-from indexer.registry import BindRefused, EngineExists, EngineSpec, RankStatus, UnknownEngine
+from indexer.registry import (
+    BindRefused,
+    EngineExists,
+    EngineSpec,
+    RankStatus,
+    UnknownEngine,
+    is_degraded,
+)
 
 log = logging.getLogger("kvindex.api")
 _encode = msgspec.json.Encoder().encode

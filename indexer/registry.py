@@ -343,6 +343,15 @@ class RankStatus(msgspec.Struct):
     owner: str | None = None  # the indexer worker consuming it (None: this process)
 
 
+def is_degraded(status: RankStatus | None) -> bool:
+    """Whether a rank's answers may be wrong: an unfilled gap, or no live connection.
+
+    A rank with no status at all (unknown) counts as not connected. Prefix
+    matches flag such ranks and ``/stats`` counts them, by this one rule.
+    """
+    return status is None or status.degraded or not status.connected
+
+
 class ConsumerView(Protocol):
     """What the API reads of the running subscriber (or of the shared store
     when the API runs as its own process)."""
