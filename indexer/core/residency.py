@@ -13,10 +13,9 @@ per tier per engine rank.
 
 from __future__ import annotations
 
-from collections import _count_elements
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress, groupby, repeat
+from itertools import chain, groupby
 from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
@@ -81,9 +80,6 @@ _CLEAR_GPU = ClearMedium(GPU)
 _SIGNATURE = attrgetter(
     "__class__", "medium", "ownership", "group_idx", "locality", "kv_cache_spec_kind"
 )
-_hashes = attrgetter("block_hashes")
-_block_size = attrgetter("block_size")
-_new = tuple.__new__  # a NamedTuple without its Python-level __new__: ops are built per group
 
 
 def _tier(medium: str | None, ownership: str | None, group_idx: int | None) -> Tier:
@@ -149,7 +145,7 @@ def _removals_first(runs: list[Run]) -> list[Run]:
 
 
 def _all_hashes(runs: list[Run]) -> Iterable[BlockHash]:
-    return chain.from_iterable(map(_hashes, chain.from_iterable(map(itemgetter(1), runs))))
+    return (h for _, events in runs for event in events for h in event.block_hashes)
 
 
 def _removed_after_stored(runs: list[Run], hashes: set[BlockHash]) -> bool:
@@ -169,7 +165,7 @@ def _plan_run(ops: list[Op], signature: tuple, events: list[Event]) -> None:
     """Append the operation of a run of alike events (several for lower-tier stores)."""
     cls, medium, ownership, group_idx, locality, kind = signature
     if cls is AllBlocksCleared:
-        ops.extend(repeat(_CLEAR_GPU, len(events)))
+        ops.extend([_CLEAR_GPU] * len(events))
         return
     tier = _TIERS.get((medium, ownership, group_idx)) or _tier(medium, ownership, group_idx)
     if cls is BlockRemoved:
@@ -181,8 +177,8 @@ def _plan_run(ops: list[Op], signature: tuple, events: list[Event]) -> None:
     if tier.medium == GPU or not is_scored(kind):
         _add(ops, tier, 1, events, locality, kind, None)
     else:  # lower-tier stores: self-describing chunks teach the chunk size
-        sizes = list(map(len, map(_hashes, events)))
-        if sizes.count(sizes[0]) == len(sizes) and min(map(_block_size, events)) > 0:
+        sizes = [len(event.block_hashes) for event in events]
+        if sizes.count(sizes[0]) == len(sizes) and min(e.block_size for e in events) > 0:
             _add(ops, tier, 1, events, locality, kind, sizes[0])  # all one chunk size
             return
         for chunk, stores in groupby(events, _chunk_blocks):
@@ -211,13 +207,16 @@ def _add(
         and last[1] == delta
         and last[3:] == (locality, kind, chunk)
     ):
-        hashes = [*last.hashes, *chain.from_iterable(map(_hashes, events))]
-        ops[-1] = _new(TierOp, (tier, delta, hashes, locality, kind, chunk))
+        hashes = [*last.hashes, *_all_of(events)]
+        ops[-1] = TierOp(tier, delta, hashes, locality, kind, chunk)
         return
-    hashes = (
-        events[0].block_hashes if len(events) == 1 else [*chain.from_iterable(map(_hashes, events))]
-    )
-    ops.append(_new(TierOp, (tier, delta, hashes, locality, kind, chunk)))
+    hashes = events[0].block_hashes if len(events) == 1 else _all_of(events)
+    ops.append(TierOp(tier, delta, hashes, locality, kind, chunk))
+
+
+def _all_of(events: list[Event]) -> list[BlockHash]:
+    """The events' hashes, one list, in order."""
+    return [h for event in events for h in event.block_hashes]
 
 
 def _chunk_blocks(event: BlockStored) -> int | None:
@@ -275,28 +274,29 @@ class RankResidency:
                 table.locality = locality
             if delta > 0:
                 if self.group_kinds.get(tier.group_idx, _UNSEEN) != kind:
-                    self._learn(op)
+                    self.learn_kind(op)
                 if chunk and self.chunk_blocks is None:
                     self.chunk_blocks = chunk
-                self._store(tier, table.counts, hashes)
+                self.add(tier, table.counts, hashes)
             else:
-                self.unknown_removals += self._remove(tier, table.counts, hashes)
+                self.unknown_removals += self.drop(tier, table.counts, hashes)
             applied += len(hashes)
         return applied
 
-    # The two hooks below are where counts change. They are methods so that a
-    # store keeping an index of residency (the embedded store's holder index)
-    # can see which hashes a tier gained or lost, in the same pass.
+    # The three methods below are where counts and kinds change: a store that
+    # keeps an index derived from residency (the embedded store's holder
+    # index) overrides them to see what a tier gained or lost, in the same
+    # pass. An override must leave ``counts`` and ``group_kinds`` as these do.
 
-    def _store(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
-        """Add one reference per hash."""
-        _count_elements(counts, hashes)
+    def add(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
+        """Add one reference per hash of ``tier`` (``counts`` is its table)."""
+        add_references(counts, hashes)
 
-    def _remove(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> int:
-        """Drop one reference per hash; returns the removals of unknown hashes."""
-        return _decrement(counts, hashes)
+    def drop(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> int:
+        """Drop one reference per hash of ``tier``; returns the removals of unknown hashes."""
+        return drop_references(counts, hashes)
 
-    def _learn(self, op: TierOp) -> None:
+    def learn_kind(self, op: TierOp) -> None:
         """Remember what a store says a group is, unless what is known already refines it.
 
         A removal's kind is None; a chunk-end placeholder's sliding-window kind
@@ -362,31 +362,26 @@ class RankResidency:
         return len(set().union(*tables))
 
 
-def _decrement(
+def add_references(counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
+    """One more reference per hash (a hash listed twice gets two)."""
+    for h in hashes:
+        counts[h] = counts.get(h, 0) + 1
+
+
+def drop_references(
     counts: dict[BlockHash, int], hashes: Sequence[BlockHash], gone: list | None = None
 ) -> int:
-    """Remove one reference per hash, never below zero; returns unknown removals.
+    """One reference fewer per hash, never below zero: a hash leaves with its last.
 
-    ``gone``, if given, receives the hashes whose last reference this removed.
-    Most removals drop a block's only reference: pop them all in C, and only
-    if some count was above one put the pops back and go hash by hash (when
-    every count was at most one, popping in order is exactly the rule).
+    Returns the removals of hashes not held (counted, never applied); ``gone``,
+    if given, receives the hashes whose last reference this dropped.
     """
-    popped = list(map(counts.pop, hashes, repeat(0)))
-    unknown = popped.count(0)
-    if unknown + popped.count(1) == len(popped):
-        if gone is not None:
-            gone.extend(compress(hashes, popped))
-        return unknown
-    for h, n in zip(reversed(hashes), reversed(popped), strict=True):
-        if n:  # in reverse, so a hash listed twice gets its count from before the first pop
-            counts[h] = n
     unknown = 0
     for h in hashes:
-        n = counts.get(h, 0)
-        if n > 1:
-            counts[h] = n - 1
-        elif n == 1:
+        held = counts.get(h, 0)
+        if held > 1:
+            counts[h] = held - 1
+        elif held == 1:
             del counts[h]
             if gone is not None:
                 gone.append(h)

@@ -4,11 +4,11 @@ The default for ``kvindex serve``. It forgets everything on exit; run with a
 Redis URL for an index that survives restarts and serves many API replicas.
 
 Each rank's exact refcounts live in its :class:`~indexer.core.residency.RankResidency`
-(here the :class:`~indexer.stores.memory.holders.IndexedResidency` flavour); prefix
+(here the :class:`~indexer.stores.memory.residency.IndexedResidency` flavour); prefix
 queries read the shared :class:`~indexer.stores.memory.holders.HolderIndex`, which
 walks a chain once for all ranks instead of once per rank, and takes the
 answers of hybrid models' ranks (a sliding-window or Mamba group seen) to
-vLLM's hybrid rule (:class:`~indexer.stores.memory.holders.Hybrids`).
+vLLM's hybrid rule (:class:`~indexer.stores.memory.hybrids.Hybrids`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from indexer.core.events import MEDIA, BlockHash, EventBatch, RankId
 from indexer.core.matching import PrefixMatch
 from indexer.core.residency import plan_batch
 from indexer.stores.base import ApplyResult, Loss, Residency, Watermark
-from indexer.stores.memory.holders import HolderIndex, Hybrids, IndexedResidency
+from indexer.stores.memory.holders import HolderIndex
+from indexer.stores.memory.hybrids import Hybrids
+from indexer.stores.memory.residency import IndexedResidency
 
 
 class MemoryStore:

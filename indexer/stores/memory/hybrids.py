@@ -1,0 +1,141 @@
+"""Hybrid models' ranks in the embedded store: their answers taken to vLLM's hybrid rule.
+
+The holder index answers every rank by its full-attention groups; a rank of a
+hybrid model (a sliding-window or Mamba group seen) keeps that answer only
+where its window group holds what the answer ends with, else it is walked on
+its own tables by :func:`~indexer.core.hybrid.hybrid_match`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from indexer.core.events import CPU, GPU, STORAGE, BlockHash
+from indexer.core.hybrid import GroupRule, hybrid_match
+from indexer.core.matching import PrefixMatch
+from indexer.core.residency import RankResidency
+from indexer.stores.memory.walk import EMPTY, Media, bits_of
+
+
+class Hybrids:
+    """The ranks of hybrid models in a store, by how their answers are refined.
+
+    A rank with one full-attention group and one window group (the common
+    hybrid: gpt-oss, hybrid Mamba models) keeps its full-attention answer
+    where its window group holds the units that answer ends with: checked on
+    the index's window masks, for every rank sharing an answer and a window
+    at once. The other ranks, and those failing the check, are walked one by
+    one on their own tables (:func:`~indexer.core.hybrid.hybrid_match`).
+    """
+
+    def __init__(self) -> None:
+        self.bits = 0  # every hybrid rank
+        self.unanchored = 0  # those without a full-attention group
+        self.states: dict[int, RankResidency] = {}  # bit -> rank
+        self.simple: dict[GroupRule, int] = {}  # window group's rule -> bits of such ranks
+        self._rules: dict[int, tuple[GroupRule, ...]] = {}  # bit -> rules registered
+        #: (window rule, chunk size) -> the units it needs, in blocks and in chunks
+        self._needs: dict[tuple[GroupRule, int], tuple[int, int]] = {}
+
+    def update(self, state: RankResidency, bit: int) -> None:
+        """Register a rank after a batch (its groups may have changed kind)."""
+        rules = state.group_rules()
+        if self._rules.get(bit) is rules or (not rules and not self.bits & bit):
+            return
+        self.drop(bit)
+        if rules:
+            self.bits |= bit
+            self.states[bit] = state
+            self._rules[bit] = rules
+            windows = [r for r in rules if r.window is not None]
+            if len(windows) == len(rules):
+                self.unanchored |= bit
+            if len(rules) == 2 and len(windows) == 1:
+                self.simple[windows[0]] = self.simple.get(windows[0], 0) | bit
+
+    def drop(self, bit: int) -> None:
+        if self.bits & bit:
+            self.bits &= ~bit
+            self.unanchored &= ~bit
+            del self.states[bit], self._rules[bit]
+            self.simple = {r: m & ~bit for r, m in self.simple.items() if m & ~bit}
+
+    def refine(
+        self,
+        answers: list[tuple[int, PrefixMatch]],
+        chain: Sequence[BlockHash],
+        asked: dict[int, int],
+        windows: Media,
+    ) -> list[tuple[int, PrefixMatch]]:
+        """``answers`` (disjoint masks, full-attention answers) with the hybrid ranks' own."""
+        out: list[tuple[int, PrefixMatch]] = []
+        covered = 0
+        for mask, match in answers:
+            covered |= mask
+            hybrid = mask & self.bits
+            if not hybrid:
+                out.append((mask, match))
+                continue
+            walk = hybrid
+            for size, group in asked.items():
+                for rule, bits in self.simple.items():
+                    if bits & hybrid & group:
+                        needs = self._needs.get((rule, size)) or self._need(rule, size)
+                        walk &= ~_unchanged(bits & walk & group, needs, size, match, chain, windows)
+            if mask & ~walk:
+                out.append((mask & ~walk, match))
+            if walk:
+                out += [(bit, self._walk(bit, match, chain, asked)) for bit in bits_of(walk)]
+        # a rank without a full-attention group may match with nothing on it
+        lonely = sum(asked.values()) & self.unanchored & ~covered
+        out += [(bit, self._walk(bit, EMPTY, chain, asked)) for bit in bits_of(lonely)]
+        return out
+
+    def _need(self, rule: GroupRule, size: int) -> tuple[int, int]:
+        needs = self._needs[rule, size] = (rule.need(), rule.need(size) if size else 0)
+        return needs
+
+    def _walk(
+        self, bit: int, full: PrefixMatch, chain: Sequence[BlockHash], asked: dict[int, int]
+    ) -> PrefixMatch:
+        state = self.states[bit]
+        rules = self._rules[bit]
+        size = next(size for size, group in asked.items() if group & bit)
+        return hybrid_match(chain, full, size, rules, state.group_tables)
+
+
+def _unchanged(
+    bits: int,
+    needs: tuple[int, int],
+    size: int,
+    match: PrefixMatch,
+    chain: Sequence,
+    windows: Media,
+) -> int:
+    """The ``bits`` whose window group holds what ``match`` ends with on every tier
+    (``needs``: its units needed in blocks, in chunks): for them vLLM's hybrid
+    hit is the full-attention one."""
+    gpu = match.gpu_blocks
+    bits = _holding(bits, windows[GPU], chain[max(0, gpu - needs[0]) : gpu])
+    if bits and 0 < size <= len(chain) and (match.prefix_blocks > gpu or match.cpu_blocks):
+        need, last = needs[1], size - 1
+        cpu, storage = windows[CPU], windows[STORAGE]
+        end = match.prefix_blocks // size
+        for h in chain[max(gpu // size, end - need) * size + last : end * size : size]:
+            bits &= cpu.get(h, 0) | storage.get(h, 0)
+        end = match.cpu_blocks // size
+        bits = _holding(bits, cpu, chain[max(0, end - need) * size + last : end * size : size])
+    if bits and 0 < size <= len(chain) and match.storage_blocks:
+        end = match.storage_blocks // size
+        start = max(0, end - needs[1]) * size + size - 1
+        bits = _holding(bits, windows[STORAGE], chain[start : end * size : size])
+    return bits
+
+
+def _holding(bits: int, index: dict[BlockHash, int], keys: Sequence[BlockHash]) -> int:
+    """The ``bits`` holding every key in ``index``."""
+    for h in keys:
+        bits &= index.get(h, 0)
+        if not bits:
+            break
+    return bits
