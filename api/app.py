@@ -73,7 +73,6 @@ def create_app(
     ctx = ApiContext(GuardedStore(store), registry, consumers, token_index, settings)
 
     app = FastAPI(title="kvindex", version="0.1.0", description=DESCRIPTION)
-    app.state.token_index = token_index
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(prefix.router(ctx))

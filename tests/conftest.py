@@ -111,6 +111,33 @@ async def assert_matches_trace(store, rank: RankId, name: str) -> None:
             assert got == n, (medium, h)
 
 
+# --- tiers ---------------------------------------------------------------------------
+
+#: Fixtures that start real servers, and the marker each gives a test that uses one.
+_SERVER_MARKERS = {"redis_server": "redis", "durable_redis": "redis", "redis_cluster": "cluster"}
+#: Parameter values that pick a Redis backend (the ``store`` fixture and its kin).
+_BACKEND_MARKERS = {"redis": "redis", "cluster": "cluster"}
+
+
+def _server_markers(item: pytest.Item) -> set[str]:
+    """``redis`` / ``cluster`` for a test that needs that server: by fixture or by backend."""
+    names = {_SERVER_MARKERS[f] for f in getattr(item, "fixturenames", ()) if f in _SERVER_MARKERS}
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:
+        values = [v for v in callspec.params.values() if isinstance(v, str)]
+        names |= {_BACKEND_MARKERS[v] for v in values if v in _BACKEND_MARKERS}
+    if "cluster" in names:
+        names.add("redis")
+    return names
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark what needs Redis, so ``-m "not redis"`` runs where no redis-server is installed."""
+    for item in items:
+        for name in sorted(_server_markers(item)):
+            item.add_marker(name)
+
+
 # --- every store: memory, a standalone redis-server, a 3-master Redis Cluster -------
 
 

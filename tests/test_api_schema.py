@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
@@ -24,6 +25,13 @@ from indexer.ingest.trace import load_trace
 
 from .apikit import Api, engine
 from .conftest import trace_path
+
+TOKEN = "t0ken"
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 async def _populated(settings: ApiSettings) -> Api:
@@ -39,23 +47,38 @@ def _schema(settings: ApiSettings) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_asgi("/openapi.json", api.app)
 
 
-OPEN = _schema(ApiSettings())
-TOKEN = "t0ken"
-GUARDED = _schema(ApiSettings(auth_token=TOKEN))
-FUZZ = settings(
-    max_examples=100,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+# Built when a test runs, not when the module is imported: collecting (or
+# deselecting) these tests then costs nothing.
+@pytest.fixture(scope="module")
+def open_schema() -> schemathesis.BaseSchema:
+    return _schema(ApiSettings())
+
+
+@pytest.fixture(scope="module")
+def guarded_schema() -> schemathesis.BaseSchema:
+    return _schema(ApiSettings(auth_token=TOKEN))
+
+
+@pytest.fixture(autouse=True)
+def _node_id_for_the_lazy_loader(request: pytest.FixtureRequest) -> None:
+    """schemathesis 4.32's lazy loader reads and sets ``Node._nodeid`` to label each
+    operation's subtest; pytest 9 keeps the id elsewhere, so give it the attribute."""
+    request.node._nodeid = request.node.nodeid
+
+
+OPEN = schemathesis.pytest.from_fixture("open_schema")
+GUARDED = schemathesis.pytest.from_fixture("guarded_schema")
 NOT_CHECKED = [schemathesis.checks.positive_data_acceptance]
 
 
+@pytest.mark.slow
 @OPEN.parametrize()
 @FUZZ
 def test_api_conforms_to_its_schema(case: schemathesis.Case) -> None:
     case.call_and_validate(excluded_checks=NOT_CHECKED)
 
 
+@pytest.mark.slow
 @GUARDED.parametrize()
 @FUZZ
 def test_api_with_a_token_conforms_and_enforces_it(case: schemathesis.Case) -> None:

@@ -16,6 +16,8 @@ import pytest
 
 from .conftest import free_ports
 
+pytestmark = pytest.mark.slow  # every test starts a kvindex process
+
 KVINDEX = (sys.executable, "-m", "kvindex.cli")
 
 

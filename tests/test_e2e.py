@@ -28,6 +28,8 @@ from producer.workload import Workload, WorkloadConfig
 
 from .conftest import free_ports
 
+pytestmark = pytest.mark.slow  # a fleet of simulated engines and kvindex processes
+
 DP_RANKS = 2
 #: Small caches so that a few hundred requests evict on every tier.
 ENGINES = [

@@ -323,6 +323,7 @@ class Running:
         assert self.proc.wait(timeout=15) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["env", "file"])
 def test_a_token_from_the_environment_or_a_file_guards_the_registry(
     tmp_path: Path, source: str
@@ -341,6 +342,7 @@ def test_a_token_from_the_environment_or_a_file_guards_the_registry(
         serve.stop()
 
 
+@pytest.mark.slow
 def test_the_opt_out_runs_open() -> None:
     serve = Running("--insecure-no-auth")
     try:
@@ -398,6 +400,7 @@ async def ping(port: int) -> int:
         return (await client.get("/ping")).status_code
 
 
+@pytest.mark.slow
 async def test_slowloris_connections_are_closed_after_the_header_timeout() -> None:
     async with http_server(header_timeout=1.5) as port:
         opened, slow = [], []
@@ -412,6 +415,7 @@ async def test_slowloris_connections_are_closed_after_the_header_timeout() -> No
             writer.close()
 
 
+@pytest.mark.slow
 async def test_silent_and_keep_alive_connections_are_bounded_too() -> None:
     async with http_server(header_timeout=1.0) as port:
         silent_reader, silent = await asyncio.open_connection("127.0.0.1", port)
@@ -425,6 +429,7 @@ async def test_silent_and_keep_alive_connections_are_bounded_too() -> None:
         writer.close()
 
 
+@pytest.mark.slow
 async def test_connections_beyond_the_limit_are_answered_503() -> None:
     async with http_server(header_timeout=3.0, max_connections=10) as port:
         slow = [await partial_head(port) for _ in range(10)]

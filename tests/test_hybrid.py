@@ -123,6 +123,7 @@ _subsets = st.lists(st.booleans(), min_size=len(CHAIN), max_size=len(CHAIN)).map
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(
     st.fixed_dictionaries({(m, g): _subsets for m in (GPU, CPU, STORAGE) for g in (0, 1)}),
@@ -206,6 +207,7 @@ def hybrid_stream(rng: random.Random, batches: int, kind: str, window: int | Non
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 async def test_every_store_answers_like_the_reference_on_random_hybrid_streams(
     store: Store, seed: int

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from indexer.core.events import GPU, RankId
 from indexer.ingest.rank_consumer import RankConsumer
@@ -100,6 +101,7 @@ async def test_a_frame_over_the_size_limit_is_never_read() -> None:
     assert (await store.block_counts(RANK))[GPU] == 19  # every batch but the oversize one
 
 
+@pytest.mark.slow
 async def test_batches_held_behind_a_gap_are_bounded_in_bytes() -> None:
     pub, replay = free_ports(), free_ports()  # nothing listens on the replay port
     store = MemoryStore()
@@ -119,6 +121,7 @@ async def test_batches_held_behind_a_gap_are_bounded_in_bytes() -> None:
     assert [r.count for r in await store.block_residency(last + 1)] == [1]
 
 
+@pytest.mark.slow
 async def test_a_replay_flood_is_bounded_and_an_engine_removed_frees_it() -> None:
     pub, replay = free_ports(), free_ports()
     store = SlowStore()  # the store is slower than the flood: it must wait somewhere

@@ -46,6 +46,7 @@ def silent_engines(count: int) -> list[EngineSpec]:
     return specs
 
 
+@pytest.mark.slow
 async def test_a_thousand_ranks_in_one_process(caplog) -> None:
     live = Engine("live")
     registry = EngineRegistry()
@@ -115,6 +116,7 @@ def test_the_file_limit_is_raised_to_the_hard_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 async def test_a_rank_without_publisher_is_named_once_and_in_readyz(caplog) -> None:
     """Nothing listening: one warning per rank naming the endpoint, ``never_connected``,
     and ``/readyz`` listing the ranks (503 only while no rank has a publisher)."""

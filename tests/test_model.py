@@ -38,6 +38,7 @@ _ops = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(_ops, st.integers(1, 60))
 def test_random_interleavings_match_a_naive_reference(ops, per_batch: int) -> None:

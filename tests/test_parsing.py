@@ -37,6 +37,7 @@ def strict(items: list[str], max_digits: int, ceiling: int) -> list[int] | int:
     return [int(item) for item in items]
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(st.lists(_ITEM, min_size=1, max_size=12))
 @example(["9223372036854775808", "\u0661"])  # out of range, then malformed: name the first

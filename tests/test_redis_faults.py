@@ -90,6 +90,7 @@ def crashing_before_commit(store: RedisStore) -> RedisStore:
     return store
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "ops_per_call", "most_commands"),
     [("redis", 16, 60), ("cluster", redis_store.OPS_PER_CALL, 300)],
@@ -145,6 +146,7 @@ async def test_cancelled_apply_tasks_then_redelivery(redis_server: RedisServer) 
         await check_trace_state(store, TRACE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["redis", "cluster"])
 async def test_racing_indexers_apply_each_batch_once(
     request: pytest.FixtureRequest, kind: str
@@ -190,6 +192,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 async def test_kill_9_of_an_indexer_process_then_redelivery(redis_server: RedisServer) -> None:
     """Each worker resumes from the Redis watermark; it is killed as it passes a target
     seq, somewhere in the batches it applies next."""

@@ -40,6 +40,8 @@ from .servers import RedisServer, free_port
 from .test_e2e import until
 from .test_store_conformance import RANK, check_trace_state, redis_config
 
+pytestmark = pytest.mark.slow  # every test restarts or flushes real Redis servers
+
 TRACE = "chat-clear"  # GPU + CPU offload and an AllBlocksCleared part-way
 
 

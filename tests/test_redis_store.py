@@ -21,6 +21,7 @@ from .events import stored
 from .servers import LocalCluster, RedisServer, free_port
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["chat-sha256", "hybrid-mamba"])
 @pytest.mark.parametrize("kind", ["redis", "cluster"])
 def test_replay_command_reports_with_redis_what_it_does_in_memory(

@@ -170,6 +170,7 @@ def blocks_of(name: str) -> dict[str, int]:
     return {"GPU": len(want["gpu_refcounts"]), "CPU": len(want["cpu_refcounts"]), "STORAGE": 0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_consumes_config_and_flag_engines(tmp_path: Path, sig: int) -> None:
     a, b = (free_ports(), free_ports()), (free_ports(), free_ports())
@@ -200,6 +201,7 @@ def test_serve_consumes_config_and_flag_engines(tmp_path: Path, sig: int) -> Non
     assert events[-1] == ("stopped", None)
 
 
+@pytest.mark.slow
 def test_serve_resumes_from_the_redis_watermark(tmp_path: Path, redis_server) -> None:
     """Stopped mid-stream and started again: no batch lost, none applied twice."""
     ports = (free_ports(), free_ports())

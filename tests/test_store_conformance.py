@@ -120,6 +120,7 @@ async def check_trace_state(store: Store, name: str) -> None:
             assert [r.count for r in rows if r.group_idx == int(group)] == [n], (group, h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES)
 async def test_trace_ends_in_vllms_state_and_answers(store: Store, name: str) -> None:
     trace = load_trace(trace_path(name))

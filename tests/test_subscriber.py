@@ -269,6 +269,7 @@ async def test_engine_restart_while_consuming(engine) -> None:
     await assert_matches_trace(store, RANK, "chat-clear")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "second",
     [("chat-clear",), ("chat-placeholders", "chat-clear")],
@@ -388,6 +389,7 @@ class FlakyStore(RecordingStore):
         return await super().watermark(rank)
 
 
+@pytest.mark.slow
 async def test_store_errors_are_retried_without_loss(engine) -> None:
     e = engine()
     pub = e.publisher()
@@ -666,6 +668,7 @@ async def test_a_garbage_replay_answer_is_no_restart(engine, answer: str) -> Non
     await assert_same(store, await reference(RANK, enumerate(items)), RANK, items)
 
 
+@pytest.mark.slow
 async def test_unanswered_probes_back_off(engine, caplog) -> None:
     """A replay endpoint that never answers: each unanswered request doubles the wait
     before the next probe, and the timeout is logged once, not at every probe."""

@@ -182,6 +182,7 @@ _event_like = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(
     st.binary(max_size=200)

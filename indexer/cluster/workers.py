@@ -161,10 +161,6 @@ class Worker:
     def running(self) -> bool:
         return self._pool.running() and all(not t.done() for t in self._tasks)
 
-    def owned(self) -> dict[RankId, int]:
-        """Each rank consumed here, with its token."""
-        return {rank: owned.token for rank, owned in self._owned.items()}
-
     # --- leases -------------------------------------------------------------------------
 
     async def _renew(self) -> None:
