@@ -21,7 +21,6 @@ MAX_LINES = 450
 OVERSIZED = {
     "indexer/stores/redis/store.py": "split in the next session",
     "indexer/ingest/rank_consumer.py": "split in the next session",
-    "indexer/stores/memory/holders.py": "split in the next session",
 }
 
 
