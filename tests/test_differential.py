@@ -18,12 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from indexer.core.events import CPU, GPU, MEDIA, AllBlocksCleared, EventBatch, RankId
+from indexer.core.hybrid import HeldUnits
 from indexer.core.residency import RankResidency, plan_batch
 from indexer.stores import MemoryStore, Store, Watermark
+from indexer.stores.memory.hybrids import HeldSlices
 from indexer.stores.redis import RedisStore
 
 from .conftest import redis_config
@@ -193,3 +195,21 @@ def test_a_store_that_drops_removals_differs_from_the_reference() -> None:
     steps = [("batch", RANKS[0], 1, [stored([1, 2])]), ("batch", RANKS[0], 1, [removed([1])])]
     with pytest.raises(AssertionError):
         asyncio.run(run_stream(DropsRemovals, steps, None))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.lists(st.booleans(), min_size=12, max_size=12), max_size=3),
+    st.integers(1, 5),
+    st.integers(0, 12),
+    st.integers(0, 12),
+)
+def test_the_memory_stores_slice_lookups_equal_the_plain_ones(held, need, start, cap) -> None:
+    """The embedded store's fast lookups for hybrid walks answer as the reference's
+    (on the units a walk asks about: from ``start`` to a cap at or past it)."""
+    assume(start <= cap)
+    keys = list(range(12))
+    tables = [{k for k, on in zip(keys, row, strict=True) if on} for row in held]
+    plain, fast = HeldUnits(tables, keys), HeldSlices(tables, keys)
+    assert fast.leading_end(start, cap) == plain.leading_end(start, cap)
+    assert fast.window_end(need, start, cap) == plain.window_end(need, start, cap)

@@ -132,58 +132,53 @@ def group_rules(kinds: dict[int, str | None]) -> tuple[GroupRule, ...]:
 GroupTables = Callable[[str, int], Sequence[Container]]
 
 
-class _Held:
-    """Which of ``keys`` a group holds (in any of its tables), read in C a slice at a time."""
+class HeldUnits:
+    """Which of ``keys`` a group holds, in any of its tables: ``held(i)`` for unit ``i``.
+
+    The lookups the hybrid rule makes, stated plainly. A store may give
+    :func:`hybrid_match` a subclass that answers the same faster (the
+    embedded store reads whole slices at once).
+    """
 
     __slots__ = ("keys", "tables")
 
     def __init__(self, tables: Sequence[Container], keys: Sequence[BlockHash]) -> None:
         self.tables, self.keys = tables, keys
 
-    def flags(self, start: int, stop: int) -> bytes:
-        """One byte per key of ``keys[start:stop]``: 1 if held."""
-        part, tables = self.keys[start:stop], self.tables
-        if len(tables) == 1:
-            return bytes(map(tables[0].__contains__, part))
-        if not tables:
-            return bytes(len(part))
-        return bytes(map(any, zip(*(map(t.__contains__, part) for t in tables), strict=True)))
+    def __call__(self, unit: int) -> bool:
+        key = self.keys[unit]
+        return any(key in table for table in self.tables)
 
+    def leading_end(self, start: int, cap: int) -> int:
+        """The end of the run of held units from ``start``, at most ``cap``."""
+        end = start
+        while end < cap and self(end):
+            end += 1
+        return end
 
-def _leading_hit(held: _Held, start: int, cap: int) -> int:
-    """The end of the run of held units from ``start``, at most ``cap``."""
-    miss = held.flags(start, cap).find(0)
-    return cap if miss < 0 else start + miss
-
-
-def _window_hit(need: int, held: _Held, start: int, cap: int) -> int:
-    """Units ``[start, cap)``: the end of the rightmost run of ``need`` held units,
-    else the run held from ``start`` (what vLLM's right-to-left scan finds).
-
-    The run usually ends at the cap: that is read first, ``need`` keys only.
-    """
-    if cap - need >= start and held.flags(cap - need, cap).count(1) == need:
-        return cap
-    flags = held.flags(start, cap)
-    at = flags.rfind(b"\x01" * need)
-    if at >= 0:
-        return start + at + need
-    miss = flags.find(0)
-    return start + (len(flags) if miss < 0 else miss)
+    def window_end(self, need: int, start: int, cap: int) -> int:
+        """Units ``[start, cap)``: the end of the rightmost run of ``need`` held units,
+        else the run held from ``start``: vLLM's scan, right to left from the cap."""
+        run = 0
+        for unit in range(cap - 1, start - 1, -1):
+            run = run + 1 if self(unit) else 0
+            if run == need:
+                return unit + need
+        return start + run
 
 
 def _fixed_point(
-    fulls: Sequence[_Held], windows: Sequence[tuple[int, _Held]], start: int, cap: int
+    fulls: Sequence[HeldUnits], windows: Sequence[tuple[int, HeldUnits]], start: int, cap: int
 ) -> int:
     """The hit of all groups over units ``[start, cap)``: each lowers the cap in turn
     until none does. Full attention's run only shrinks the cap, so it is walked once."""
     hit = cap
     for held in fulls:
-        hit = _leading_hit(held, start, hit)
+        hit = held.leading_end(start, hit)
     while hit > start:
         low = hit
         for need, held in windows:
-            low = _window_hit(need, held, start, low)
+            low = held.window_end(need, start, low)
         if low == hit:
             break
         hit = low
@@ -196,6 +191,7 @@ def hybrid_match(
     chunk_blocks: int | None,
     rules: Sequence[GroupRule],
     tables: GroupTables,
+    held_units: type[HeldUnits] = HeldUnits,
 ) -> PrefixMatch:
     """A hybrid rank's match, given ``full``, its match by full-attention groups alone.
 
@@ -209,6 +205,7 @@ def hybrid_match(
 
     With one full-attention group (the common case) its runs are ``full``'s,
     found by the caller's walk, and only the other groups are walked here.
+    ``held_units``: how a group's units are looked up (:class:`HeldUnits`).
     """
     fulls = [r for r in rules if r.window is None]
     windows = [r for r in rules if r.window is not None]
@@ -216,8 +213,8 @@ def hybrid_match(
     walked = [] if known else fulls
     cap = full.gpu_blocks if fulls else len(chain)
     gpu = _fixed_point(
-        [_Held(tables(GPU, r.group_idx), chain) for r in walked],
-        [(r.need(), _Held(tables(GPU, r.group_idx), chain)) for r in windows],
+        [held_units(tables(GPU, r.group_idx), chain) for r in walked],
+        [(r.need(), held_units(tables(GPU, r.group_idx), chain)) for r in windows],
         0,
         cap,
     )
@@ -230,8 +227,8 @@ def hybrid_match(
         if cap <= start:
             return start
 
-        def held(r: GroupRule) -> _Held:
-            return _Held([c for m in media for c in tables(m, r.group_idx)], ends)
+        def held(r: GroupRule) -> HeldUnits:
+            return held_units([c for m in media for c in tables(m, r.group_idx)], ends)
 
         windowed = [(r.need(chunk_blocks), held(r)) for r in windows]
         return _fixed_point([held(r) for r in walked], windowed, start, cap)
@@ -243,17 +240,17 @@ def hybrid_match(
     reach = whole
     if known:  # the full-attention group's lower-tier run from ``first``
         stop = full.gpu_blocks // chunk_blocks
-        reach = _leading_hit(_Held(_lower_tables(tables, fulls[0]), ends), first, stop)
+        reach = held_units(_lower_tables(tables, fulls[0]), ends).leading_end(first, stop)
         if reach == stop:
             reach = full.prefix_blocks // chunk_blocks
     end = lower(LOWER_TIERS, first, reach)
     prefix = max(gpu, end * chunk_blocks)
     from_cpu = 0
     if end > first:
-        on_cpu = [_Held(tables(CPU, r.group_idx), ends).flags(first, end) for r in fulls or rules]
-        taken = on_cpu[0] if len(on_cpu) == 1 else bytes(map(min, *on_cpu))
-        from_cpu = taken.count(1) * chunk_blocks
-        if taken[:1] == b"\x01":  # the first chunk is partly on GPU
+        on_cpu = [held_units(tables(CPU, r.group_idx), ends) for r in fulls or rules]
+        taken = [j for j in range(first, end) if all(held(j) for held in on_cpu)]
+        from_cpu = len(taken) * chunk_blocks
+        if taken[:1] == [first]:  # the first chunk is partly on GPU
             from_cpu -= gpu - first * chunk_blocks
     return PrefixMatch(
         gpu,

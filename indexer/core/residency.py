@@ -362,10 +362,18 @@ class RankResidency:
         return len(set().union(*tables))
 
 
-def add_references(counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
-    """One more reference per hash (a hash listed twice gets two)."""
+def add_references(
+    counts: dict[BlockHash, int], hashes: Sequence[BlockHash], fresh: list | None = None
+) -> None:
+    """One more reference per hash (a hash listed twice gets two).
+
+    ``fresh``, if given, receives the hashes that this gave their first reference.
+    """
     for h in hashes:
-        counts[h] = counts.get(h, 0) + 1
+        held = counts.get(h, 0)
+        counts[h] = held + 1
+        if not held and fresh is not None:
+            fresh.append(h)
 
 
 def drop_references(

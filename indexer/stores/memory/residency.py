@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 from indexer.core.events import MEDIA, BlockHash
 from indexer.core.hybrid import is_scored, is_windowed
-from indexer.core.residency import RankResidency, Tier, TierOp, drop_references
+from indexer.core.residency import (
+    RankResidency,
+    Tier,
+    TierOp,
+    add_references,
+    drop_references,
+)
 from indexer.stores.memory.holders import HolderIndex
 from indexer.stores.memory.walk import Media
 
@@ -37,8 +43,8 @@ class IndexedResidency(RankResidency):
     _peers_of: int = -1  # len(tables) when _peers was filled
 
     def add(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
-        fresh = [h for h in hashes if h not in counts]
-        super().add(tier, counts, hashes)
+        fresh: list[BlockHash] = []
+        add_references(counts, hashes, fresh)
         if fresh:
             found = self._index_peers(tier)
             if found is not None:
