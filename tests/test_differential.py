@@ -167,12 +167,14 @@ async def run_stream(make: Callable[[], Store], steps: list[tuple], declared: in
         await store.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(_streams, _declared)
 def test_the_memory_store_equals_the_reference_after_every_batch(steps, declared) -> None:
     asyncio.run(run_stream(MemoryStore, steps, declared))
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(_streams, _declared)
 def test_the_redis_store_equals_the_reference_after_every_batch(
@@ -182,6 +184,7 @@ def test_the_redis_store_equals_the_reference_after_every_batch(
     asyncio.run(run_stream(make, steps, declared))
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(_streams, _declared)
 def test_the_redis_cluster_store_equals_the_reference_after_every_batch(
@@ -197,6 +200,7 @@ def test_a_store_that_drops_removals_differs_from_the_reference() -> None:
         asyncio.run(run_stream(DropsRemovals, steps, None))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.lists(st.booleans(), min_size=12, max_size=12), max_size=3),
