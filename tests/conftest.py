@@ -114,7 +114,12 @@ async def assert_matches_trace(store, rank: RankId, name: str) -> None:
 # --- tiers ---------------------------------------------------------------------------
 
 #: Fixtures that start real servers, and the marker each gives a test that uses one.
-_SERVER_MARKERS = {"redis_server": "redis", "durable_redis": "redis", "redis_cluster": "cluster"}
+_SERVER_MARKERS = {
+    "redis_server": "redis",
+    "durable_redis": "redis",
+    "volatile_redis": "redis",
+    "redis_cluster": "cluster",
+}
 #: Parameter values that pick a Redis backend (the ``store`` fixture and its kin).
 _BACKEND_MARKERS = {"redis": "redis", "cluster": "cluster"}
 

@@ -78,6 +78,7 @@ async def test_buckets_spread_evenly_over_the_cluster(redis_cluster: LocalCluste
     assert shares[-1] - shares[0] <= 1
 
 
+@pytest.mark.redis  # starts its own redis-server
 @pytest.mark.parametrize("via", ["acl-user", "unix-socket"])
 async def test_urls_with_an_acl_user_or_a_unix_socket(tmp_path, via: str) -> None:
     socket = tmp_path / "redis.sock"
