@@ -5,10 +5,10 @@ exception into a sentence that names the offending input. FastAPI's own
 ``{"detail": ...}`` shapes are replaced.
 
 A store that fails is a 503, never a 500, and this module is the one place
-that says so: :class:`GuardedStore` turns whatever the backend raised (a
-Redis timeout, a dropped connection, a cluster redirect storm surface as
-whatever exception the client library raises) into :class:`StoreUnavailable`,
-and one handler answers it.
+that says so. A Redis timeout, a dropped connection or a cluster redirect
+storm surfaces as whatever exception the client library raises:
+:class:`GuardedStore` turns each into :class:`StoreUnavailable`, and one
+handler answers that.
 """
 
 from __future__ import annotations
