@@ -217,3 +217,4 @@ def test_the_memory_stores_slice_lookups_equal_the_plain_ones(held, need, start,
     plain, fast = HeldUnits(tables, keys), HeldSlices(tables, keys)
     assert fast.leading_end(start, cap) == plain.leading_end(start, cap)
     assert fast.window_end(need, start, cap) == plain.window_end(need, start, cap)
+    assert list(fast.flags(start, cap)) == list(map(int, plain.flags(start, cap)))

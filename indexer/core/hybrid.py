@@ -149,6 +149,10 @@ class HeldUnits:
         key = self.keys[unit]
         return any(key in table for table in self.tables)
 
+    def flags(self, start: int, stop: int) -> Sequence[int]:
+        """For each unit of ``[start, stop)``: true if held."""
+        return [self(unit) for unit in range(start, stop)]
+
     def leading_end(self, start: int, cap: int) -> int:
         """The end of the run of held units from ``start``, at most ``cap``."""
         end = start
@@ -247,10 +251,11 @@ def hybrid_match(
     prefix = max(gpu, end * chunk_blocks)
     from_cpu = 0
     if end > first:
-        on_cpu = [held_units(tables(CPU, r.group_idx), ends) for r in fulls or rules]
-        taken = [j for j in range(first, end) if all(held(j) for held in on_cpu)]
-        from_cpu = len(taken) * chunk_blocks
-        if taken[:1] == [first]:  # the first chunk is partly on GPU
+        groups = fulls or rules
+        on_cpu = [held_units(tables(CPU, r.group_idx), ends).flags(first, end) for r in groups]
+        taken = [all(chunk) for chunk in zip(*on_cpu, strict=True)]  # chunk by chunk
+        from_cpu = taken.count(True) * chunk_blocks
+        if taken[0]:  # the first chunk is partly on GPU
             from_cpu -= gpu - first * chunk_blocks
     return PrefixMatch(
         gpu,

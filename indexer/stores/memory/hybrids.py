@@ -153,7 +153,7 @@ class HeldSlices(HeldUnits):
     __slots__ = ()
 
     def flags(self, start: int, stop: int) -> bytes:
-        """One byte per key of ``keys[start:stop]``: 1 if held."""
+        """One byte per unit of ``[start, stop)``: 1 if held."""
         part, tables = self.keys[start:stop], self.tables
         if len(tables) == 1:
             return bytes(map(tables[0].__contains__, part))
