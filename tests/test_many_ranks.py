@@ -20,7 +20,7 @@ import pytest
 
 from api import ApiSettings, create_app
 from indexer.core.events import RankId
-from indexer.ingest.rank_consumer import SocketLimit
+from indexer.ingest.sockets import SocketLimit
 from indexer.ingest.subscriber import Subscriber, raise_file_limit
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore

@@ -211,8 +211,9 @@ class ScaledOut:
         await until(applied, 20, f"seq {last} to be applied")
 
     def status(self):
-        consumer = self.worker._pool.get(RANK)
-        return None if consumer is None else consumer.status
+        """The rank's status, once this worker consumes it."""
+        statuses = self.worker._pool.statuses()
+        return next((s for e, s in statuses if (e, s.dp_rank) == RANK), None)
 
 
 @pytest.fixture

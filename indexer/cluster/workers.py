@@ -47,7 +47,6 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated
 
 import msgspec
 
@@ -56,6 +55,7 @@ from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.status_board import Published, publish
 from indexer.core.events import RankId
 from indexer.ingest.rank_consumer import RankConsumer
+from indexer.ingest.settings import Seconds
 from indexer.ingest.subscriber import RankPool
 from indexer.periodic import repeat
 from indexer.registry import EngineSpec, RankStatus
@@ -63,7 +63,6 @@ from indexer.stores.redis import OwnedRank, RedisStore
 
 log = logging.getLogger("kvindex.worker")
 
-_Seconds = Annotated[float, msgspec.Meta(gt=0)]
 #: How often a worker checks that each rank's lease is still recent enough.
 _WATCH = 0.05
 
@@ -80,9 +79,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
       registry (workers look at every lease round).
     """
 
-    lease_ttl: _Seconds = 6.0
-    status_interval: _Seconds = 1.0
-    registry_poll: _Seconds = 0.5
+    lease_ttl: Seconds = 6.0
+    status_interval: Seconds = 1.0
+    registry_poll: Seconds = 0.5
 
 
 def default_worker_id() -> str:

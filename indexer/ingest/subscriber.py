@@ -21,13 +21,8 @@ import zmq.asyncio
 
 from indexer import metrics
 from indexer.core.events import EventBatch, RankId
-from indexer.ingest.rank_consumer import (
-    Observer,
-    RankConsumer,
-    RankStore,
-    Shared,
-    SubscriberSettings,
-)
+from indexer.ingest.rank_consumer import RankConsumer, RankStore
+from indexer.ingest.settings import Observer, Shared, SubscriberSettings
 from indexer.registry import Change, EngineRegistry, EngineSpec, RankStatus
 from indexer.stores.base import Loss, Store
 
@@ -153,12 +148,6 @@ class RankPool:
         """Have every consumer resynchronise with the store (even idle ones)."""
         for consumer in self._ranks.values():
             consumer.notice_store_loss()
-
-    def get(self, rank: RankId) -> RankConsumer | None:
-        return self._ranks.get(rank)
-
-    def consumers(self) -> list[RankConsumer]:
-        return list(self._ranks.values())
 
     def running(self) -> bool:
         return self._shared is not None and not any(c.failed for c in self._ranks.values())

@@ -1,0 +1,262 @@
+"""The whole sequencer: the ordered stream, replay requests and store losses."""
+
+from __future__ import annotations
+
+from indexer.core.sequencer.actions import (
+    Action,
+    Ask,
+    B,
+    Duplicate,
+    Mark,
+    RebuildSettled,
+    ReplayTimedOut,
+    StoreLossFound,
+)
+from indexer.core.sequencer.stream import Stream, _Rebuild, _Request
+
+
+class Sequencer(Stream[B]):
+    """One rank's seq/gap/restart rules (see :mod:`indexer.core.sequencer`)."""
+
+    # --- inputs: the store ---------------------------------------------------------
+
+    def loaded(self, stored: Mark | None) -> list[Action]:
+        """The store's watermark for the rank, read at start: continue after it
+        (and ask replay from it, which also reveals a restart while we were away)."""
+        self.mark = self._seen = stored
+        self.next = stored.seq + 1 if stored else 0
+        self.status.applied_seq = stored.seq if stored else None
+        self.replay_wanted = self._rules.has_replay
+        return self._take()
+
+    def applied(self, seq: int, ts: float, fresh: bool) -> None:
+        """The store applied ``seq`` (``fresh``: it did not have it already)."""
+        self.mark = Mark(seq, ts)
+        self.status.applied_seq = seq
+        if not fresh:  # another writer applied it first
+            self.status.duplicates += 1
+
+    def resync(
+        self, loss_number: int, reason: str, wiped: bool, stored: Mark | None
+    ) -> list[Action]:
+        """The store lost data (loss ``loss_number``); ``stored`` is its watermark now.
+
+        A rank whose stored watermark is its own lost nothing. Otherwise it is
+        degraded, with the reason in its status, until the batches it had
+        applied are applied again (:meth:`settle_rebuild`).
+        """
+        self.losses_seen = loss_number
+        had, status = self.mark, self.status
+        if stored == had:
+            return self._take()
+        self._abandon_request()
+        self.mark = stored
+        self.next = stored.seq + 1 if stored else 0
+        self._forget_pending()
+        self._gap, self._attempts = None, 0
+        status.applied_seq = stored.seq if stored else None
+        self.replay_wanted = self._rules.has_replay
+        if had is not None and had.seq >= self.next:  # else the store is ahead: nothing lost
+            lost = f"batches {self.next}..{had.seq}"
+            self._begin_rebuild(had.seq, reason, lost, wiped or not status.degraded)
+        return self._take()
+
+    def rebuilding(self, last: int, reason: str) -> list[Action]:
+        """The rank's previous consumer had applied up to ``last`` when the store
+        lost data (a worker claiming it anew): degraded until that is applied again."""
+        self._begin_rebuild(last, reason, f"batches up to {last}", clean=True)
+        return self._take()
+
+    def _begin_rebuild(self, last: int, reason: str, lost: str, clean: bool) -> None:
+        status = self.status
+        self._rebuild = _Rebuild(last, reason, status.restarts, status.gaps_unfilled, clean)
+        status.degraded = True
+        status.store_loss = f"{reason}; {lost} lost, being applied again from replay"
+        self._out.append(StoreLossFound(lost))
+
+    def settle_rebuild(self) -> list[Action]:
+        """End a rebuild once it is settled: exact again, or degraded for good.
+
+        Exact when every lost batch was applied again with no gap given up
+        meanwhile, or when the engine restarted (its new stream is whole);
+        a rank that was already degraded stays so unless it lost everything
+        and replay brought it all back.
+        """
+        rebuild, status = self._rebuild, self.status
+        if rebuild is None:
+            return []
+        if status.restarts != rebuild.restarts:
+            exact = True
+        elif self.next > rebuild.last:
+            exact = status.gaps_unfilled == rebuild.gaps_unfilled
+        else:
+            return []
+        self._rebuild = None
+        if exact:
+            status.store_loss = None
+            status.degraded = status.degraded and not rebuild.clean
+        else:
+            missing = status.missing[-1] if status.missing else None
+            lost = f" (batches {missing.first}..{missing.last} missing)" if missing else ""
+            status.store_loss = f"{rebuild.reason}; replay could not apply every lost batch{lost}"
+        return [RebuildSettled(rebuild.last, exact)]
+
+    def holds(self, seq: int) -> bool:
+        """Whether a replayed seq (not the anchor) is already held or applied, so its
+        reader may skip reading its ts (see :meth:`replay_held`)."""
+        request = self.request
+        return (
+            request is not None
+            and seq > request.start
+            and (seq < self.next or seq in self._pending)
+        )
+
+    def _answered(self, now: float) -> _Request | None:
+        request = self.request
+        if request is not None:
+            self._unanswered = 0
+            request.received += 1  # garbage too: an answer with frames is no empty buffer
+            self.replay_activity = now  # progress, even if the reader waits on us
+        return request
+
+    def replay_batch(self, seq: int, ts: float, payload: bytes, now: float) -> list[Action]:
+        """A batch of the replay answer in flight (ignored without a request)."""
+        request = self._answered(now)
+        if request is None:
+            return []
+        if request.first_new is None and seq >= request.want:
+            request.first_new = seq
+        if seq >= request.want or self._is_restart(seq, ts):
+            # (an anchor offered is another incarnation's)
+            self._offer(seq, payload, ts, False, now)
+        return self._take()
+
+    def replay_held(self, seq: int, now: float) -> list[Action]:
+        """A replayed seq :meth:`holds` said is already held or applied."""
+        request = self._answered(now)
+        if request is None:
+            return []
+        if request.first_new is None and seq >= request.want:
+            request.first_new = seq
+        self.status.duplicates += 1
+        return [Duplicate()]
+
+    def replay_garbage(self, now: float) -> list[Action]:
+        """A replayed frame that was no batch: the seq stays missing."""
+        self._answered(now)
+        return []
+
+    # --- replay --------------------------------------------------------------------
+
+    def replay_deadline(self) -> float:
+        """When the request in flight times out: ``replay_timeout`` after it was
+        sent or after its last frame, whichever is later."""
+        request = self.request
+        return max(request.sent_at, self.replay_activity) + self._rules.replay_timeout
+
+    def _probe_due(self) -> float:
+        """When the next probe is due: ``probe_interval`` after the last batch or
+        probe, doubled for each probe in a row that got no answer, up to
+        ``probe_backoff_max``."""
+        rules = self._rules
+        wait = min(rules.probe_interval * 2 ** min(self._unanswered, 32), rules.probe_backoff_max)
+        return max(self._last_received, self._last_probe) + wait
+
+    def replay_due(self, now: float, connected: bool) -> Ask | None:
+        """The request to send now, if one is due (none is in flight)."""
+        if not (self._rules.has_replay and connected) or self.request is not None:
+            return None
+        probe = not self.replay_wanted
+        if probe and not (self._rules.probe_interval and now >= self._probe_due()):
+            return None
+        mark = self.mark
+        # Ask from the last applied seq itself: its answer proves the same incarnation.
+        start = mark.seq if mark is not None and mark.seq == self.next - 1 else self.next
+        return Ask(start, probe)
+
+    def replay_sent(self, ask: Ask, now: float) -> None:
+        """The caller sent ``ask`` (holding a replay slot until an :class:`EndRequest`)."""
+        self.request = _Request(ask.start, self.next, now, ask.probe)
+        self.replay_wanted = False
+        self._last_probe = now  # any request asks what a probe would
+        if not ask.probe:
+            self.status.replays += 1
+
+    def idle_timeout(self, now: float, connected: bool, slot_poll: float) -> float | None:
+        """Seconds until the replay rules have something to do; None: nothing (no
+        publisher connected: replay is asked again when one connects).
+        ``slot_poll``: how soon to look again for a replay slot when one is wanted."""
+        if self.request is not None:
+            return max(0.0, self.replay_deadline() - now)
+        if not (self._rules.has_replay and connected):
+            return None
+        if self.replay_wanted:
+            return slot_poll
+        if self._rules.probe_interval:
+            return max(0.0, self._probe_due() - now)
+        return None
+
+    def connected(self) -> None:
+        """A publisher is there: ask it soon whether anything was missed while it was not."""
+        self._unanswered = 0
+        self._last_probe = self._last_received = float("-inf")  # a probe is due now
+
+    def replay_end(self) -> list[Action]:
+        """The end marker of the replay answer in flight."""
+        if self.request is None:
+            return []
+        self._unanswered = 0
+        request = self._end_request(close=False)
+        if request.start < request.want and request.received == 0:
+            # The engine published the asked-for seq; a buffer without it is a new incarnation's.
+            self._restart(None)
+            return self._take()
+        if request.first_new is not None and request.first_new > self.next:
+            self._give_up(self.next, request.first_new - 1, "not in the replay buffer")
+        self._drain()
+        if (hole := self._hole()) is not None:
+            if self._retry_hole(request, hole):
+                return self._take()
+            self._give_up(*hole, "replay did not fill it")
+            self._drain()
+        self._attempts = 0
+        self._watch_gap()
+        return self._take()
+
+    def _retry_hole(self, request: _Request, hole: tuple[int, int]) -> bool:
+        """Count an attempt that left ``hole``; whether another is allowed (and wanted)."""
+        self._attempts = 0 if self.next > request.want else self._attempts + 1
+        if self._attempts >= self._rules.replay_attempts:
+            return False
+        if self._gap is None:
+            self._open_gap(*hole)
+        self.replay_wanted = True
+        return True
+
+    def replay_timed_out(self) -> list[Action]:
+        """The request in flight got no end marker by :meth:`replay_deadline`."""
+        request = self._end_request(close=True)
+        if request.received == 0:
+            self._unanswered += 1
+        unavailable = False
+        if not request.probe:
+            self._attempts = 0 if self.next > request.want else self._attempts + 1
+            if self._attempts < self._rules.replay_attempts:
+                self.replay_wanted = True
+                self._out.append(ReplayTimedOut(request.start, self._unanswered, False))
+                return self._take()
+            self._attempts = 0
+            unavailable = True
+        self._out.append(ReplayTimedOut(request.start, self._unanswered, unavailable))
+        if unavailable and (hole := self._hole()) is not None:
+            self._give_up(*hole, "replay unavailable")
+            self._drain()
+        self._watch_gap()
+        return self._take()
+
+    def stop(self) -> list[Action]:
+        """The consumer stops: end the request in flight and free what is held."""
+        if self.request is not None:
+            self._end_request(close=True)
+        self._forget_pending()
+        return self._take()

@@ -1,0 +1,97 @@
+"""How ranks are consumed: the ``subscriber`` settings, and what all consumers share."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import zmq.asyncio
+
+from indexer.core.events import EventBatch, RankId
+from indexer.registry import BindPolicy
+
+#: Called after each applied batch; must be cheap, it runs in the apply loop.
+Observer = Callable[[RankId, EventBatch], None]
+
+#: A positive duration in seconds (a config field).
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+#: A count of at least one (a config field).
+Count = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How ranks are consumed: the ``subscriber`` section of the config file.
+
+    - ``replay_timeout``: seconds without a replay frame before a request is
+      abandoned (and retried).
+    - ``replay_attempts``: requests in a row that fill nothing before a gap
+      is declared unfilled.
+    - ``max_concurrent_replays``: replay requests in flight across all ranks,
+      so a fleet restarting at once does not stampede its engines.
+    - ``gap_clear_threshold``: an unfilled range of more batches than this
+      also drops the rank's GPU/CPU counts.
+    - ``probe_interval``: idle seconds after which a rank asks replay whether
+      it missed anything (a lost last batch, a restart while idle); 0: never.
+    - ``probe_backoff_max``: a probe that goes unanswered doubles the wait
+      before the next one (``probe_interval``, twice that, ...), up to this.
+    - ``intake_limit``, ``intake_bytes``: received batches, and their bytes,
+      held before the readers pause.
+    - ``max_pending``, ``pending_bytes``: batches, and their bytes, held out
+      of order behind a gap; beyond either the gap is declared unfilled.
+    - ``max_message_bytes``: the largest frame accepted (ZeroMQ's
+      ``MAXMSGSIZE``: a peer announcing a larger one is disconnected before
+      it is read). vLLM publishes one batch per engine step; the largest
+      real one is a long prefill: 128k tokens are 8,192 blocks of 16, whose
+      ``BlockStored`` carries 8,192 hashes (32-byte digests: ~280 KB) and
+      131,072 token ids (up to 5 bytes each: ~660 KB), about 1 MB per KV
+      cache group, and as much again for the CPU offload's copy and the
+      evictions it causes: a few MB, ~10 MB for a hybrid model with several
+      groups. 64 MiB leaves room for six times that.
+    - ``sub_hwm``, ``replay_hwm``: ZMQ receive high-water marks (messages)
+      of each SUB and replay DEALER socket; with ``max_message_bytes`` they
+      bound what ZeroMQ itself queues while the readers pause.
+    - ``reconnect_max``: ZeroMQ retries a connection that fails after 0.1 s,
+      doubling the wait up to this many seconds.
+    - ``no_publisher_after``: seconds without any peer before a rank that
+      has never connected is reported (one warning, ``never_connected``).
+    - ``store_retry_max``: cap of the store retry backoff, seconds.
+    - ``stop_grace``: seconds to finish the batch in hand at shutdown.
+    - ``max_missing``: unfilled ranges kept per rank for operators.
+    - ``bind``: where engines with ``bind: true`` may make kvindex listen
+      (:class:`~indexer.registry.BindPolicy`; default: loopback tcp only).
+    """
+
+    replay_timeout: Seconds = 2.0
+    replay_attempts: Count = 3
+    max_concurrent_replays: Count = 8
+    gap_clear_threshold: Count = 1000
+    probe_interval: Annotated[float, msgspec.Meta(ge=0)] = 5.0
+    probe_backoff_max: Seconds = 60.0
+    intake_limit: Count = 10_000
+    intake_bytes: Count = 128 << 20
+    max_pending: Count = 20_000
+    pending_bytes: Count = 128 << 20
+    max_message_bytes: Count = 64 << 20
+    sub_hwm: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    replay_hwm: Count = 100
+    reconnect_max: Seconds = 10.0
+    no_publisher_after: Seconds = 10.0
+    store_retry_max: Seconds = 5.0
+    stop_grace: Seconds = 5.0
+    max_missing: Count = 100
+    bind: BindPolicy = BindPolicy()
+
+
+@dataclass(slots=True)
+class Shared:
+    """What every rank consumer of one process uses."""
+
+    settings: SubscriberSettings
+    context: zmq.asyncio.Context
+    replay_slots: asyncio.Semaphore
+    notify: Observer
+    #: Whether an observer reads an engine's token ids (else batches are decoded without them).
+    reads_tokens: Callable[[str], bool]
