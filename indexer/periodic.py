@@ -25,16 +25,18 @@ T = TypeVar("T")
 
 
 async def until_done(
-    call: Callable[[], Awaitable[T]],
-    *,
+    call: Callable[..., Awaitable[T]],
+    /,
+    *args: Any,
     retry_if: Callable[[BaseException], bool],
     wait: wait_base,
     what: str,
     extra: Mapping[str, Any] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
     stopping: Callable[[], bool] | None = None,
+    **kwargs: Any,
 ) -> T:
-    """``await call()`` until it succeeds, waiting ``wait`` between attempts.
+    """``await call(*args, **kwargs)`` until it succeeds, waiting ``wait`` between attempts.
 
     A failure for which ``retry_if`` is false is raised at once (a store's
     "fenced" or "lost data" answers are news for the caller, not outages).
@@ -47,7 +49,7 @@ async def until_done(
     with an immediate second attempt.
     """
     try:
-        return await call()
+        return await call(*args, **kwargs)
     except Exception as e:
         if not retry_if(e):
             raise
@@ -68,7 +70,7 @@ async def until_done(
     )
     async for attempt in retrying:
         with attempt:
-            result = await call()
+            result = await call(*args, **kwargs)
     log.info(f"{what}: store back", extra=fields)
     return result
 

@@ -11,6 +11,7 @@ import msgspec
 import zmq.asyncio
 
 from indexer.core.events import EventBatch, RankId
+from indexer.core.sequencer import Rules
 from indexer.registry import BindPolicy
 
 #: Called after each applied batch; must be cheap, it runs in the apply loop.
@@ -83,6 +84,21 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     stop_grace: Seconds = 5.0
     max_missing: Count = 100
     bind: BindPolicy = BindPolicy()
+
+    def rules(self, has_replay: bool) -> Rules:
+        """The limits a rank's sequencer applies (``has_replay``: its engine has a
+        replay endpoint)."""
+        return Rules(
+            has_replay=has_replay,
+            replay_timeout=self.replay_timeout,
+            replay_attempts=self.replay_attempts,
+            gap_clear_threshold=self.gap_clear_threshold,
+            probe_interval=self.probe_interval,
+            probe_backoff_max=self.probe_backoff_max,
+            max_pending=self.max_pending,
+            pending_bytes=self.pending_bytes,
+            max_missing=self.max_missing,
+        )
 
 
 @dataclass(slots=True)

@@ -41,7 +41,7 @@ VOLATILE = (GPU, CPU)
 # --- actions --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per batch, and a frozen one is slower to make
 class Apply(Generic[B]):
     """Apply ``batch`` as ``seq``; then report it with :meth:`Sequencer.applied`."""
 

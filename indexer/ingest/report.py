@@ -1,0 +1,77 @@
+"""What operators see of a rank's sequencing: the logs and metrics of its notes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from indexer import metrics
+from indexer.core.sequencer import (
+    Action,
+    Duplicate,
+    GapFilled,
+    GapOpened,
+    GaveUp,
+    RebuildSettled,
+    ReplayTimedOut,
+    Restarted,
+    StoreLossFound,
+)
+
+log = logging.getLogger("kvindex.subscriber")
+
+
+class Report:
+    """Logs and counts the notes a :class:`~indexer.core.sequencer.Sequencer` answers
+    (gaps, give-ups, restarts, replay timeouts, store losses) for one rank."""
+
+    def __init__(
+        self,
+        rank_metrics: metrics.RankMetrics,
+        ids: Callable[..., dict[str, Any]],
+        replay_endpoint: str,
+        replay_attempts: int,
+    ) -> None:
+        self.metrics, self.ids = rank_metrics, ids
+        self._replay_endpoint, self._replay_attempts = replay_endpoint, replay_attempts
+
+    def __call__(self, action: Action) -> None:
+        match action:
+            case Duplicate():
+                self.metrics.duplicates.inc()
+            case GapOpened(first=first, last=last):
+                self.metrics.gap("detected")
+                log.info("gap", extra=self.ids(first=first, last=last))
+            case GapFilled(first=first, last=last):
+                self.metrics.gap("filled")
+                log.info("gap filled", extra=self.ids(first=first, last=last))
+            case GaveUp(first=first, last=last, reason=why, cleared=clear, newly=newly):
+                if newly:
+                    self.metrics.gap("unfilled")
+                log.warning(
+                    "rank degraded", extra=self.ids(first=first, last=last, why=why, cleared=clear)
+                )
+            case Restarted(applied_seq=applied, seq=seq):
+                self.metrics.restarts.inc()
+                log.warning("engine restart", extra=self.ids(applied_seq=applied, seq=seq))
+            case ReplayTimedOut():
+                self._replay_timed_out(action)
+            case StoreLossFound(lost=lost):
+                log.warning("store lost batches", extra=self.ids(lost=lost))
+            case RebuildSettled(last=last, exact=True):
+                log.info("rank rebuilt after a store loss", extra=self.ids(last=last))
+            case RebuildSettled(last=last):
+                log.warning("rank not rebuilt after a store loss", extra=self.ids(last=last))
+
+    def _replay_timed_out(self, timed_out: ReplayTimedOut) -> None:
+        # Said once per silence: a replay endpoint that never answers is retried for ever.
+        level = logging.INFO if timed_out.unanswered <= 1 else logging.DEBUG
+        log.log(level, "replay timed out", extra=self.ids(start=timed_out.start))
+        if timed_out.unavailable:
+            endpoint = self._replay_endpoint
+            log.warning(
+                f"replay unavailable: no answer from {endpoint} in {self._replay_attempts}"
+                " requests; check the engine's --kv-events-config replay_endpoint",
+                extra=self.ids(start=timed_out.start, endpoint=endpoint),
+            )
