@@ -24,9 +24,9 @@ from indexer.core.sequencer import (
     RebuildSettled,
     ReplayTimedOut,
     Restarted,
-    Rules,
     Sequencer,
 )
+from indexer.ingest.settings import SubscriberSettings
 from indexer.registry import Gap, RankStatus
 
 T0 = 1_000.0  # the engine's clock when it published seq 0 (one second per seq)
@@ -36,10 +36,13 @@ BAD = b"garbage"
 class Shell:
     """Performs a sequencer's actions the way a consumer with a perfect store would."""
 
-    def __init__(self, stored: Mark | None = None, **rules: object) -> None:
+    def __init__(
+        self, stored: Mark | None = None, has_replay: bool = True, **limits: object
+    ) -> None:
         self.status = RankStatus(0)
         self.decoded = 0
-        self.seq = Sequencer(self.status, Rules(**rules), self._decode, self._missing, 0.0)
+        rules = SubscriberSettings(**limits).rules(has_replay)
+        self.seq = Sequencer(self.status, rules, self._decode, self._missing, 0.0)
         self.applied: list[int] = []
         self.actions: list[object] = []
         self.now = 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Annotated
 
 import msgspec
@@ -13,6 +13,9 @@ import zmq.asyncio
 from indexer.core.events import EventBatch, RankId
 from indexer.core.sequencer import Rules
 from indexer.registry import BindPolicy
+
+#: the settings a rank's sequencer reads, by name (each a field here and in Rules)
+_RULE_LIMITS = tuple(f.name for f in fields(Rules) if f.name != "has_replay")
 
 #: Called after each applied batch; must be cheap, it runs in the apply loop.
 Observer = Callable[[RankId, EventBatch], None]
@@ -88,17 +91,8 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     def rules(self, has_replay: bool) -> Rules:
         """The limits a rank's sequencer applies (``has_replay``: its engine has a
         replay endpoint)."""
-        return Rules(
-            has_replay=has_replay,
-            replay_timeout=self.replay_timeout,
-            replay_attempts=self.replay_attempts,
-            gap_clear_threshold=self.gap_clear_threshold,
-            probe_interval=self.probe_interval,
-            probe_backoff_max=self.probe_backoff_max,
-            max_pending=self.max_pending,
-            pending_bytes=self.pending_bytes,
-            max_missing=self.max_missing,
-        )
+        limits = {name: getattr(self, name) for name in _RULE_LIMITS}
+        return Rules(has_replay=has_replay, **limits)
 
 
 @dataclass(slots=True)

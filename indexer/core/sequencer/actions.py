@@ -144,17 +144,18 @@ Action = (
 
 @dataclass(frozen=True, slots=True)
 class Rules:
-    """The limits the rules use (a subset of the subscriber settings)."""
+    """The limits the rules use: a subset of the subscriber settings, which own
+    their defaults (``SubscriberSettings.rules`` builds one), so none are here."""
 
-    has_replay: bool = True
-    replay_timeout: float = 2.0
-    replay_attempts: int = 3
-    gap_clear_threshold: int = 1000
-    probe_interval: float = 5.0
-    probe_backoff_max: float = 60.0
-    max_pending: int = 20_000
-    pending_bytes: int = 128 << 20
-    max_missing: int = 100
+    has_replay: bool
+    replay_timeout: float
+    replay_attempts: int
+    gap_clear_threshold: int
+    probe_interval: float
+    probe_backoff_max: float
+    max_pending: int
+    pending_bytes: int
+    max_missing: int
 
 
 @dataclass(frozen=True, slots=True)
