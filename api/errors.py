@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from api.metrics import STORE_ERRORS
+from api.metrics import STORE_ERRORS, STORE_SECONDS
 from indexer.stores.base import Store, StoreUnavailable
 
 log = logging.getLogger("kvindex.api")
@@ -99,7 +100,8 @@ class GuardedStore:
     """Delegates to a :class:`Store`; any failure raises :class:`StoreUnavailable`.
 
     Every call site would otherwise need its own ``try``: the API cannot know
-    which exceptions a backend's client library raises.
+    which exceptions a backend's client library raises. Each call is timed
+    here too (``kvindex_api_store_seconds``), for the same reason.
     """
 
     def __init__(self, store: Store) -> None:
@@ -107,15 +109,19 @@ class GuardedStore:
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
         method = getattr(self._store, name)
+        seconds = STORE_SECONDS.labels(name)
 
         @functools.wraps(method)
         async def guarded(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
             try:
                 return await method(*args, **kwargs)
             except StoreUnavailable:
                 raise
             except Exception as e:
                 raise StoreUnavailable(str(e) or type(e).__name__) from e
+            finally:
+                seconds.observe(time.perf_counter() - started)
 
         setattr(self, name, guarded)  # built once per method
         return guarded

@@ -19,7 +19,7 @@ from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.matching import PrefixMatcher
 from api.matching import Query as MatchQuery
-from api.metrics import QUERY_SECONDS
+from api.metrics import QUERY_SECONDS, observe_answer
 from api.openapi import answers, body
 from api.parsing import (
     StrictQueryRoute,
@@ -37,7 +37,7 @@ from api.schemas import (
     PrefixMatchResponse,
 )
 from api.settings import ApiSettings
-from indexer.engines.vllm.hashing import MMFeature
+from indexer.engines.base import MMFeature
 
 _encode = msgspec.json.Encoder().encode
 _decode_body = msgspec.json.Decoder(PrefixMatchBody).decode
@@ -108,6 +108,7 @@ def router(ctx: ApiContext) -> APIRouter:
         result = await matcher.match(query)
         by = "tokens" if query.prompt is not None else "block_hashes"
         QUERY_SECONDS.labels(by).observe(time.perf_counter() - started)
+        observe_answer(result)
         return Response(_encode(result), media_type="application/json")
 
     @routes.get(

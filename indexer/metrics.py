@@ -1,9 +1,18 @@
-"""Prometheus metrics of event ingestion, per engine and dp rank.
+"""Prometheus metrics of event ingestion and residency, per engine and dp rank.
 
 Counters are incremented where things happen (each through a per-rank child
 resolved once, so the apply loop pays no label lookup). Gauges that describe
-current state (connected, degraded, lag, applied seq) are read from the live
-subscribers at scrape time instead of being kept up to date per batch.
+current state (connected, degraded, lag, resident blocks) are read at scrape
+time from the live consumers, and from the last residency sample, instead of
+being kept up to date per batch.
+
+Cardinality: a rank's counters are one series each (rates need every rank's
+own), about ten per rank. The state gauges are bounded per process by
+``MetricsSettings.rank_series``: up to that many ranks each have their own
+series; beyond it only the ranks an operator looks at first do (degraded,
+then most behind, then holding most), and every rank is still counted in the
+per-engine ``kvindex_engine_*`` gauges. 1,000 ranks in one process with the
+default 100 export 100 ranks' gauges plus three tiers per engine.
 
 Everything lives in the default registry, which ``/metrics`` exposes; a
 registry refuses duplicate names, so these objects are module-level and
@@ -12,15 +21,25 @@ shared by every subscriber in the process (tests build many).
 
 from __future__ import annotations
 
+import asyncio
+import heapq
 import weakref
+from collections import Counter as Tally
 from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import Annotated, Protocol
 
-from prometheus_client import REGISTRY, Counter
+import msgspec
+from prometheus_client import REGISTRY, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from indexer.registry import RankStatus
+from indexer.core.events import MEDIA, RankId
+from indexer.periodic import repeat
+from indexer.registry import RankStatus, is_degraded
+
+# A ``_created`` series per counter says when the process started counting: noise
+# beside the process start time Prometheus already has.
+disable_created_metrics()
 
 _RANK = ["engine", "dp_rank"]
 
@@ -50,6 +69,12 @@ KV_GROUP_MISMATCHES = Counter(
     "kvindex_ingest_kv_group_mismatches_total",
     "KV groups whose events contradict the engine's declared kv_groups (each seen once).",
     _RANK,
+)
+# No rank label: a histogram is a dozen series, times every rank would be thousands.
+APPLY_SECONDS = Histogram(
+    "kvindex_ingest_store_apply_seconds",
+    "Time from handing a batch to the store until it is applied, retries included.",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5),
 )
 
 
@@ -86,12 +111,36 @@ class RankMetrics:
             counter.remove(*self.labels, value)
 
 
+class MetricsSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The ``metrics`` config section.
+
+    ``rank_series``: ranks of this process that get per-rank gauge series
+    (the rest are in the per-engine gauges only). ``sample_interval``:
+    seconds between reads of each rank's resident blocks from the store; one
+    read per rank per interval whatever the number of scrapers.
+    """
+
+    rank_series: Annotated[int, msgspec.Meta(ge=1)] = 100
+    sample_interval: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+
+
 class StatusSource(Protocol):
     def statuses(self) -> Iterable[tuple[str, RankStatus]]:
         """``(engine, status)`` for every rank being consumed."""
 
 
+class ResidencyReader(Protocol):
+    """What the residency sample reads of a store."""
+
+    async def block_counts(self, rank: RankId) -> dict[str, int]: ...
+
+    async def anomalies(self, rank: RankId) -> dict[str, int]: ...
+
+
 _sources: weakref.WeakSet[StatusSource] = weakref.WeakSet()
+#: The last sample: resident blocks per tier and unknown removals, by rank.
+_residency: dict[tuple[str, int], tuple[dict[str, int], int]] = {}
+_settings = MetricsSettings()
 
 
 def watch(source: StatusSource) -> None:
@@ -99,42 +148,141 @@ def watch(source: StatusSource) -> None:
     _sources.add(source)
 
 
+async def sample_residency(store: ResidencyReader, settings: MetricsSettings) -> None:
+    """Read every consumed rank's resident blocks every ``sample_interval``, forever
+    (run it as a task in the process that consumes, beside its store)."""
+    global _settings
+    _settings = settings
+
+    async def sample() -> None:
+        ranks = [RankId(engine, s.dp_rank) for engine, s in _statuses()]
+        found = {}
+        for i in range(0, len(ranks), _CONCURRENT_READS):
+            chunk = ranks[i : i + _CONCURRENT_READS]
+            reads = await asyncio.gather(*(_read(store, rank) for rank in chunk))
+            found.update(zip(chunk, reads, strict=True))
+        _residency.clear()
+        _residency.update(found)
+
+    await repeat(settings.sample_interval, sample, "residency sample")
+
+
+#: Ranks read at once by a sample: enough to fill a Redis pipeline, few enough
+#: not to flood the event loop.
+_CONCURRENT_READS = 32
+
+
+async def _read(store: ResidencyReader, rank: RankId) -> tuple[dict[str, int], int]:
+    blocks, anomalies = await asyncio.gather(store.block_counts(rank), store.anomalies(rank))
+    return blocks, anomalies.get("unknown_removals", 0)
+
+
+def _statuses() -> list[tuple[str, RankStatus]]:
+    return [pair for source in list(_sources) for pair in source.statuses()]
+
+
+#: Per-rank gauges read off a status, and what each says.
 _GAUGES = {
     "connected": "Whether the rank's SUB socket has a live peer.",
     "never_connected": "Whether nothing has connected to the rank since it started "
     "(after no_publisher_after seconds): a wrong endpoint or an engine not running.",
-    "degraded": "Whether the rank missed batches that replay could not fill.",
+    "degraded": "Whether the rank's answers may be wrong: not connected, an unfilled gap, "
+    "or a store loss not applied again yet (prefix-match flags it alike).",
     "lag_batches": "Newest received seq minus applied seq.",
     "lag_seconds": "Batch ts of the newest received batch minus that of the applied one.",
     "applied_seq": "Seq of the last applied batch.",
-}
-#: Gauges that are 1 while a status field is set (it says why), else 0.
-_SET = {
     "store_loss": "Whether the store lost batches of the rank that are not applied again yet "
     "(or could not be): /engines/{name} says which and why.",
 }
 
 
+def _value(name: str, status: RankStatus) -> float | None:
+    if name == "degraded":
+        return float(is_degraded(status))
+    if name == "store_loss":
+        return float(status.store_loss is not None)
+    value = getattr(status, name)
+    return None if value is None else float(value)
+
+
+def _attention(item: tuple[str, RankStatus]) -> tuple:
+    """Sort key: the ranks an operator looks at first come first."""
+    engine, status = item
+    blocks, _ = _residency.get((engine, status.dp_rank), ({}, 0))
+    held = -sum(blocks.values())
+    return (not is_degraded(status), -status.lag_seconds, -status.lag_batches, held, engine)
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
 class _RankGauges(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        families, flags = (
-            {
-                name: GaugeMetricFamily(f"kvindex_ingest_{name}", doc, labels=_RANK)
-                for name, doc in docs.items()
-            }
-            for docs in (_GAUGES, _SET)
+        statuses = _statuses()
+        yield from self._engines(statuses)
+        if len(statuses) > _settings.rank_series:
+            statuses = heapq.nsmallest(_settings.rank_series, statuses, key=_attention)
+        yield from self._ranks(statuses)
+
+    def _ranks(self, statuses: list[tuple[str, RankStatus]]) -> Iterator[GaugeMetricFamily]:
+        families = {n: _gauge(f"kvindex_ingest_{n}", d, _RANK) for n, d in _GAUGES.items()}
+        resident = _gauge(
+            "kvindex_rank_resident_blocks",
+            "Distinct block hashes the rank holds, by tier (as of the last sample).",
+            [*_RANK, "tier"],
         )
-        for source in list(_sources):
-            for engine, status in source.statuses():
-                labels = [engine, str(status.dp_rank)]
-                for name, family in families.items():
-                    value = getattr(status, name)
-                    if value is not None:
-                        family.add_metric(labels, float(value))
-                for name, family in flags.items():
-                    family.add_metric(labels, float(getattr(status, name) is not None))
+        unknown = _gauge(
+            "kvindex_rank_unknown_removals",
+            "Removals of hashes the rank did not hold, as the store counts them "
+            "(restarts from 0 when the rank is forgotten).",
+            _RANK,
+        )
+        for engine, status in statuses:
+            labels = [engine, str(status.dp_rank)]
+            for name, family in families.items():
+                value = _value(name, status)
+                if value is not None:
+                    family.add_metric(labels, value)
+            if (sampled := _residency.get((engine, status.dp_rank))) is not None:
+                for tier in MEDIA:
+                    resident.add_metric([*labels, tier], sampled[0].get(tier, 0))
+                unknown.add_metric(labels, sampled[1])
         yield from families.values()
-        yield from flags.values()
+        yield resident
+        yield unknown
+
+    def _engines(self, statuses: list[tuple[str, RankStatus]]) -> Iterator[GaugeMetricFamily]:
+        ranks, connected, degraded = Tally(), Tally(), Tally()
+        lag: dict[str, float] = {}
+        blocks: dict[tuple[str, str], int] = {}
+        for engine, status in statuses:
+            ranks[engine] += 1
+            connected[engine] += status.connected
+            degraded[engine] += is_degraded(status)
+            lag[engine] = max(lag.get(engine, 0.0), status.lag_seconds)
+            if (sampled := _residency.get((engine, status.dp_rank))) is not None:
+                for tier in MEDIA:
+                    blocks[engine, tier] = blocks.get((engine, tier), 0) + sampled[0].get(tier, 0)
+        per_engine = {
+            "ranks": ("Ranks of the engine consumed by this process.", ranks),
+            "connected_ranks": ("Of those, ranks with a live publisher.", connected),
+            "degraded_ranks": ("Of those, ranks whose answers may be wrong.", degraded),
+            "max_lag_seconds": ("The largest lag_seconds of its ranks.", lag),
+        }
+        for name, (doc, values) in per_engine.items():
+            family = _gauge(f"kvindex_engine_{name}", doc, ["engine"])
+            for engine in ranks:
+                family.add_metric([engine], values[engine])
+            yield family
+        family = _gauge(
+            "kvindex_engine_resident_blocks",
+            "Distinct block hashes held by the engine's ranks consumed here, summed, by tier.",
+            ["engine", "tier"],
+        )
+        for (engine, tier), count in blocks.items():
+            family.add_metric([engine, tier], count)
+        yield family
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
         return iter(())

@@ -31,6 +31,7 @@ from indexer.cluster.status_board import StatusBoard
 from indexer.cluster.workers import Worker
 from indexer.engines.vllm import native
 from indexer.ingest.subscriber import RankPool
+from indexer.metrics import sample_residency
 from indexer.registry import EngineSpec
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.redis import RedisConfig, RedisStore
@@ -61,13 +62,14 @@ async def run_indexer(
     store = RedisStore(redis)
     registry = RedisRegistry(store)
     worker = Worker(store, registry, RankPool(config.subscriber), config.indexer, worker_id)
-    exporter = None
+    exporter = sampler = None
     try:
         with stop_signals() as stop:
             await registry.seed([*config.engines, *engines])
             if metrics is not None:
                 exporter = _serve_metrics(*metrics)
             await worker.start()
+            sampler = asyncio.create_task(sample_residency(store, config.metrics))
             while not stop.is_set() and worker.running():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), _HEALTH_CHECK)
@@ -76,6 +78,8 @@ async def run_indexer(
                 log.error("worker failed", extra={"worker": worker.id})
             return healthy
     finally:
+        if sampler is not None:
+            sampler.cancel()
         await worker.stop()
         await store.close()
         if exporter is not None:

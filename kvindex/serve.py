@@ -12,11 +12,13 @@ The config file (:mod:`kvindex.config`) also serves ``kvindex indexer`` and
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 
 from api.app import create_app
 from api.settings import ApiSettings
+from indexer import metrics
 from indexer.engines.vllm import native
 from indexer.ingest.subscriber import Subscriber
 from indexer.registry import EngineRegistry, EngineSpec
@@ -52,14 +54,18 @@ async def serve(
     registry = EngineRegistry()
     subscriber = Subscriber(store, registry, config.subscriber)
     app = create_app(store, registry, subscriber, settings)
+    sampler = None
     try:
         with stop_signals() as stop, listen(host, port) as sock:
             await subscriber.start()
+            sampler = asyncio.create_task(metrics.sample_residency(store, config.metrics))
             for spec in [*config.engines, *engines]:
                 await registry.add(spec)
             about = {"engines": [s.name for s in registry.all()], "store": type(store).__name__}
             await serve_http(app, settings, sock, stop, **about)
     finally:
+        if sampler is not None:
+            sampler.cancel()
         await subscriber.stop()
         await store.close()
         log.info("stopped")

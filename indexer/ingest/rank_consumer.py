@@ -374,7 +374,9 @@ class RankConsumer:
             self._check_groups(batch)
             if not self._groups_told:
                 applied = self._groups.prepended(batch)
+        started = time.perf_counter()
         result = await self._store_call(self._store.apply_batch, self.rank, seq, applied)
+        metrics.APPLY_SECONDS.observe(time.perf_counter() - started)
         self._seq.applied(seq, ts, result.applied)
         if not result.applied:  # the store had it already (another writer)
             self.metrics.duplicates.inc()
