@@ -16,10 +16,12 @@ from fastapi import FastAPI
 from api import health, operators, prefix
 from api.chains import learned
 from api.context import ApiContext
+from api.docs import install_docs
 from api.errors import GuardedStore, install_error_handlers
 from api.limits import BodyLimit
 from api.openapi import install_openapi
 from api.settings import ApiSettings
+from api.ui import install_ui
 from indexer.core.events import EventBatch, RankId
 from indexer.registry import ConsumerView, Registry, UnknownEngine
 from indexer.stores.base import Store
@@ -28,7 +30,8 @@ from indexer.token_index import TokenIndex
 DESCRIPTION = """\
 Which engine holds how much of a prompt's KV cache, per tier, from the KV
 cache events of vLLM engines. Routers call `/prefix-match`; operators use
-`/engines`, `/blocks/{hash}`, `/stats`, `/metrics`, `/healthz`, `/readyz`.
+`/engines`, `/blocks/{hash}`, `/stats`, `/metrics`, `/healthz`, `/readyz`,
+and the page at `/ui/` that draws them.
 Every error is `{"error": "<what was wrong>"}`.
 """
 
@@ -72,11 +75,20 @@ def create_app(
             consumers.add_observer(token_index.observe, token_index.learns)
     ctx = ApiContext(GuardedStore(store), registry, consumers, token_index, settings)
 
-    app = FastAPI(title="kvindex", version="0.1.0", description=DESCRIPTION)
+    # FastAPI's own /docs and /redoc load their assets from a CDN: install_docs serves them.
+    app = FastAPI(
+        title="kvindex",
+        version="0.1.0",
+        description=DESCRIPTION,
+        docs_url=None,
+        redoc_url=None,
+    )
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(prefix.router(ctx))
     app.include_router(operators.router(ctx))
     app.include_router(health.router(ctx))
     install_openapi(app)
+    install_docs(app)
+    install_ui(app)
     return app

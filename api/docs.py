@@ -1,0 +1,58 @@
+"""``/docs`` and ``/redoc`` that work on a machine without internet.
+
+FastAPI's default pages load Swagger UI and ReDoc from a CDN, so they are
+blank where GPU fleets usually run. The fastapi-offline package ships both
+bundles (their licence notices are in the files' headers); kvindex serves
+them itself under :data:`ASSETS`, and the pages reference nothing else: no
+web fonts, a local favicon, and Swagger UI's online spec validator off (it
+would send the schema to a public service).
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+ASSETS = "/assets/docs"
+
+
+def install_docs(app: FastAPI) -> None:
+    """Serve ``/docs`` and ``/redoc`` from local assets.
+
+    ``app`` must be built with ``docs_url=None, redoc_url=None`` so FastAPI's
+    CDN pages are not registered first.
+    """
+    bundles = files("fastapi_offline") / "static"
+    app.mount(ASSETS, StaticFiles(directory=str(bundles)), name="docs-assets")
+
+    def base(request: Request) -> str:
+        # Behind a proxy that strips a path prefix, the page's URLs need it back.
+        return request.scope.get("root_path", "").rstrip("/")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = base(request)
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title} API",
+            swagger_js_url=f"{root}{ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{ASSETS}/favicon.png",
+            oauth2_redirect_url=None,
+            swagger_ui_parameters={"validatorUrl": None},
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        root = base(request)
+        return get_redoc_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title} API",
+            redoc_js_url=f"{root}{ASSETS}/redoc.standalone.js",
+            redoc_favicon_url=f"{root}{ASSETS}/favicon.png",
+            with_google_fonts=False,
+        )
