@@ -15,11 +15,13 @@ from indexer.core.events import CPU, LOWER_TIERS, STORAGE, BlockHash
 
 @dataclass(frozen=True, slots=True)
 class TierWeights:
-    """Score per prefix block by the tier it would be served from."""
+    """Score per prefix block by the tier it would be served from (``routed``: a block
+    a router has just sent to the rank, that its events have not confirmed yet)."""
 
     gpu: float = 1.0
     cpu: float = 0.8
     storage: float = 0.5
+    routed: float = 0.8
 
 
 @dataclass(frozen=True, slots=True)
