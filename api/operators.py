@@ -20,7 +20,15 @@ from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.openapi import answers, body
 from api.parsing import StrictQueryRoute, decode_body, hash_text, parse_hash
-from api.schemas import HASH_PATTERN, BlockResidencies, EngineState, RankState, Stats
+from api.schemas import (
+    HASH_PATTERN,
+    BlockResidencies,
+    EngineState,
+    EngineSummary,
+    RankCounts,
+    RankState,
+    Stats,
+)
 from indexer.core.events import MEDIA, RankId
 from indexer.engines.vllm import native
 from indexer.registry import (
@@ -29,6 +37,7 @@ from indexer.registry import (
     EngineSpec,
     RankStatus,
     UnknownEngine,
+    degraded_reasons,
     is_degraded,
 )
 
@@ -47,7 +56,13 @@ def _json(value: object, status: int = 200) -> Response:
 
 
 class Operators:
-    """What the operator endpoints read, over one API context."""
+    """What the operator endpoints read, over one API context.
+
+    Every endpoint sees the same ranks of an engine (its declared dp ranks and
+    any other the store holds) with the same status (a rank no consumer runs
+    has a blank one: not connected), judged by :func:`is_degraded`, so
+    ``/engines``, ``/engines/{name}``, ``/stats`` and prefix-match agree.
+    """
 
     def __init__(self, ctx: ApiContext) -> None:
         self.store = ctx.store
@@ -61,44 +76,76 @@ class Operators:
         except UnknownEngine:
             raise ApiError(404, f"unknown engine {name!r}") from None
 
-    async def ranks_of(self, spec: EngineSpec) -> list[int]:
-        """Declared dp ranks, plus any rank the store holds state for."""
-        held = {r.dp_rank for r in await self.store.ranks() if r.engine == spec.name}
-        return sorted(held | set(range(spec.dp_ranks)))
+    async def stored_ranks(self) -> dict[str, set[int]]:
+        return _by_engine(await self.store.ranks())
+
+    def statuses(self, spec: EngineSpec, held: set[int]) -> list[RankStatus]:
+        """The status of each declared rank and of each other rank the store holds."""
+        known = {s.dp_rank: s for s in self.consumers.rank_status(spec.name)}
+        ranks = sorted(held | set(range(spec.dp_ranks)))
+        return [known.get(r) or RankStatus(dp_rank=r) for r in ranks]
 
     async def rank_state(self, spec: EngineSpec, status: RankStatus) -> RankState:
         rank = RankId(spec.name, status.dp_rank)
         blocks, anomalies = await asyncio.gather(
             self.store.block_counts(rank), self.store.anomalies(rank)
         )
-        return RankState(**msgspec.structs.asdict(status), blocks=blocks, anomalies=anomalies)
+        fields = msgspec.structs.asdict(status) | {"degraded": is_degraded(status)}
+        return RankState(
+            **fields, blocks=blocks, anomalies=anomalies, degraded_reasons=degraded_reasons(status)
+        )
 
     async def engine_state(self, spec: EngineSpec) -> EngineState:
-        statuses = {s.dp_rank: s for s in self.consumers.rank_status(spec.name)}
+        held = (await self.stored_ranks()).get(spec.name, set())
         ranks = await asyncio.gather(
-            *(
-                self.rank_state(spec, statuses.get(r) or RankStatus(dp_rank=r))
-                for r in await self.ranks_of(spec)
-            )
+            *(self.rank_state(spec, status) for status in self.statuses(spec, held))
         )
         return EngineState(**msgspec.structs.asdict(spec), ranks=list(ranks))
+
+    async def summaries(self) -> list[EngineSummary]:
+        held = await self.stored_ranks()
+        return [
+            EngineSummary(
+                **msgspec.structs.asdict(spec),
+                **msgspec.structs.asdict(count(self.statuses(spec, held.get(spec.name, set())))),
+            )
+            for spec in self.registry.all()
+        ]
 
     async def stats(self) -> Stats:
         ranks = await self.store.ranks()
         counts = await asyncio.gather(*(self.store.block_counts(r) for r in ranks))
         anomalies = await asyncio.gather(*(self.store.anomalies(r) for r in ranks))
+        held = _by_engine(ranks)
         engines = self.registry.all()
-        statuses = [s for spec in engines for s in self.consumers.rank_status(spec.name)]
+        statuses = [s for spec in engines for s in self.statuses(spec, held.get(spec.name, set()))]
         return Stats(
+            **msgspec.structs.asdict(count(statuses)),
             engines=len(engines),
-            ranks=len(ranks),
-            connected_ranks=sum(s.connected for s in statuses),
-            degraded_ranks=sum(is_degraded(s) for s in statuses),
+            stored_ranks=len(ranks),
             blocks={m: sum(c[m] for c in counts) for m in MEDIA},
             anomalies=_total(anomalies),
             token_index_entries=len(self.token_index),
             **native.status(),
         )
+
+
+def _by_engine(ranks: list[RankId]) -> dict[str, set[int]]:
+    """The dp ranks the store holds state for, by engine."""
+    held: dict[str, set[int]] = {}
+    for rank in ranks:
+        held.setdefault(rank.engine, set()).add(rank.dp_rank)
+    return held
+
+
+def count(statuses: list[RankStatus]) -> RankCounts:
+    """How many of these ranks are in each state."""
+    return RankCounts(
+        registered_ranks=len(statuses),
+        connected_ranks=sum(s.connected for s in statuses),
+        never_connected_ranks=sum(s.never_connected for s in statuses),
+        degraded_ranks=sum(is_degraded(s) for s in statuses),
+    )
 
 
 def _total(counts: list[dict[str, int]]) -> dict[str, int]:
@@ -115,11 +162,14 @@ def router(ctx: ApiContext) -> APIRouter:
 
     @routes.get(
         "/engines",
-        responses=answers(_200=(list[EngineSpec], "registered engines, by name")),
+        responses=answers(
+            _200=(list[EngineSummary], "registered engines, by name, with their rank counts"),
+            _503=_UNAVAILABLE,
+        ),
         summary="List engines",
     )
     async def list_engines() -> Response:
-        return _json(ops.registry.all())
+        return _json(await ops.summaries())
 
     @routes.post(
         "/engines",

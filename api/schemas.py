@@ -110,10 +110,40 @@ class PrefixMatchResponse(msgspec.Struct):
 
 
 class RankState(RankStatus):
-    """A rank's consumer status with its residency: distinct hashes per medium."""
+    """A rank's consumer status with its residency: distinct hashes per medium.
+
+    ``degraded`` is the rule prefix-match flags ranks by (not connected, an
+    unfilled gap, or a store loss not applied again); ``degraded_reasons``
+    says which, in words.
+    """
 
     blocks: dict[str, int] = {}
     anomalies: dict[str, int] = {}
+    degraded_reasons: list[str] = []
+
+
+class RankCounts(msgspec.Struct):
+    """How many ranks are in each state, by the rule of ``RankState.degraded``.
+
+    ``registered_ranks``: the declared dp ranks of the registered engines,
+    plus any other rank of theirs the store holds (a rank with no consumer
+    is not connected, so degraded). The others count among those.
+    """
+
+    registered_ranks: int = 0
+    connected_ranks: int = 0
+    never_connected_ranks: int = 0
+    degraded_ranks: int = 0
+
+
+#: ``GET /engines``: an engine's declaration and its :class:`RankCounts` (msgspec has no
+#: multiple inheritance: the counts' fields are added to the spec's here).
+EngineSummary = msgspec.defstruct(
+    "EngineSummary",
+    [(f.name, f.type, f.default) for f in msgspec.structs.fields(RankCounts)],
+    bases=(EngineSpec,),
+    module=__name__,
+)
 
 
 class EngineState(EngineSpec):
@@ -127,13 +157,13 @@ class BlockResidencies(msgspec.Struct):
     residency: list[Residency]
 
 
-class Stats(msgspec.Struct):
-    """Totals over every engine rank the store holds."""
+class Stats(RankCounts, kw_only=True):
+    """Totals. The rank counts are those of ``GET /engines`` summed; ``stored_ranks``:
+    ranks the store holds state for (any engine's); ``blocks``: distinct resident
+    hashes per medium, summed over those."""
 
     engines: int
-    ranks: int
-    connected_ranks: int
-    degraded_ranks: int
+    stored_ranks: int
     blocks: dict[str, int]
     anomalies: dict[str, int]
     token_index_entries: int

@@ -344,12 +344,33 @@ class RankStatus(msgspec.Struct):
 
 
 def is_degraded(status: RankStatus | None) -> bool:
-    """Whether a rank's answers may be wrong: an unfilled gap, or no live connection.
+    """Whether a rank's answers may be wrong: no live connection, an unfilled gap,
+    or batches the store lost that are not applied again.
 
     A rank with no status at all (unknown) counts as not connected. Prefix
-    matches flag such ranks and ``/stats`` counts them, by this one rule.
+    matches, ``/engines``, ``/stats`` and the metrics all use this one rule;
+    :func:`degraded_reasons` says why in words.
     """
     return status is None or status.degraded or not status.connected
+
+
+def degraded_reasons(status: RankStatus | None) -> list[str]:
+    """Why :func:`is_degraded` holds, one phrase per cause (empty when it does not)."""
+    if status is None:
+        return ["not consumed: no status"]
+    reasons = []
+    if status.never_connected:
+        reasons.append("never connected: no publisher at its endpoint")
+    elif not status.connected:
+        reasons.append("not connected")
+    if status.store_loss is not None:
+        reasons.append(f"store loss: {status.store_loss}")
+    if status.missing:
+        gaps = ", ".join(f"{g.first}..{g.last}" for g in status.missing)
+        reasons.append(f"unfilled gaps: batches {gaps}")
+    if status.degraded and status.store_loss is None and not status.missing:
+        reasons.append("missed batches replay could not fill")
+    return reasons
 
 
 class ConsumerView(Protocol):

@@ -64,7 +64,7 @@ def progress(api: str) -> None:
         blocks = "  ".join(f"{m} {n}" for m, n in stats["blocks"].items())
         sys.stdout.write(
             f"\rbatches applied {batches:.0f}  engines {stats['engines']}"
-            f" ({stats['connected_ranks']}/{stats['ranks']} ranks connected)"
+            f" ({stats['connected_ranks']}/{stats['registered_ranks']} ranks connected)"
             f"  blocks: {blocks}   "
         )
         sys.stdout.flush()
