@@ -1,28 +1,23 @@
 """Which block-hash chain stands for a ``tokens`` query on each engine.
 
-An engine whose hashes kvindex can reproduce (a declared ``hash_algo``, and
-its ``hash_seed`` where vLLM would seed the chain at random) gets them computed
-exactly as vLLM does, once per distinct (algorithm, seed, block size) in the
-query and converted to the form the engine publishes (uint64 or raw bytes).
-Any other engine is matched through the learned token index, rank by rank.
+An engine whose hashes kvindex can reproduce (its adapter computes them for
+the declared ``hash_algo``, and ``hash_seed`` where the engine would seed the
+chain at random) gets them computed exactly as the engine does, once per
+distinct hasher (adapter, algorithm, seed, block size) in the query and
+converted to the form the engine publishes (uint64 or raw bytes). Any other
+engine is matched through the learned token index, rank by rank.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from api.errors import ApiError
 from indexer.core.events import BlockHash
-from indexer.engines.vllm.hashing import HashSpec, MMFeature, block_hashes, published_ints
+from indexer.engines.base import BlockHasher, Prompt
 from indexer.registry import EngineSpec
 
-
-@functools.lru_cache(maxsize=256)
-def hash_spec(algo: str, seed: str | None, block_size: int) -> HashSpec:
-    """Specs are cached: building one hashes the chain seed."""
-    return HashSpec(algo, seed, block_size)
+__all__ = ["DECLARED", "ChainComputer", "Overrides", "Prompt", "learned"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +31,13 @@ class Overrides:
     def block_size_of(self, spec: EngineSpec) -> int:
         return self.block_size or spec.block_size
 
-    def hashing_of(self, spec: EngineSpec) -> HashSpec | None:
+    def hashing_of(self, spec: EngineSpec) -> BlockHasher | None:
         """How to hash for this engine; None when only the learned index can answer."""
         algo = self.hash_algo or spec.hash_algo
         if algo is None:
             return None
         seed = self.hash_seed if self.hash_seed is not None else spec.hash_seed
-        hashing = hash_spec(algo, seed, self.block_size_of(spec))
+        hashing = spec.engine_adapter.hasher(algo, seed, self.block_size_of(spec))
         return hashing if hashing.reproducible else None
 
 
@@ -54,26 +49,15 @@ def learned(spec: EngineSpec) -> bool:
     return DECLARED.hashing_of(spec) is None
 
 
-@dataclass(frozen=True, slots=True)
-class Prompt:
-    """A prompt given as token ids, with what vLLM mixes into its block hashes."""
-
-    tokens: tuple[int, ...]
-    lora_name: str | None = None
-    lora_path: str | None = None
-    cache_salt: str | None = None
-    mm_features: Sequence[MMFeature] = ()
-
-
 class ChainComputer:
-    """Hashes one prompt per distinct spec, at most once, for one query."""
+    """Hashes one prompt per distinct hasher, at most once, for one query."""
 
     def __init__(self, prompt: Prompt) -> None:
         self._prompt = prompt
-        self._digests: dict[HashSpec, list[bytes]] = {}
-        self._ints: dict[HashSpec, list[int]] = {}
+        self._digests: dict[BlockHasher, list[bytes]] = {}
+        self._ints: dict[BlockHasher, list[int]] = {}
 
-    def chain(self, hashing: HashSpec, as_bytes: bool) -> list[BlockHash]:
+    def chain(self, hashing: BlockHasher, as_bytes: bool) -> list[BlockHash]:
         digests = self._digests.get(hashing)
         if digests is None:
             digests = self._digests[hashing] = self._hash(hashing)
@@ -81,20 +65,11 @@ class ChainComputer:
             return digests
         ints = self._ints.get(hashing)
         if ints is None:
-            ints = self._ints[hashing] = published_ints(digests)
+            ints = self._ints[hashing] = hashing.published(digests)
         return ints
 
-    def _hash(self, hashing: HashSpec) -> list[bytes]:
-        p = self._prompt
+    def _hash(self, hashing: BlockHasher) -> list[bytes]:
         try:
-            return block_hashes(
-                hashing,
-                p.tokens,
-                lora_name=p.lora_name,
-                lora_path=p.lora_path,
-                cache_salt=p.cache_salt,
-                mm_features=p.mm_features,
-                as_bytes=True,
-            )
+            return hashing.digests(self._prompt)
         except ValueError as e:  # e.g. a LoRA name without its path
             raise ApiError(422, str(e)) from None

@@ -37,7 +37,7 @@ from api.schemas import (
     PrefixMatchResponse,
 )
 from api.settings import ApiSettings
-from indexer.engines.vllm.hashing import MMFeature
+from indexer.engines.base import MMFeature
 
 _encode = msgspec.json.Encoder().encode
 _decode_body = msgspec.json.Decoder(PrefixMatchBody).decode

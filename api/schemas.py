@@ -12,8 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from indexer.engines.vllm.hashing import HASH_ALGOS
-from indexer.registry import EngineSpec, RankStatus
+from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.stores.base import Residency
 
 MAX_TOKEN = (1 << 63) - 1

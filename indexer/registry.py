@@ -23,8 +23,8 @@ from typing import Annotated, Literal, Protocol
 
 import msgspec
 
-from indexer.engines.vllm.hashing import HASH_ALGOS
-from indexer.engines.vllm.wire import offset_endpoint
+from indexer.engines import catalog
+from indexer.engines.base import EngineAdapter
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
 # Checked by EngineSpec.__post_init__, which says what was expected; the
@@ -39,6 +39,8 @@ Endpoint = Annotated[
     ),
 ]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+#: Every hash algorithm some engine adapter reproduces.
+HASH_ALGOS = catalog.hash_algos()
 _MAX_PORT = 65535
 
 
@@ -88,8 +90,9 @@ class KVGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One engine as declared by an operator (vLLM's ``--kv-events-config``).
 
-    Data-parallel rank r publishes on the endpoint's port + r, for both the
-    PUB and the replay socket, exactly as vLLM offsets them.
+    ``adapter`` names the engine's event format (:mod:`indexer.engines.catalog`);
+    it also says where each data-parallel rank publishes (vLLM: the
+    endpoint's port + r, for both the PUB and the replay socket).
     """
 
     name: Name
@@ -105,6 +108,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bind: bool = False  # True: kvindex binds and the engine connects
     #: the model's KV cache groups by group_idx (null: learned from the events)
     kv_groups: list[KVGroup] | None = None
+    adapter: Literal[catalog.names()] = catalog.DEFAULT  # type: ignore[valid-type]
 
     def __post_init__(self) -> None:
         check_kv_groups(self.kv_groups or [], self.block_size)
@@ -119,9 +123,14 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     " inproc name, never an ipc path; use tcp:// for dp_ranks > 1"
                 )
 
+    @property
+    def engine_adapter(self) -> EngineAdapter:
+        return catalog.adapter(self.adapter)
+
     def rank_endpoint(self, dp_rank: int, replay: bool = False) -> str | None:
-        """The endpoint of one rank, offset as vLLM offsets it."""
-        return offset_endpoint(self.replay_endpoint if replay else self.endpoint, dp_rank)
+        """The endpoint of one rank, offset as its engine offsets it."""
+        endpoint = self.replay_endpoint if replay else self.endpoint
+        return self.engine_adapter.rank_endpoint(endpoint, dp_rank)
 
 
 def check_kv_groups(groups: list[KVGroup], block_size: int) -> None:

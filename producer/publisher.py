@@ -1,7 +1,8 @@
 """A vLLM-wire-compatible KV event publisher: ZMQ PUB plus a replay ROUTER.
 
-Byte for byte what vLLM 0.33's ``ZmqEventPublisher`` puts on the wire, so a
-consumer cannot tell the two apart: PUB multipart ``[topic, seq, payload]``
+By default byte for byte what vLLM 0.33's ``ZmqEventPublisher`` puts on the
+wire, so a consumer cannot tell the two apart (another engine adapter's
+``adapter`` makes it speak that engine's wire): PUB multipart ``[topic, seq, payload]``
 with ``seq`` 8-byte big-endian from 0, +1 per batch; a ROUTER that answers
 ``[id, b"", start_seq]`` with ``[id, b"", seq, payload]`` for every buffered
 batch with ``seq >= start`` and then the end marker ``[id, b"", -1, b""]``;
@@ -20,7 +21,7 @@ not sent live (a subscriber-side loss that replay repairs), and a small
 ``buffer_steps`` makes replay come back short.
 
 Imports only msgspec, pyzmq, the standard library, :mod:`indexer.core.events`
-and :mod:`indexer.engines.vllm.wire`.
+and the engine adapters (:mod:`indexer.engines`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from typing import NamedTuple
 import msgspec
 import zmq
 
-from indexer.core.events import EventBatch
-from indexer.engines.vllm.wire import REPLAY_END, encode_batch, offset_endpoint
+from indexer.core.events import EventBatch, WireError
+from indexer.engines import catalog
+from indexer.engines.base import EngineAdapter
 
 log = logging.getLogger("kvindex.publisher")
 
@@ -85,7 +87,9 @@ class Publisher:
         holes: Collection[int] = (),
         drop_live: Collection[int] = (),
         context: zmq.Context | None = None,
+        adapter: EngineAdapter | None = None,
     ) -> None:
+        self._adapter = adapter = adapter or catalog.adapter(catalog.DEFAULT)
         self._rank = data_parallel_rank
         self._topic = topic.encode()
         self._holes = frozenset(holes)
@@ -108,7 +112,7 @@ class Publisher:
         self._context = context or zmq.Context()
         self._owns_context = context is None
         ctx = self._context
-        pub_endpoint = offset_endpoint(endpoint, data_parallel_rank)
+        pub_endpoint = adapter.rank_endpoint(endpoint, data_parallel_rank)
         self._pub = ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         if binds_by_default(pub_endpoint) if bind is None else bind:
@@ -123,7 +127,7 @@ class Publisher:
             self._replay = ctx.socket(zmq.ROUTER)
             # A whole buffer answers one request: never let the ROUTER drop part of it.
             self._replay.set_hwm(buffer_steps + 1)
-            self._replay.bind(offset_endpoint(replay_endpoint, data_parallel_rank))
+            self._replay.bind(adapter.rank_endpoint(replay_endpoint, data_parallel_rank))
             self.replay_endpoint = self._replay.get(zmq.LAST_ENDPOINT).decode()
 
         self._thread = threading.Thread(
@@ -217,10 +221,10 @@ class Publisher:
         self._next_seq += 1
         if seq in self._holes:
             return
-        payload = batch if type(batch) is bytes else encode_batch(batch)
+        payload = batch if type(batch) is bytes else self._adapter.encode(batch)
         if seq not in self._drop_live:
             try:
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self._pub.send_multipart(self._adapter.live_frames(self._topic, seq, payload))
             except zmq.ZMQError:
                 # vLLM's behaviour: the seq is spent and never buffered, a permanent hole.
                 log.exception("publish failed", extra={"seq": seq})
@@ -230,14 +234,15 @@ class Publisher:
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3:
-            log.warning("invalid replay request", extra={"frames": len(frames)})
+        client, *frames = self._replay.recv_multipart()
+        try:
+            start = self._adapter.replay_start(frames)
+        except WireError:
+            log.warning("invalid replay request", extra={"frames": len(frames) + 1})
             return
-        client, _, start_bytes = frames
-        start = int.from_bytes(start_bytes, "big")
         self.replays_served += 1
+        answer = self._adapter.replay_answer
         for seq, payload in self._buffer:
             if seq >= start:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", REPLAY_END, b""))
+                self._replay.send_multipart([client, *answer(seq, payload)])
+        self._replay.send_multipart([client, *answer(None, b"")])

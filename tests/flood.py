@@ -21,7 +21,8 @@ import time
 import zmq
 
 from indexer.core.events import BlockStored, EventBatch
-from indexer.engines.vllm.wire import REPLAY_END, encode_batch
+from indexer.engines.vllm.wire import encode_batch
+from indexer.engines.zmq_framing import REPLAY_END
 
 MB = 1 << 20
 #: Token ids of five bytes each (above 65,535): a 1 MB batch of one block.

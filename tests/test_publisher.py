@@ -14,7 +14,8 @@ import pytest
 import zmq
 
 from indexer.core.events import EventBatch, RankId
-from indexer.engines.vllm.wire import REPLAY_END, decode_batch, decode_frames, offset_endpoint
+from indexer.engines.vllm.wire import decode_batch
+from indexer.engines.zmq_framing import REPLAY_END, decode_frames, offset_endpoint
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore

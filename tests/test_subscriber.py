@@ -26,8 +26,8 @@ from indexer.engines.vllm.wire import (
     batch_ts,
     decode_batch,
     encode_batch,
-    split_replay,
 )
+from indexer.engines.zmq_framing import split_replay
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.ingest.trace import load_trace
 from indexer.registry import EngineRegistry, EngineSpec, UnknownEngine

@@ -22,9 +22,9 @@ from indexer.engines.vllm.wire import (
     IndexedBatch,
     StoredHashes,
     decode_batch,
-    decode_frames,
     encode_batch,
 )
+from indexer.engines.zmq_framing import decode_frames
 
 from .conftest import FIXTURES
 

@@ -18,7 +18,6 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from indexer.core.events import WireError
-from indexer.engines.vllm.wire import batch_ts, decode_frames
 from indexer.ingest.intake import LIVE, Item
 from indexer.ingest.settings import SubscriberSettings
 from indexer.ingest.sockets import close_sub, messages, open_sub
@@ -49,6 +48,7 @@ class LiveFeed:
         self._context, self._settings, self._spec, self._status = context, settings, spec, status
         self._deliver, self._reject, self._on_connected, self._ids = deliver, reject, connected, ids
         self.endpoint = spec.rank_endpoint(status.dp_rank) or ""
+        self._adapter = spec.engine_adapter
         self.queued: tuple[int, float] | None = None  # seq and ts of the newest frame read
         self.failed = False  # the SUB socket could not be reopened: nothing more arrives
         self._ever_connected = False
@@ -86,9 +86,10 @@ class LiveFeed:
         self._status.connected = False
 
     async def _read(self, sub: zmq.asyncio.Socket) -> None:
+        split, batch_ts = self._adapter.split_live, self._adapter.batch_ts
         async for frames in messages(sub):
             try:
-                _, seq, payload = decode_frames(frames)
+                seq, payload = split(frames)
                 ts = batch_ts(payload)
             except WireError as e:
                 # Live garbage may come from anyone on the topic: count it, ignore its seq.

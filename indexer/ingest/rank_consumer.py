@@ -48,7 +48,6 @@ from indexer.core import sequencer as seq_rules
 from indexer.core.events import EventBatch, RankId, WireError
 from indexer.core.hybrid import GroupDeclaration
 from indexer.core.sequencer import Mark, Sequencer
-from indexer.engines.vllm.wire import decode_batch
 from indexer.ingest.intake import END, HELD, LIVE, REPLAY, WAKE, Intake, Item
 from indexer.ingest.live_feed import LiveFeed
 from indexer.ingest.replay_client import ReplayClient
@@ -132,9 +131,11 @@ class RankConsumer:
             lambda first, last: Gap(first, last, time.time()),
             time.monotonic(),
         )
+        self._decode_batch = spec.engine_adapter.decode
         self._replay = ReplayClient(
             shared.context,
             settings,
+            spec.engine_adapter,
             spec.rank_endpoint(dp_rank, replay=True) or "",
             self._deliver,
             self._seq.holds,
@@ -255,7 +256,7 @@ class RankConsumer:
         """The batch, or None (counted) if the payload is none: its seq stays missing
         (replay may bring a good copy, or its attempts run out and the seq is given up)."""
         try:
-            return decode_batch(payload, tokens=self._shared.reads_tokens(self.rank.engine))
+            return self._decode_batch(payload, tokens=self._shared.reads_tokens(self.rank.engine))
         except WireError as e:
             self._reject(e)
             return None

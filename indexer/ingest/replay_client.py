@@ -1,7 +1,8 @@
 """The replay client of one rank: a DEALER to the engine's replay ROUTER, opened per need.
 
-A request is ``(b"", start seq)``; the engine answers with every buffered
-batch from ``start`` on, then an end marker. Answers are read into the
+A request asks for every buffered batch from a start seq on; the engine
+answers with each of them, then an end marker (the frames are the engine
+adapter's). Answers are read into the
 rank's intake, tagged with the DEALER's generation: closing the DEALER
 (a timeout, an engine restart) starts a new generation, so a late answer
 to an abandoned request is recognised and ignored.
@@ -18,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from indexer.core.events import WireError
-from indexer.engines.vllm.wire import SEQ_BYTES, batch_ts, split_replay
+from indexer.engines.base import EngineAdapter
 from indexer.ingest.intake import BAD, END, HELD, REPLAY, Item
 from indexer.ingest.settings import SubscriberSettings
 from indexer.ingest.sockets import messages, open_socket, socket_limit
@@ -40,6 +41,7 @@ class ReplayClient:
         self,
         context: zmq.asyncio.Context,
         settings: SubscriberSettings,
+        adapter: EngineAdapter,
         endpoint: str,
         deliver: Callable[[Item], Awaitable[None]],
         holds: Callable[[int], bool],
@@ -47,6 +49,7 @@ class ReplayClient:
         reject: Callable[[WireError], None],
     ) -> None:
         self._context, self._settings, self.endpoint = context, settings, endpoint
+        self._adapter = adapter
         self._deliver, self._holds, self._activity, self._reject = deliver, holds, activity, reject
         self._dealer: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -78,7 +81,7 @@ class ReplayClient:
         connects anew.
         """
         with contextlib.suppress(zmq.Again):
-            await self._dealer.send_multipart((b"", start.to_bytes(SEQ_BYTES, "big")), zmq.NOBLOCK)
+            await self._dealer.send_multipart(self._adapter.replay_request(start), zmq.NOBLOCK)
 
     def close(self) -> None:
         """Close the DEALER, so no answer to a request sent on it ever arrives."""
@@ -98,12 +101,12 @@ class ReplayClient:
 
     def _item(self, frames: list[bytes], generation: int) -> Item:
         try:
-            seq, payload = split_replay(frames)
+            seq, payload = self._adapter.split_replay(frames)
             if seq is None:
                 return END, generation, 0, b"", 0.0
             if generation == self.generation and self._holds(seq):
                 return HELD, generation, seq, b"", 0.0
-            return REPLAY, generation, seq, payload, batch_ts(payload)
+            return REPLAY, generation, seq, payload, self._adapter.batch_ts(payload)
         except WireError as e:
             self._reject(e)  # the seq stays missing: replay attempts run out on it
             return BAD, generation, 0, b"", 0.0

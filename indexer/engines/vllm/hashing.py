@@ -33,6 +33,7 @@ from itertools import repeat
 from operator import getitem
 from typing import Any
 
+from indexer.engines.base import MMFeature
 from indexer.engines.vllm import native
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -159,18 +160,6 @@ def _fragments(fragment: Callable[[Any], bytes], extras: list[Any]) -> list[byte
             done[key] = fragment(extra)
         out.append(done[key])
     return out
-
-
-@dataclass(frozen=True, slots=True)
-class MMFeature:
-    """A multimodal item's placeholder span in the prompt, keyed by its content hash.
-
-    vLLM requires items sorted by ``offset``; the hashes depend on that order.
-    """
-
-    identifier: str
-    offset: int
-    length: int
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ positional arrays (one release never mixes the two in one batch).
 The events decode straight into :mod:`indexer.core.events`' structs (their
 field names are vLLM's). Every way a payload can be wrong surfaces as one
 exception, :class:`~indexer.core.events.WireError`, with a short
-machine-readable ``reason`` the consumer counts.
+machine-readable ``reason`` the consumer counts. The ZMQ frames around a
+payload are :mod:`indexer.engines.zmq_framing`'s.
 """
 
 from __future__ import annotations
 
 import struct
-from operator import attrgetter
 from typing import Union
 
 import msgspec
@@ -26,11 +26,8 @@ from indexer.core.events import (
     Event,
     EventBatch,
     WireError,
-    normalise_medium,
 )
-
-#: Events larger than this many hashes are rejected rather than applied.
-MAX_HASHES_PER_EVENT = 1 << 20
+from indexer.engines.base import check_batch
 
 
 def _default(field: msgspec.structs.FieldInfo) -> object:
@@ -140,25 +137,6 @@ def _convert(event: msgspec.Struct, to: type) -> msgspec.Struct:
     return to(**msgspec.structs.asdict(event))
 
 
-_medium = attrgetter("medium")
-_hashes = attrgetter("block_hashes")
-
-
-def _check(batch: EventBatch) -> EventBatch:
-    """Reject what msgspec's types cannot express: sizes, then media.
-
-    Both passes run in C (``map`` over attribute getters): this is on every
-    batch's path, and a Python loop per event cost a third of decoding.
-    """
-    events = batch.events
-    if events and max(map(len, map(_hashes, events))) > MAX_HASHES_PER_EVENT:
-        size = next(n for n in map(len, map(_hashes, events)) if n > MAX_HASHES_PER_EVENT)
-        raise WireError("too_many_hashes", str(size))
-    for medium in set(map(_medium, events)):
-        normalise_medium(medium)
-    return batch
-
-
 def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
     """Decode one batch payload (the third frame) into typed events.
 
@@ -167,11 +145,11 @@ def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
     :class:`IndexedBatch`), skipping what only the token index reads.
     """
     try:
-        return _check((_decode_map if tokens else _decode_indexed)(payload))
+        return check_batch((_decode_map if tokens else _decode_indexed)(payload))
     except msgspec.DecodeError as map_error:
         legacy = _legacy_batch(payload, map_error)
     events = [_from_positional(e) for e in legacy[1]]
-    return _check(EventBatch(legacy[0], events, legacy[2]))
+    return check_batch(EventBatch(legacy[0], events, legacy[2]))
 
 
 def _legacy_batch(payload: bytes, map_error: Exception) -> tuple:
@@ -190,21 +168,7 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 
 _encoder = msgspec.msgpack.Encoder()
-
-SEQ_BYTES = 8
-#: The seq frame that ends a replay answer: -1 as 8 signed big-endian bytes.
-REPLAY_END = b"\xff" * SEQ_BYTES
 _FLOAT64 = struct.Struct(">d")
-
-
-def decode_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:
-    """Split a multipart ``[topic, seq, payload]`` message; seq is 8-byte big-endian."""
-    if len(frames) != 3:
-        raise WireError("frame_count", str(len(frames)))
-    topic, seq, payload = frames
-    if len(seq) != SEQ_BYTES:
-        raise WireError("bad_seq", f"{len(seq)} bytes")
-    return topic, int.from_bytes(seq, "big"), payload
 
 
 def batch_ts(payload: bytes) -> float:
@@ -217,35 +181,3 @@ def batch_ts(payload: bytes) -> float:
     if len(payload) > 10 and payload[0] in (0x92, 0x93) and payload[1] == 0xCB:
         return _FLOAT64.unpack_from(payload, 2)[0]
     return decode_batch(payload).ts
-
-
-def split_replay(frames: list[bytes]) -> tuple[int | None, bytes]:
-    """Seq (None for the end marker) and payload of one replay answer.
-
-    vLLM's DEALER side receives ``[b"", seq, payload]``; some versions add the
-    topic, ``[b"", topic, seq, payload]``. Both are accepted.
-    """
-    if len(frames) in (3, 4) and frames[0] == b"":
-        frames = frames[1:]
-    if len(frames) == 3:
-        frames = frames[1:]
-    if len(frames) != 2:
-        raise WireError("replay_frame_count", str(len(frames)))
-    seq, payload = frames
-    if len(seq) != SEQ_BYTES:
-        raise WireError("bad_seq", f"{len(seq)} bytes")
-    return (None if seq == REPLAY_END else int.from_bytes(seq, "big")), payload
-
-
-def offset_endpoint(endpoint: str | None, dp_rank: int) -> str | None:
-    """vLLM's per-rank endpoint: tcp port + rank, or an ``_dp{rank}`` inproc suffix."""
-    if not endpoint or dp_rank == 0:
-        return endpoint
-    if "inproc" in endpoint:
-        return f"{endpoint}_dp{dp_rank}"
-    if "tcp" in endpoint and ":" in endpoint:
-        base, port = endpoint.rsplit(":", 1)
-        return f"{base}:{int(port) + dp_rank}"
-    if "tcp" in endpoint:
-        return endpoint
-    raise ValueError(f"invalid endpoint {endpoint!r}: must be tcp or inproc")

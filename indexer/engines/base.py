@@ -1,0 +1,132 @@
+"""What kvindex needs of an inference engine's event format: the :class:`EngineAdapter`.
+
+Ingest, the API and the producer speak to engines only through an adapter,
+so everything an engine type decides lives in its package under
+:mod:`indexer.engines`: how a live message and a replay answer are framed,
+how a payload becomes engine-neutral :mod:`indexer.core.events`, where each
+data-parallel rank listens, and how a prompt's tokens become the block hashes
+its events carry. :mod:`indexer.engines.catalog` finds the adapters by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Protocol
+
+from indexer.core.events import EventBatch, WireError, normalise_medium
+
+#: Events larger than this many hashes are rejected rather than applied.
+MAX_HASHES_PER_EVENT = 1 << 20
+
+#: A replay answer's seq, or None for the marker that ends the answer.
+ReplaySeq = int | None
+
+
+@dataclass(frozen=True, slots=True)
+class MMFeature:
+    """A multimodal item's placeholder span in the prompt, keyed by its content hash.
+
+    Engines require items sorted by ``offset``; the hashes depend on that order.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt given as token ids, with what engines mix into its block hashes."""
+
+    tokens: tuple[int, ...]
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    mm_features: Sequence[MMFeature] = ()
+
+
+class BlockHasher(Protocol):
+    """How one engine configuration (algorithm, seed, block size) hashes a prompt.
+
+    Hashable and compared by value: a query hashes a prompt once per distinct hasher.
+    """
+
+    @property
+    def reproducible(self) -> bool:
+        """False when the engine's hashes cannot be computed here (tokens queries then
+        go through the learned token index)."""
+
+    def digests(self, prompt: Prompt) -> list[bytes]:
+        """The raw digests of the prompt's full blocks, in order (ValueError: bad prompt)."""
+
+    def published(self, digests: list[bytes]) -> list[int]:
+        """The digests in the int form the engine publishes when it sends ints."""
+
+
+class EngineAdapter(Protocol):
+    """One engine type's event format, as ingest, the API and the producer use it.
+
+    Every decoding method raises :class:`~indexer.core.events.WireError` (with
+    a short ``reason`` the consumer counts) for anything that is not a valid
+    message of this format: a bad frame is counted, never a crash.
+    """
+
+    #: The name an :class:`~indexer.registry.EngineSpec` gives in its ``adapter`` field.
+    name: str
+    #: The hash algorithms whose chains :meth:`hasher` reproduces (empty: none).
+    hash_algos: tuple[str, ...]
+
+    def split_live(self, frames: list[bytes]) -> tuple[int, bytes]:
+        """A live message's seq and batch payload."""
+
+    def batch_ts(self, payload: bytes) -> float:
+        """A payload's batch timestamp, as cheaply as the format allows."""
+
+    def decode(self, payload: bytes, *, tokens: bool = True) -> EventBatch:
+        """A payload's events; ``tokens=False`` may skip what only the token index reads."""
+
+    def encode(self, batch: EventBatch) -> bytes:
+        """A batch as the engine would publish it (the producer side of :meth:`decode`)."""
+
+    def live_frames(self, topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+        """The frames of a live message (the producer side of :meth:`split_live`)."""
+
+    def replay_request(self, start: int) -> list[bytes]:
+        """The frames a replay client sends to ask for every buffered batch from ``start``."""
+
+    def replay_start(self, frames: list[bytes]) -> int:
+        """The start seq of a replay request as the engine's ROUTER receives it
+        (after the peer's identity frame)."""
+
+    def replay_answer(self, seq: ReplaySeq, payload: bytes) -> list[bytes]:
+        """The frames the engine sends back for one buffered batch (None: the end marker)."""
+
+    def split_replay(self, frames: list[bytes]) -> tuple[ReplaySeq, bytes]:
+        """One replay answer as the client receives it: seq (None: the end) and payload."""
+
+    def rank_endpoint(self, endpoint: str | None, dp_rank: int) -> str | None:
+        """The address data-parallel rank ``dp_rank`` uses, given rank 0's."""
+
+    def hasher(self, algo: str, seed: str | None, block_size: int) -> BlockHasher:
+        """The hasher of one engine configuration (ValueError: an algorithm it lacks)."""
+
+
+_medium = attrgetter("medium")
+_hashes = attrgetter("block_hashes")
+
+
+def check_batch(batch: EventBatch) -> EventBatch:
+    """Reject what decoding types cannot express: event sizes, then media.
+
+    Both passes run in C (``map`` over attribute getters): this is on every
+    batch's path, and a Python loop per event cost a third of decoding.
+    """
+    events = batch.events
+    if events and max(map(len, map(_hashes, events))) > MAX_HASHES_PER_EVENT:
+        size = next(n for n in map(len, map(_hashes, events)) if n > MAX_HASHES_PER_EVENT)
+        raise WireError("too_many_hashes", str(size))
+    for medium in set(map(_medium, events)):
+        normalise_medium(medium)
+    return batch

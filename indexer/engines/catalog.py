@@ -1,0 +1,46 @@
+"""The engine adapters kvindex has, by name: every package under :mod:`indexer.engines`
+with an ``adapter`` module whose ``ADAPTER`` is an
+:class:`~indexer.engines.base.EngineAdapter` named as its package.
+
+Found by listing the packages, not by a list kept here, so adding an engine
+type is adding its package, and no adapter imports another.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import pkgutil
+
+import indexer.engines
+from indexer.engines.base import EngineAdapter
+
+DEFAULT = "vllm"
+
+
+@functools.cache
+def names() -> tuple[str, ...]:
+    """Every adapter's name, sorted (the packages are listed, not imported)."""
+    found = []
+    for module in pkgutil.iter_modules(indexer.engines.__path__):
+        adapter_module = f"{indexer.engines.__name__}.{module.name}.adapter"
+        if module.ispkg and importlib.util.find_spec(adapter_module) is not None:
+            found.append(module.name)
+    return tuple(sorted(found))
+
+
+@functools.cache
+def adapter(name: str) -> EngineAdapter:
+    """The adapter called ``name`` (ValueError naming the known ones if there is none)."""
+    if name not in names():
+        raise ValueError(f"unknown engine adapter {name!r}; expected one of {names()}")
+    found = importlib.import_module(f"{indexer.engines.__name__}.{name}.adapter").ADAPTER
+    if found.name != name:
+        raise RuntimeError(f"the adapter of package {name!r} calls itself {found.name!r}")
+    return found
+
+
+def hash_algos() -> tuple[str, ...]:
+    """Every algorithm some adapter reproduces, in first-seen order (for schemas)."""
+    return tuple(dict.fromkeys(a for name in names() for a in adapter(name).hash_algos))

@@ -1,0 +1,58 @@
+"""vLLM 0.33's :class:`~indexer.engines.base.EngineAdapter`: its wire, framing and hashing."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from indexer.engines.base import Prompt
+from indexer.engines.vllm import hashing, wire
+from indexer.engines.zmq_framing import ZmqFraming
+
+
+@dataclass(frozen=True, slots=True)
+class VllmHasher:
+    """vLLM's block hashing for one :class:`~indexer.engines.vllm.hashing.HashSpec`."""
+
+    spec: hashing.HashSpec
+
+    @property
+    def reproducible(self) -> bool:
+        return self.spec.reproducible
+
+    def digests(self, prompt: Prompt) -> list[bytes]:
+        return hashing.block_hashes(
+            self.spec,
+            prompt.tokens,
+            lora_name=prompt.lora_name,
+            lora_path=prompt.lora_path,
+            cache_salt=prompt.cache_salt,
+            mm_features=prompt.mm_features,
+            as_bytes=True,
+        )
+
+    def published(self, digests: list[bytes]) -> list[int]:
+        return hashing.published_ints(digests)
+
+
+@functools.lru_cache(maxsize=256)
+def _hasher(algo: str, seed: str | None, block_size: int) -> VllmHasher:
+    """Cached: building a spec hashes the chain seed."""
+    return VllmHasher(hashing.HashSpec(algo, seed, block_size))
+
+
+class VllmAdapter(ZmqFraming):
+    """Maps (or positional arrays) in msgpack, seq-numbered ZMQ frames, vLLM's hashes."""
+
+    name = "vllm"
+    hash_algos = hashing.HASH_ALGOS
+
+    batch_ts = staticmethod(wire.batch_ts)
+    decode = staticmethod(wire.decode_batch)
+    encode = staticmethod(wire.encode_batch)
+
+    def hasher(self, algo: str, seed: str | None, block_size: int) -> VllmHasher:
+        return _hasher(algo, seed, block_size)
+
+
+ADAPTER = VllmAdapter()
