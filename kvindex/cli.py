@@ -1,86 +1,37 @@
-"""The ``kvindex`` command line: thin wrappers around the library."""
+"""The kvindex command line: each command runs one part of the library.
+
+Parsing (click) only records what was asked (:func:`parse_args`, which the
+tests use to check the README's and docker-compose's command lines); :func:`main`
+then sets up logging and runs the command.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import click
 import msgspec
 
 from indexer.log import setup_logging
+from kvindex import __version__
+from kvindex.options import EngineFlag, Port, apply, cannot, option, usage_line
+from kvindex.replay import replay as run_replay
+from kvindex.simflags import sim_flags
 
 if TYPE_CHECKING:
     from api.settings import ApiSettings
-    from indexer.ingest.trace import Expected, ReplayStats, Trace
     from indexer.stores.redis import RedisConfig
     from kvindex.config import ServeConfig
 
 log = logging.getLogger("kvindex")
 
-
-def _replay(args: argparse.Namespace) -> int:
-    from indexer.ingest.trace import load_expected, load_trace
-    from indexer.stores import StoreUnavailable
-    from indexer.stores.redis import RedisConfig
-
-    redis = None
-    if args.redis_url:
-        try:
-            redis = RedisConfig(
-                args.redis_url, args.redis_prefix, args.redis_cluster, sweep_interval=None
-            )
-        except ValueError as e:
-            return _cannot(args, str(e))
-    trace = load_trace(args.trace)
-    expected = load_expected(args.probe) if args.probe else None
-    try:
-        report, stats = asyncio.run(_replay_into_store(redis, trace, expected))
-    except StoreUnavailable as e:
-        return _cannot(args, str(e))
-    json.dump(report, sys.stdout)
-    sys.stdout.write("\n")
-    log.info(
-        "replayed",
-        extra={
-            "batches": stats.batches,
-            "block_ops": stats.block_ops,
-            "seconds": round(stats.seconds, 4),
-            "block_ops_per_s": round(stats.block_ops / max(stats.seconds, 1e-9)),
-        },
-    )
-    return 0
-
-
-REPLAY_ENGINE = "replay"
-
-
-async def _replay_into_store(
-    redis: RedisConfig | None, trace: Trace, expected: Expected | None
-) -> tuple[dict, ReplayStats]:
-    """Replay into the embedded store, or into Redis after forgetting an earlier replay."""
-    from indexer.core.events import RankId
-    from indexer.ingest.trace import replay_report
-    from indexer.stores import MemoryStore
-    from indexer.stores.redis import RedisStore
-
-    if redis is None:
-        return await replay_report(MemoryStore(), trace, expected, REPLAY_ENGINE)
-    store = RedisStore(redis)
-    try:
-        await store.forget(RankId(REPLAY_ENGINE, 0))
-        return await replay_report(store, trace, expected, REPLAY_ENGINE)
-    finally:
-        await store.close()
-
-
-def _cannot(args: argparse.Namespace, problem: str, code: int = 1) -> int:
-    """Say in one line on stderr why the command cannot run; its exit code."""
-    print(f"kvindex {args.command}: {problem}", file=sys.stderr)
-    return code
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 def _service(args: argparse.Namespace) -> int:
@@ -90,20 +41,20 @@ def _service(args: argparse.Namespace) -> int:
 
     from indexer.registry import EngineExists
     from indexer.stores import StoreUnavailable
-    from kvindex.config import ConfigError, OpenDoor, ServeConfig, load_config
+    from kvindex.config import ConfigError, OpenDoor, load_config
 
     try:
-        config = load_config(args.config) if args.config else ServeConfig()
+        config = load_config(args.config)
         redis = config.redis_config(
             args.redis_url, cluster=args.redis_cluster, prefix=args.redis_prefix
         )
         ok = asyncio.run(args.service(args, config, redis))
     except EngineExists as e:
-        return _cannot(args, f"engine {e.args[0]!r} is declared twice")
+        return cannot(args, f"engine {e.args[0]!r} is declared twice")
     except OpenDoor as e:
-        return _cannot(args, str(e), 2)
+        return cannot(args, str(e), 2)
     except (ConfigError, OSError, zmq.ZMQError, StoreUnavailable) as e:
-        return _cannot(args, str(e))
+        return cannot(args, str(e))
     return 0 if ok is not False else 1
 
 
@@ -148,7 +99,7 @@ async def _indexer(
     return await run_indexer(
         config,
         _needs_redis(args, redis),
-        args.engine,
+        list(args.engine),
         worker_id=args.worker_id,
         metrics=metrics,
     )
@@ -162,131 +113,243 @@ async def _api(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig
     await run_api(config, redis, host=args.host, port=args.port, settings=settings)
 
 
-def _engine_flag(text: str):
-    from indexer.registry import parse_engine_flag
-
-    try:
-        return parse_engine_flag(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _port(text: str) -> int:
-    """A TCP port for a flag (the socket module raises OverflowError, not a usage error)."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
-    return port
-
-
-def _add_redis_flags(parser: argparse.ArgumentParser, url_help: str, prefix: str | None) -> None:
-    parser.add_argument("--redis-url", help=url_help)
-    parser.add_argument(
-        "--redis-cluster", action="store_true", help="the URL names a Redis Cluster node"
-    )
-    parser.add_argument(
-        "--redis-prefix",
-        default=prefix,
-        help=f"key prefix, so indexes can share a Redis (default {prefix or 'kvindex'})",
-    )
-
-
-def _add_engine_flag(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        type=_engine_flag,
-        metavar="NAME=ENDPOINT[,FIELD=VALUE...]",
-        help=f"{what}, e.g. a=tcp://host:5557,replay_endpoint=tcp://host:5558"
-        " (repeatable; fields as in the config file)",
-    )
-
-
-def _add_http_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
-    parser.add_argument("--port", type=_port, default=8000, help="HTTP port (default 8000; 0: any)")
-    parser.add_argument(
-        "--auth-token-file",
-        metavar="FILE",
-        help="file holding the bearer token POST/DELETE /engines require"
-        " (else $KVINDEX_AUTH_TOKEN, then api.auth_token_file or api.auth_token)",
-    )
-    parser.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        help="serve a non-loopback --host without a token: anyone who reaches it"
-        " can register and remove engines (refused otherwise)",
-    )
-
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line (argparse prints the whole usage first, which
-    buries the one line that says what is wrong)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvindex", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default)")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    replay = commands.add_parser("replay", help="apply a recorded trace and print a JSON report")
-    replay.add_argument("trace", help="TRACE.frames.msgpack: a msgpack array of [seq, payload]")
-    replay.add_argument("--probe", metavar="EXPECTED.json", help="answer this file's probes")
-    _add_redis_flags(
-        replay, "replay into Redis (redis://, rediss://, unix://)", prefix="kvindex-replay"
-    )
-    replay.set_defaults(run=_replay)
-
-    serve = commands.add_parser(
-        "serve", help="one process: consume engines' KV events and serve the HTTP API"
-    )
-    _add_http_flags(serve)
-    _add_redis_flags(serve, "use the Redis store at this URL (default: embedded)", prefix=None)
-    serve.add_argument("--config", metavar="FILE", help="YAML or TOML (.toml) config file")
-    _add_engine_flag(serve, "an engine to follow")
-    serve.set_defaults(run=_service, service=_serve)
-
-    indexer = commands.add_parser(
-        "indexer", help="a worker: consume its share of the engines into Redis (scale-out)"
-    )
-    _add_redis_flags(indexer, "the shared Redis (required, or a redis config section)", None)
-    indexer.add_argument("--config", metavar="FILE", help="YAML or TOML (.toml) config file")
-    _add_engine_flag(indexer, "an engine to register if it is not yet")
-    indexer.add_argument("--worker-id", help="unique name (default: host-pid-random)")
-    indexer.add_argument(
-        "--lease-ttl", type=float, help="seconds a dead worker's engines wait (default 6)"
-    )
-    indexer.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on this port")
-    indexer.add_argument(
-        "--metrics-host", default="127.0.0.1", help="metrics address (default 127.0.0.1)"
-    )
-    indexer.set_defaults(run=_service, service=_indexer)
-
-    api = commands.add_parser(
-        "api", help="an HTTP API replica over the shared Redis (scale-out; stateless)"
-    )
-    _add_http_flags(api)
-    _add_redis_flags(api, "the shared Redis (required, or a redis config section)", None)
-    api.add_argument("--config", metavar="FILE", help="YAML or TOML (.toml) config file")
-    api.set_defaults(run=_service, service=_api)
-
+def _sim(args: argparse.Namespace) -> int:
     from producer import simcli
 
-    sim = commands.add_parser("sim", help="run simulated engines publishing KV events")
-    simcli.add_arguments(sim)
-    sim.set_defaults(run=simcli.main)
-    return parser
+    return simcli.main(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from kvindex.status import FleetUnreachable, fleet_table
+
+    try:
+        print(fleet_table(args.url, args.token))
+    except FleetUnreachable as e:
+        return cannot(args, str(e))
+    return 0
+
+
+def _log_level() -> Callable:
+    return option(
+        "--log-level",
+        type=click.Choice(LEVELS, case_sensitive=False),
+        help="log lines (JSON, on stderr) at this level and above  [default: WARNING]",
+    )
+
+
+def _redis_flags(url_help: str, prefix: str | None) -> Callable:
+    return apply(
+        option("--redis-url", metavar="URL", help=url_help),
+        option("--redis-cluster", is_flag=True, help="the URL names a Redis Cluster node"),
+        option(
+            "--redis-prefix",
+            default=prefix,
+            help=f"key prefix, so indexes can share a Redis  [default: {prefix or 'kvindex'}]",
+        ),
+    )
+
+
+def _config_flag() -> Callable:
+    return option(
+        "--config",
+        metavar="FILE",
+        help="YAML or TOML (.toml) config file; KVINDEX_<SECTION>__<FIELD> variables"
+        " override its fields (e.g. KVINDEX_SUBSCRIBER__REPLAY_TIMEOUT=2)",
+    )
+
+
+def _engine_flag(what: str) -> Callable:
+    return option(
+        "--engine",
+        multiple=True,
+        type=EngineFlag(),
+        help=f"{what}, e.g. a=tcp://host:5557,replay_endpoint=tcp://host:5558"
+        " (repeatable, or space-separated in the variable; fields as in the config file)",
+    )
+
+
+def _http_flags() -> Callable:
+    return apply(
+        option("--host", default="127.0.0.1", show_default=True, help="HTTP address"),
+        option("--port", type=Port(), default=8000, show_default=True, help="HTTP port (0: any)"),
+        option(
+            "--auth-token-file",
+            metavar="FILE",
+            help="file holding the bearer token POST/DELETE /engines require"
+            " (else $KVINDEX_AUTH_TOKEN, then api.auth_token_file or api.auth_token)",
+        ),
+        option(
+            "--insecure-no-auth",
+            is_flag=True,
+            help="serve a non-loopback --host without a token: anyone who reaches it"
+            " can register and remove engines (refused otherwise)",
+        ),
+    )
+
+
+def _parsed(run: Callable[[argparse.Namespace], int], **more: object) -> argparse.Namespace:
+    """What a command's flags asked for, with the flags given before the command."""
+    ctx = click.get_current_context()
+    level = ctx.params.pop("log_level") or ctx.parent.params["log_level"] or "WARNING"
+    return argparse.Namespace(command=ctx.info_name, run=run, log_level=level, **ctx.params, **more)
+
+
+@click.group(context_settings=SETTINGS)
+@click.version_option(__version__, "-V", "--version", message="kvindex %(version)s")
+@_log_level()
+def cli(log_level: str | None) -> None:
+    """kvindex: which engine of a vLLM fleet holds the longest cached prefix of a
+    prompt, learned from the engines' KV cache events.
+
+    \b
+    Start here:
+      kvindex serve --engine a=tcp://10.0.0.5:5557   one process: follow engines, serve HTTP
+      kvindex status                                 the fleet as a table
+      kvindex COMMAND --help                         a command's flags and an example
+
+    Every flag can also be set as KVINDEX_<FLAG> (--redis-url: KVINDEX_REDIS_URL),
+    or as KVINDEX_<FLAG>_FILE naming a file that holds the value (for secrets).
+    """
+
+
+@cli.command(context_settings=SETTINGS)
+@click.argument("trace", metavar="TRACE")
+@option("--probe", metavar="EXPECTED.json", help="answer this file's probes and check them")
+@_redis_flags("replay into Redis (redis://, rediss://, unix://)", prefix="kvindex-replay")
+@_log_level()
+def replay(**_: object) -> argparse.Namespace:
+    """Apply a recorded trace and print a JSON report (blocks per tier, anomalies,
+    probe answers).
+
+    TRACE is a TRACE.frames.msgpack file: a msgpack array of [seq, payload], every
+    batch one engine rank published. With --probe, the report's probe answers are
+    compared with the file's (vLLM's own): stderr ends with "N/N probes match",
+    and the exit code is 1 if any differs.
+
+    \b
+    Example:
+      kvindex replay chat.frames.msgpack --probe chat.expected.json
+    """
+    return _parsed(run_replay)
+
+
+@cli.command(context_settings=SETTINGS)
+@_http_flags()
+@_redis_flags("use the Redis store at this URL (default: embedded)", prefix=None)
+@_config_flag()
+@_engine_flag("an engine to follow")
+@_log_level()
+def serve(**_: object) -> argparse.Namespace:
+    """One process: consume engines' KV events and serve the HTTP API
+    (/prefix-match, /engines, /stats, /metrics, /docs).
+
+    \b
+    Example:
+      kvindex serve --port 8000 \\
+        --engine vllm-a=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558
+    """
+    return _parsed(_service, service=_serve)
+
+
+@cli.command(context_settings=SETTINGS)
+@_redis_flags("the shared Redis (required, or a redis config section)", None)
+@_config_flag()
+@_engine_flag("an engine to register if it is not yet")
+@option("--worker-id", help="unique name  [default: host-pid-random]")
+@option("--lease-ttl", type=float, help="seconds a dead worker's engines wait  [default: 6]")
+@option("--metrics-port", type=Port(), help="serve Prometheus metrics on this port")
+@option("--metrics-host", default="127.0.0.1", show_default=True, help="metrics address")
+@_log_level()
+def indexer(**_: object) -> argparse.Namespace:
+    """A worker: consume its share of the engines into Redis (scale-out).
+
+    Workers share the engines through leases in Redis: when one stops, the
+    others take its engines over after --lease-ttl seconds.
+
+    \b
+    Example:
+      kvindex indexer --redis-url redis://10.0.0.9:6379/0 --metrics-port 9100 \\
+        --engine vllm-a=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558
+    """
+    return _parsed(_service, service=_indexer)
+
+
+@cli.command(context_settings=SETTINGS)
+@_http_flags()
+@_redis_flags("the shared Redis (required, or a redis config section)", None)
+@_config_flag()
+@_log_level()
+def api(**_: object) -> argparse.Namespace:
+    """An HTTP API replica over the shared Redis (scale-out; stateless).
+
+    \b
+    Example:
+      KVINDEX_AUTH_TOKEN_FILE=/run/secrets/kvindex-token \\
+        kvindex api --host 0.0.0.0 --redis-url redis://10.0.0.9:6379/0
+    """
+    return _parsed(_service, service=_api)
+
+
+@cli.command(context_settings=SETTINGS)
+@option("--url", default="http://127.0.0.1:8000", show_default=True, help="a kvindex HTTP API")
+@option(
+    "--token",
+    envvar="KVINDEX_AUTH_TOKEN",
+    help="bearer token, if the server asks one for reads (better from the variable"
+    " or KVINDEX_AUTH_TOKEN_FILE than in argv, which ps shows)",
+)
+@_log_level()
+def status(**_: object) -> argparse.Namespace:
+    """Print the fleet as a table: each engine's dp ranks, connected or degraded
+    (and why), resident blocks per tier and how far each rank lags; the totals
+    below. Read from a running server's /engines and /stats.
+
+    \b
+    Example:
+      kvindex status --url http://127.0.0.1:8080
+    """
+    return _parsed(_status)
+
+
+@cli.command(context_settings=SETTINGS)
+@sim_flags
+@_log_level()
+def sim(**_: object) -> argparse.Namespace:
+    """Run simulated engines publishing vLLM KV events on local ports, until
+    Ctrl-C or SIGTERM.
+
+    Engine k binds its PUB socket on --base-port + 2 * dp_ranks * k and its
+    replay socket dp_ranks ports above; --print-specs prints the matching
+    POST /engines bodies.
+
+    \b
+    Example:
+      kvindex sim --engines 2 --base-port 5557 &
+      kvindex sim --engines 2 --print-specs | while read -r spec; do
+        curl -s -X POST localhost:8000/engines -H 'content-type: application/json' -d "$spec"
+      done
+    """
+    return _parsed(_sim)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed; exits (as argparse does) on a usage error, 2, with
+    one line on stderr, and on --help or --version, 0, after printing them."""
+    try:
+        parsed = cli.main(argv, prog_name="kvindex", standalone_mode=False)
+    except click.UsageError as e:
+        print(usage_line(e), file=sys.stderr)
+        raise SystemExit(2) from None
+    except click.ClickException as e:
+        print(f"kvindex: {e.format_message()}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    if not isinstance(parsed, argparse.Namespace):  # --help or --version: printed
+        raise SystemExit(parsed or 0)
+    return parsed
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     setup_logging(args.log_level)
     return args.run(args)
 

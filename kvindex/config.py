@@ -36,10 +36,12 @@ import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
 
 import msgspec
+import pydantic
 import yaml
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from api.settings import ApiSettings
 from indexer.cluster.workers import WorkerSettings
@@ -47,6 +49,7 @@ from indexer.ingest.subscriber import SubscriberSettings
 from indexer.metrics import MetricsSettings
 from indexer.registry import BindRefused, EngineSpec, is_loopback
 from indexer.stores.redis import RedisConfig
+from kvindex.options import ENV_PREFIX
 
 
 class ConfigError(ValueError):
@@ -103,24 +106,68 @@ def _dataclass(cls: type, section: dict[str, Any], name: str) -> Any:
     if unknown:
         raise ConfigError(f"{name}: unknown field(s) {', '.join(sorted(unknown))}")
     try:
-        return msgspec.convert(section, cls)
+        return msgspec.convert(section, cls, strict=False)
     except (msgspec.ValidationError, ValueError) as e:
         raise ConfigError(f"{name}: {e}") from None
 
 
-def load_config(path: str | Path) -> ServeConfig:
-    """Read a YAML or TOML config file (TOML when the name ends in ``.toml``)."""
-    path = Path(path)
+class _OverFile(BaseSettings):
+    """``KVINDEX_<SECTION>__<FIELD>`` variables over the config file's fields:
+    pydantic-settings merges the two section by section, field by field."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="allow"
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return env_settings, init_settings
+
+
+#: Every section of the file but ``engines``, which the ``--engine`` flag (and
+#: so ``KVINDEX_ENGINE``) adds to.
+_Sections = pydantic.create_model(
+    "_Sections",
+    __base__=_OverFile,
+    **{
+        f.name: ((list[Any] if get_origin(f.type) is list else dict[str, Any]) | None, None)
+        for f in msgspec.structs.fields(ServeConfig)
+        if f.name != "engines"
+    },
+)
+
+
+def load_config(path: str | Path | None = None) -> ServeConfig:
+    """Read a YAML or TOML config file (TOML when the name ends in ``.toml``), its
+    fields overridden by ``KVINDEX_<SECTION>__<FIELD>`` variables; without a
+    file, the variables over the defaults. Values from variables are text, so
+    numbers and booleans are read from text too (``"5"``, ``"true"``)."""
+    where = str(path) if path is not None else f"{ENV_PREFIX}* variables"
     try:
-        text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-        return msgspec.convert(data or {}, ServeConfig)
+        data = _read(Path(path)) if path is not None else {}
+        merged = _Sections(**(data or {})).model_dump(exclude_none=True)
+        return msgspec.convert(merged, ServeConfig, strict=False)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: {_yaml_problem(e)}") from None
+        raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
     except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror}") from None
+        raise ConfigError(f"{where}: {e.strerror}") from None
+    except pydantic.ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors())
+        raise ConfigError(f"{where}: {problems}") from None
     except (tomllib.TOMLDecodeError, msgspec.ValidationError) as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _read(path: Path) -> Any:
+    text = path.read_text()
+    return tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:

@@ -174,41 +174,6 @@ def _progress(ranks: list[_Rank]) -> None:
     sys.stderr.flush()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sim, wl = SimConfig(), WorkloadConfig()
-    parser.add_argument("--engines", type=int, default=4, help="engines to run (default 4)")
-    parser.add_argument("--base-port", type=int, default=5557, help="first PUB port (5557)")
-    parser.add_argument("--dp-ranks", type=int, default=1, help="data-parallel ranks per engine")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    parser.add_argument("--model", default="sim", help="model name in --print-specs (sim)")
-    parser.add_argument(
-        "--print-specs",
-        action="store_true",
-        help="print one POST /engines JSON body per engine and exit",
-    )
-    parser.add_argument("--samples", metavar="FILE", help="keep served prompts in FILE (JSON)")
-    parser.add_argument("--tick", type=float, default=0.05, help="seconds per engine step")
-    parser.add_argument("--rate", type=float, default=wl.rate, help="requests/s per rank")
-    parser.add_argument("--seed", type=int, default=wl.seed, help="workload seed")
-    parser.add_argument("--zipf", type=float, default=wl.zipf_s, help="system prompt skew")
-    parser.add_argument("--system-prompts", type=int, default=wl.system_prompts)
-    parser.add_argument("--max-context", type=int, default=wl.max_context_tokens)
-    parser.add_argument("--block-size", type=int, default=sim.block_size)
-    parser.add_argument("--gpu-blocks", type=int, default=sim.gpu_blocks)
-    parser.add_argument("--blocks-per-chunk", type=int, default=sim.blocks_per_chunk)
-    parser.add_argument("--cpu-chunks", type=int, default=sim.cpu_chunks, help="0: no offload")
-    parser.add_argument("--storage-chunks", type=int, default=0, help="owned STORAGE tier size")
-    parser.add_argument(
-        "--placeholders",
-        action="store_true",
-        help="publish CPU chunks as placeholders (vLLM without self-describing events)",
-    )
-    parser.add_argument("--hash-algo", default=sim.hash_algo)
-    parser.add_argument(
-        "--hash-seed", help="the engines' PYTHONHASHSEED (unset: xxhash gets a secret seed)"
-    )
-
-
 def main(args: argparse.Namespace) -> int:
     if math.ceil(args.max_context / args.block_size) > args.gpu_blocks:
         sys.exit(f"kvindex sim: --max-context {args.max_context} does not fit --gpu-blocks")

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from api.settings import ApiSettings
-from kvindex.cli import build_parser
+from kvindex.cli import parse_args
 from kvindex.config import AUTH_TOKEN_ENV, refuse_open_door, resolve_auth_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def kvindex_commands(services: dict[str, dict]) -> dict[str, object]:
         command = service.get("command") or []
         if command and command[0] == "kvindex":
             try:
-                parsed[name] = build_parser().parse_args(command[1:])
+                parsed[name] = parse_args(command[1:])
             except SystemExit:
                 pytest.fail(f"{name}: not a kvindex command line: {command}")
     return parsed

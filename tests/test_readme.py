@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvindex.cli import build_parser
+from kvindex.cli import parse_args
 from kvindex.config import load_config
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -40,7 +40,7 @@ def kvindex_commands() -> list[list[str]]:
 
 @pytest.mark.parametrize("argv", kvindex_commands(), ids=" ".join)
 def test_readme_commands_parse(argv: list[str]) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     assert args.command == argv[0]
 
 

@@ -24,9 +24,27 @@ _NO_MATCH = PrefixMatch()
 
 
 class Probe(msgspec.Struct):
+    """A prompt's block hashes and vLLM's own answer for it. In hybrid models
+    ``gpu_tokens`` is the hit every group agrees on, and group 0 (full
+    attention) has its own hit first in ``gpu_tokens_by_group``."""
+
     hashes: list[int | str]
     gpu_tokens: int | None = None
     cpu_prefix_tokens: int | None = None
+    gpu_tokens_by_group: list[int] | None = None
+
+    def answer(self) -> dict[str, int | None]:
+        """vLLM's answer, in the shape of :func:`answer_probes`' answers."""
+        by_group = self.gpu_tokens_by_group
+        return {
+            "gpu_tokens": self.gpu_tokens,
+            "cpu_prefix_tokens": self.cpu_prefix_tokens,
+            "gpu_full_attention_tokens": by_group[0] if by_group else self.gpu_tokens,
+        }
+
+    def matches(self, answer: dict[str, int]) -> bool:
+        """Whether ``answer`` agrees with vLLM's on every value the file states."""
+        return all(v is None or answer[k] == v for k, v in self.answer().items())
 
 
 class TraceEngine(msgspec.Struct):

@@ -1,0 +1,88 @@
+"""``kvindex replay``: apply a recorded trace, report, and check vLLM's answers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+from kvindex.options import cannot
+
+if TYPE_CHECKING:
+    from indexer.ingest.trace import Expected, ReplayStats, Trace
+    from indexer.stores.redis import RedisConfig
+
+log = logging.getLogger("kvindex")
+
+REPLAY_ENGINE = "replay"
+
+
+def replay(args: argparse.Namespace) -> int:
+    """Print the report on stdout; with probes, the verdict on stderr (exit 1 if
+    any probe differs), so a script can keep the JSON and still see the result."""
+    from indexer.ingest.trace import load_expected, load_trace
+    from indexer.stores import StoreUnavailable
+    from indexer.stores.redis import RedisConfig
+
+    redis = None
+    if args.redis_url:
+        try:
+            redis = RedisConfig(
+                args.redis_url, args.redis_prefix, args.redis_cluster, sweep_interval=None
+            )
+        except ValueError as e:
+            return cannot(args, str(e))
+    trace = load_trace(args.trace)
+    expected = load_expected(args.probe) if args.probe else None
+    try:
+        report, stats = asyncio.run(_replay_into_store(redis, trace, expected))
+    except StoreUnavailable as e:
+        return cannot(args, str(e))
+    json.dump(report, sys.stdout)
+    sys.stdout.write("\n")
+    sys.stdout.flush()  # the report first, then the verdict below it
+    log.info(
+        "replayed",
+        extra={
+            "batches": stats.batches,
+            "block_ops": stats.block_ops,
+            "seconds": round(stats.seconds, 4),
+            "block_ops_per_s": round(stats.block_ops / max(stats.seconds, 1e-9)),
+        },
+    )
+    return 0 if expected is None else _verdict(expected, report["probes"])
+
+
+def _verdict(expected: Expected, answers: list[dict[str, int]]) -> int:
+    """Say on stderr which probes kvindex answered unlike vLLM, then how many
+    matched; 1 if any did not."""
+    matched = 0
+    for i, (probe, answer) in enumerate(zip(expected.probes, answers, strict=True)):
+        if probe.matches(answer):
+            matched += 1
+        else:
+            print(f"probe {i}: kvindex {answer}, vLLM {probe.answer()}", file=sys.stderr)
+    print(f"{matched}/{len(answers)} probes match", file=sys.stderr)
+    return 0 if matched == len(answers) else 1
+
+
+async def _replay_into_store(
+    redis: RedisConfig | None, trace: Trace, expected: Expected | None
+) -> tuple[dict, ReplayStats]:
+    """Replay into the embedded store, or into Redis after forgetting an earlier replay."""
+    from indexer.core.events import RankId
+    from indexer.ingest.trace import replay_report
+    from indexer.stores import MemoryStore
+    from indexer.stores.redis import RedisStore
+
+    if redis is None:
+        return await replay_report(MemoryStore(), trace, expected, REPLAY_ENGINE)
+    store = RedisStore(redis)
+    try:
+        await store.forget(RankId(REPLAY_ENGINE, 0))
+        return await replay_report(store, trace, expected, REPLAY_ENGINE)
+    finally:
+        await store.close()
