@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml setup.py indexer/engines/vllm/_chainhash.pyx
 setup: $(STAMP)
 	@scripts/ensure-redis.sh
 	@scripts/ensure-compose.sh
+	@scripts/ensure-prometheus.sh
 	@scripts/ensure-browser.sh
 
 demo: setup

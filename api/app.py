@@ -8,12 +8,14 @@ several apps (tests, benchmarks) can live in one process.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from fastapi import FastAPI
 
 from api import health, operators, prefix
+from api import routed as routed_api
 from api.chains import learned
 from api.context import ApiContext
 from api.docs import install_docs
@@ -22,8 +24,11 @@ from api.limits import BodyLimit
 from api.openapi import install_openapi
 from api.settings import ApiSettings
 from api.ui import install_ui
+from indexer import metrics
 from indexer.core.events import EventBatch, RankId
+from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry, UnknownEngine
+from indexer.routed import MemoryRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex
 
@@ -66,14 +71,22 @@ def create_app(
     settings: ApiSettings,
     *,
     token_index: TokenIndex | None = None,
+    routed: RoutedEntries | None = None,
 ) -> FastAPI:
     """The API app. ``token_index`` defaults to a new one fed by ``consumers``
-    when it can report applied batches (``add_observer``)."""
+    when it can report applied batches (``add_observer``); ``routed`` (the routed
+    entries) to in-process ones, confirmed by the same batches."""
     if token_index is None:
         token_index = TokenIndex(settings.token_index_capacity, _learns_from(registry))
         if isinstance(consumers, Observable):
             consumers.add_observer(token_index.observe, token_index.learns)
-    ctx = ApiContext(GuardedStore(store), registry, consumers, token_index, settings)
+    tokenizers = Tokenizers(settings.models)
+    ctx = ApiContext(GuardedStore(store), registry, consumers, token_index, settings, tokenizers)
+    routed = routed or MemoryRouted()
+    metrics.watch_routed(routed)
+    if isinstance(consumers, Observable):
+        consumers.add_observer(routed.observe)
+    ctx = dataclasses.replace(ctx, routed=routed)
 
     # FastAPI's own /docs and /redoc load their assets from a CDN: install_docs serves them.
     app = FastAPI(
@@ -86,6 +99,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(prefix.router(ctx))
+    app.include_router(routed_api.router(ctx))
     app.include_router(operators.router(ctx))
     app.include_router(health.router(ctx))
     install_openapi(app)

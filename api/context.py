@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from api.settings import ApiSettings
+from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry
+from indexer.routed import MemoryRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex
 
@@ -13,10 +15,13 @@ from indexer.token_index import TokenIndex
 @dataclass(frozen=True, slots=True)
 class ApiContext:
     """The store (guarded: failures are 503s), the registry, the subscriber's
-    view, the learned token index and the settings."""
+    view, the learned token index, the settings and the models' tokenizers."""
 
     store: Store
     registry: Registry
     consumers: ConsumerView
     token_index: TokenIndex
     settings: ApiSettings
+    tokenizers: Tokenizers
+    #: the routed entries beside the store (in process unless given Redis's)
+    routed: RoutedEntries = field(default_factory=MemoryRouted)

@@ -8,8 +8,9 @@ cannot disagree.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from fastapi import APIRouter, Query, Request, Response
@@ -35,27 +36,42 @@ from api.schemas import (
     HashAlgo,
     PrefixMatchBody,
     PrefixMatchResponse,
+    WeightsBody,
 )
 from api.settings import ApiSettings
+from indexer.core.matching import TierWeights
 from indexer.engines.base import MMFeature
+from indexer.engines.vllm.render import ChatOptions, PromptRefused
+from indexer.prompts import Tokenizers
 
 _encode = msgspec.json.Encoder().encode
 _decode_body = msgspec.json.Decoder(PrefixMatchBody).decode
 
 _ANSWERS = answers(
     _200=(PrefixMatchResponse, "every matching engine rank, best score first"),
-    _400=(ErrorBody, "not exactly one of block_hashes and tokens"),
+    _400=(
+        ErrorBody,
+        "not exactly one of block_hashes, tokens, prompt and messages; a prompt vLLM"
+        " refuses (empty, a chat template error, incompatible flags); no tokenizer"
+        " configured for `model`, or the `tokenize` extra not installed",
+    ),
     _404=(ErrorBody, "an engine in `engines` is not registered, or no engine serves `model`"),
     _413=(ErrorBody, "prompt or body over the configured maximum"),
     _422=(ErrorBody, "a malformed or unknown field: non-integer token, hash out of range..."),
     _503=(ErrorBody, "the store is unreachable"),
 )
 _CONTRACT = """\
-Give exactly one of `block_hashes` (as the engines publish them) or `tokens`
+Give exactly one of `block_hashes` (as the engines publish them), `tokens`
 (kvindex hashes them exactly as each engine's vLLM does: sha256, sha256_cbor,
 xxhash, xxhash_cbor, its seed, LoRA, cache salt and multimodal extra keys, in
 the int or bytes form it publishes; engines whose hash cannot be reproduced
-are matched through a token index learned from their events). `model` and
+are matched through a token index learned from their events), `prompt` (a
+completions prompt) or `messages` (chat, text parts only). `prompt` and
+`messages` are tokenized for `model` exactly as vLLM 0.33's OpenAI server
+does (`add_special_tokens` defaults to true for `prompt`, false for
+`messages`; `add_generation_prompt` true, `continue_final_message` false;
+`chat_template_kwargs` as vLLM takes them), then matched as `tokens` (POST
+only: the GET form takes no prompt text). `model` and
 `engines` filter (an engine that is not registered, or a model no registered
 engine serves, is a 404); `block_size`, `hash_algo`, `hash_seed` override the
 engines' declared values for `tokens`. A query parameter or body field the
@@ -70,6 +86,17 @@ what the full-attention groups alone hold); `cpu_blocks` /
 (`prefix_tokens` = `prefix_blocks * block_size`); `score` the tier weight of
 each prefix block, summed; `degraded` the rank's view has an unfilled gap or
 is not connected.
+
+`routed_blocks`: leading blocks each on GPU or routed to the rank
+(`POST /routed`) and not yet confirmed by its events; `approximate`: the
+engine publishes no events (its blocks are all routed ones). The score is
+`gpu * w.gpu + from_cpu * w.cpu + from_storage * w.storage +
+max(0, routed_blocks - prefix_blocks) * w.routed`; `weights` overrides the
+configured weights for this query. `route: "best"` also picks the
+best-scoring rank (ties: the rank with the fewest live routed entries, then
+engine name, then dp rank), records the prompt beyond its GPU run as routed
+to it (`ttl_ms`, else the configured TTL) in the same atomic step, and names
+it in `routed_to`.
 """
 _TOKENS_DOC = "comma-separated token ids; kvindex hashes them as each engine does"
 _HASHES_DOC = "comma-separated block hashes: decimal uint64, or 0x-hex for raw-digest engines"
@@ -77,16 +104,33 @@ _CSV_TOKENS = r"^([0-9]{1,19}(,[0-9]{1,19})*)?$"
 _CSV_HASHES = "^({0}(,{0})*)?$".format(HASH_PATTERN.strip("^$"))
 
 
-def to_query(q: PrefixMatchBody, settings: ApiSettings) -> MatchQuery:
-    """Check a request's prompt and turn it into what the matcher takes."""
-    if (q.block_hashes is None) == (q.tokens is None):
-        given = "both" if q.tokens is not None else "neither"
-        raise ApiError(400, f"give exactly one of block_hashes and tokens (got {given})")
+#: The fields that say which prompt a request is about: exactly one is given.
+PROMPT_FIELDS = ("block_hashes", "tokens", "prompt", "messages")
+#: The fields that only a text prompt (``prompt``/``messages``) or chat takes.
+_TEXT_FLAGS = {"add_special_tokens": ("prompt", "messages")} | dict.fromkeys(
+    ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"), ("messages",)
+)
+
+
+async def to_query(q: PrefixMatchBody, settings: ApiSettings, tokenizers: Tokenizers) -> MatchQuery:
+    """Which chain a request is about, as the matcher takes it: the one parse every
+    route taking a prompt calls. ``prompt``/``messages`` become tokens as vLLM makes
+    them for ``model`` (off the event loop), then go the way of ``tokens``."""
+    given = [name for name in PROMPT_FIELDS if getattr(q, name) is not None]
+    if len(given) != 1:
+        got = " and ".join(given) or "none"
+        raise ApiError(400, f"give exactly one of {', '.join(PROMPT_FIELDS)} (got {got})")
+    for flag, takers in _TEXT_FLAGS.items():
+        if getattr(q, flag) is not None and given[0] not in takers:
+            raise ApiError(400, f"{flag} applies to {' or '.join(takers)} only, not {given[0]}")
+    tokens = q.tokens
+    if q.prompt is not None or q.messages is not None:
+        tokens = await _rendered(q, tokenizers)
     chain = prompt = None
-    if q.tokens is not None:
-        check_size(len(q.tokens), "tokens", settings.max_prompt_tokens)
+    if tokens is not None:
+        check_size(len(tokens), "tokens", settings.max_prompt_tokens)
         features = tuple(MMFeature(f.identifier, f.offset, f.length) for f in q.mm_features)
-        prompt = Prompt(tuple(q.tokens), q.lora_name, q.lora_path, q.cache_salt, features)
+        prompt = Prompt(tuple(tokens), q.lora_name, q.lora_path, q.cache_salt, features)
     else:
         chain = parse_hashes(q.block_hashes, settings.max_prompt_blocks)
     return MatchQuery(
@@ -95,7 +139,61 @@ def to_query(q: PrefixMatchBody, settings: ApiSettings) -> MatchQuery:
         model=q.model,
         engines=q.engines,
         overrides=Overrides(q.block_size, q.hash_algo, q.hash_seed),
+        weights=weights_of(q.weights, settings),
+        route=q.route is not None,
+        ttl=routed_ttl(q.ttl_ms, settings) if q.route is not None else 0.0,
     )
+
+
+async def _rendered(q: PrefixMatchBody, tokenizers: Tokenizers) -> list[int]:
+    """The tokens vLLM makes of the request's ``prompt``/``messages`` for ``model``."""
+    options = ChatOptions(
+        q.add_generation_prompt,
+        q.continue_final_message,
+        q.add_special_tokens,
+        q.chat_template_kwargs,
+    )
+    try:
+        return await tokenizers.tokens(
+            q.model, prompt=q.prompt, messages=q.messages, options=options
+        )
+    except PromptRefused as e:
+        raise ApiError(e.status, str(e)) from None
+
+
+def weights_of(given: WeightsBody | None, settings: ApiSettings) -> TierWeights | None:
+    """A query's weights over the configured ones (None: none given)."""
+    if given is None:
+        return None
+    mine = {
+        name: value for name, value in msgspec.structs.asdict(given).items() if value is not None
+    }
+    return dataclasses.replace(settings.weights, **mine)
+
+
+def routed_ttl(ttl_ms: int | None, settings: ApiSettings) -> float:
+    """Seconds routed entries live: 422 naming ``ttl_ms`` outside the configured bounds."""
+    try:
+        return settings.routed.ttl(ttl_ms)
+    except ValueError as e:
+        raise ApiError(422, str(e)) from None
+
+
+def parse_weights(text: str) -> WeightsBody:
+    """``gpu:1,routed:0.5`` (GET) as the body's ``weights``; 422 naming a bad item."""
+    weights: dict[str, float | str] = {}
+    for item in split_list(text):
+        name, _, value = item.partition(":")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            weights[name] = value  # refused below, by name
+    try:
+        return msgspec.convert(weights, WeightsBody)
+    except msgspec.ValidationError as e:
+        raise ApiError(
+            422, f"weights: expected TIER:WEIGHT,... of gpu, cpu, storage, routed: {e}"
+        ) from None
 
 
 def router(ctx: ApiContext) -> APIRouter:
@@ -104,9 +202,9 @@ def router(ctx: ApiContext) -> APIRouter:
 
     async def answer(q: PrefixMatchBody) -> Response:
         started = time.perf_counter()
-        query = to_query(q, settings)
+        query = await to_query(q, settings, ctx.tokenizers)
         result = await matcher.match(query)
-        by = "tokens" if query.prompt is not None else "block_hashes"
+        by = next(name for name in PROMPT_FIELDS if getattr(q, name) is not None)
         QUERY_SECONDS.labels(by).observe(time.perf_counter() - started)
         observe_answer(result)
         return Response(_encode(result), media_type="application/json")
@@ -132,6 +230,11 @@ def router(ctx: ApiContext) -> APIRouter:
         block_size: Annotated[int | None, Query(ge=1, le=MAX_BLOCK_SIZE)] = None,
         hash_algo: HashAlgo | None = None,
         hash_seed: str | None = None,
+        weights: Annotated[
+            str | None, Query(description="per-query tier weights: gpu:1,cpu:0.5,routed:0.8")
+        ] = None,
+        route: Literal["best"] | None = None,
+        ttl_ms: Annotated[int | None, Query(ge=1)] = None,
     ) -> Response:
         q = PrefixMatchBody(
             block_hashes=split_list(block_hashes) if block_hashes is not None else None,
@@ -144,6 +247,9 @@ def router(ctx: ApiContext) -> APIRouter:
             block_size=block_size,
             hash_algo=hash_algo,
             hash_seed=hash_seed,
+            weights=parse_weights(weights) if weights is not None else None,
+            route=route,
+            ttl_ms=ttl_ms,
         )
         return await answer(q)
 

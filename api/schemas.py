@@ -8,10 +8,11 @@ API cannot drift from what the registry and the subscriber hold.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from indexer.engines.vllm.render import ChatMessage
 from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.stores.base import Residency
 
@@ -46,7 +47,14 @@ class MMFeatureBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class PrefixMatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``POST /prefix-match``: exactly one of ``block_hashes`` or ``tokens``.
+    """``POST /prefix-match``: exactly one of ``block_hashes``, ``tokens``,
+    ``prompt`` or ``messages``.
+
+    ``prompt`` (a completions prompt: text, or token ids taken as they are)
+    and ``messages`` (chat) are tokenized as vLLM's OpenAI server does for
+    ``model``; ``add_special_tokens``, ``add_generation_prompt``,
+    ``continue_final_message`` and ``chat_template_kwargs`` mean what they
+    mean there (the last three for ``messages`` only).
 
     ``block_size``, ``hash_algo`` and ``hash_seed`` override the engines'
     declared values when kvindex hashes ``tokens``; ``block_size`` also
@@ -56,6 +64,12 @@ class PrefixMatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     block_hashes: list[HashInt | HashText] | None = None
     tokens: list[Token] | None = None
+    prompt: str | list[Token] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
     engines: list[str] | None = None
     lora_name: str | None = None
@@ -65,6 +79,12 @@ class PrefixMatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     block_size: BlockSize | None = None
     hash_algo: HashAlgo | None = None
     hash_seed: str | None = None
+    #: per-query tier weights (the configured ones for those left out)
+    weights: WeightsBody | None = None
+    #: ``"best"``: pick the best-scoring rank and record the prompt as routed to it
+    route: Literal["best"] | None = None
+    #: with ``route``: the routed entries' TTL
+    ttl_ms: TtlMs | None = None
 
 
 class EngineMatch(msgspec.Struct):
@@ -94,6 +114,64 @@ class EngineMatch(msgspec.Struct):
     score: float
     degraded: bool
     gpu_blocks_full_attention: int
+    #: leading blocks each on GPU or routed to the rank (``POST /routed``) and not yet
+    #: confirmed by its events
+    routed_blocks: int = 0
+    #: the engine publishes no events: every block it is said to hold is a routed one
+    approximate: bool = False
+
+
+class RankRef(msgspec.Struct):
+    engine: str
+    dp_rank: int
+
+
+NonNegative = Annotated[float, msgspec.Meta(ge=0, le=1e6)]
+
+
+class WeightsBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A query's tier weights; a weight left out is the configured one."""
+
+    gpu: NonNegative | None = None
+    cpu: NonNegative | None = None
+    storage: NonNegative | None = None
+    routed: NonNegative | None = None
+
+
+TtlMs = Annotated[int, msgspec.Meta(ge=1, description="within the configured routed TTL bounds")]
+
+
+class RoutedBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /routed``: this prompt's blocks are about to be on that rank's GPU.
+
+    The prompt is given as in ``POST /prefix-match``: exactly one of
+    ``block_hashes`` or ``tokens`` (with the fields vLLM mixes into its hashes).
+    """
+
+    engine: str
+    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+    model: str | None = None
+    block_hashes: list[HashInt | HashText] | None = None
+    tokens: list[Token] | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    mm_features: list[MMFeatureBody] = []
+    block_size: BlockSize | None = None
+    hash_algo: HashAlgo | None = None
+    hash_seed: str | None = None
+    ttl_ms: TtlMs | None = None
+
+
+class RoutedAnswer(msgspec.Struct):
+    """What ``POST /routed`` recorded: ``blocks`` routed (``recorded`` of them new)
+    for ``ttl_ms``."""
+
+    engine: str
+    dp_rank: int
+    blocks: int
+    recorded: int
+    ttl_ms: int
 
 
 class PrefixMatchResponse(msgspec.Struct):
@@ -106,6 +184,8 @@ class PrefixMatchResponse(msgspec.Struct):
     block_size: int | None
     num_blocks: int | None
     engines: list[EngineMatch]
+    #: with ``route: "best"``: the rank picked, for which the prompt was recorded
+    routed_to: RankRef | None = None
 
 
 class RankState(RankStatus):
@@ -166,6 +246,9 @@ class Stats(RankCounts, kw_only=True):
     blocks: dict[str, int]
     anomalies: dict[str, int]
     token_index_entries: int
+    #: routed entries: recorded, confirmed, expired, evicted, cleared (ended by a GPU
+    #: clear, a restart or a removal), live (in scale-out: every process's)
+    routed: dict[str, int]
     #: False when the compiled core did not build or load (kvindex then runs many
     #: times slower); ``compiled_core_error`` says why.
     compiled_core: bool

@@ -7,9 +7,12 @@ loop that also answers every other router.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from indexer.core.matching import TierWeights
+from indexer.core.routed import RoutedRules
+from indexer.prompts import ModelTokenizer
 from indexer.registry import BindPolicy
 
 
@@ -30,10 +33,15 @@ class ApiSettings:
     beyond that many open connections (or requests in flight) requests are
     answered 503 until some close. ``engine_binds``: where ``POST /engines``
     may ask for a bind, the subscriber's ``bind`` policy (checked here too so
-    an API replica refuses what its workers would).
+    an API replica refuses what its workers would). ``models``: the tokenizer
+    (and optional chat template) of each model ``prompt``/``messages`` queries
+    name, the config file's top-level ``models`` section.
     """
 
     weights: TierWeights = field(default_factory=TierWeights)
+    #: routed entries (``POST /routed``, ``route: "best"``): TTL default and bounds,
+    #: entries per rank
+    routed: RoutedRules = field(default_factory=RoutedRules)
     auth_token: str | None = None
     max_prompt_tokens: int = 262_144
     max_prompt_blocks: int = 16_384
@@ -43,6 +51,7 @@ class ApiSettings:
     header_timeout: float = 10.0
     max_connections: int = 1024
     engine_binds: BindPolicy = field(default_factory=BindPolicy)
+    models: Mapping[str, ModelTokenizer] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.header_timeout <= 0 or self.max_connections < 1:

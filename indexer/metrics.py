@@ -30,7 +30,7 @@ from typing import Annotated, Protocol
 
 import msgspec
 from prometheus_client import REGISTRY, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from indexer.core.events import MEDIA, RankId
@@ -91,6 +91,8 @@ class RankMetrics:
         self.store_errors = STORE_ERRORS.labels(*self.labels)
         self.kv_group_mismatches = KV_GROUP_MISMATCHES.labels(*self.labels)
         self._labelled: set[tuple[Counter, str]] = set()  # series with a third label
+        for outcome in ("detected", "filled", "unfilled"):  # at 0 from the start, so
+            self._third(GAPS, outcome)  # rate() and increase() see the first gap
 
     def rejected(self, reason: str) -> None:
         self._third(REJECTED, reason).inc()
@@ -289,3 +291,48 @@ class _RankGauges(Collector):
 
 
 REGISTRY.register(_RankGauges())
+
+
+class RoutedSource(Protocol):
+    def local_counts(self) -> dict[str, int]:
+        """Routed entries by outcome as this process saw them, and ``live``."""
+
+
+_routed_sources: weakref.WeakSet[RoutedSource] = weakref.WeakSet()
+
+
+def watch_routed(source: RoutedSource) -> None:
+    """Report a process's routed-entry counters at every scrape, for as long as it lives."""
+    _routed_sources.add(source)
+
+
+class _RoutedCounters(Collector):
+    """Read at scrape time: the routed entries count their outcomes themselves (in
+    Redis from each script's answer), so nothing is kept twice."""
+
+    def collect(self) -> Iterator[Metric]:
+        totals: Tally[str] = Tally()
+        for source in list(_routed_sources):
+            totals.update(source.local_counts())
+        family = CounterMetricFamily(
+            "kvindex_routed_entries",
+            "Routed entries (POST /routed, route=best) recorded in this process, and how"
+            " those it saw end ended: confirmed by events, expired, evicted past the"
+            " rank's bound, cleared (a GPU clear, restart or removal).",
+            labels=["outcome"],
+        )
+        for outcome in ("recorded", "confirmed", "expired", "evicted", "cleared"):
+            family.add_metric([outcome], totals[outcome])
+        yield family
+        yield GaugeMetricFamily(
+            "kvindex_routed_live_entries",
+            "Routed entries held now (embedded: exact; Redis: what this process recorded"
+            " less what it saw end).",
+            value=totals["live"],
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+REGISTRY.register(_RoutedCounters())

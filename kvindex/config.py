@@ -23,6 +23,10 @@ Each command reads the sections it needs (:mod:`kvindex.serve`,
       lease_ttl: 6.0
     metrics:                      # MetricsSettings, see indexer.metrics
       rank_series: 100            # ranks with gauges of their own (the rest: per engine)
+    models:                       # ModelTokenizer, see indexer.prompts: for prompt/messages
+      llama-3-8b:                 # queries naming this model (pip install 'kvindex[tokenize]')
+        tokenizer: /models/llama-3-8b     # a directory or a hub id
+        chat_template: /etc/kvindex/llama3.jinja   # optional: overrides the tokenizer's
 
 The API's auth token comes from a flag, the environment or this file
 (:func:`resolve_auth_token`); a listener other machines can reach without one
@@ -47,6 +51,7 @@ from api.settings import ApiSettings
 from indexer.cluster.workers import WorkerSettings
 from indexer.ingest.subscriber import SubscriberSettings
 from indexer.metrics import MetricsSettings
+from indexer.prompts import ModelTokenizer
 from indexer.registry import BindRefused, EngineSpec, is_loopback
 from indexer.stores.redis import RedisConfig
 from kvindex.options import ENV_PREFIX
@@ -73,12 +78,17 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     redis: dict[str, Any] | None = None
     indexer: WorkerSettings = WorkerSettings()
     metrics: MetricsSettings = MetricsSettings()
+    models: dict[str, ModelTokenizer] = {}
 
     def api_settings(self) -> ApiSettings:
-        """The api section, with the subscriber's bind policy for ``POST /engines``."""
+        """The api section, with the subscriber's bind policy for ``POST /engines``
+        and the models' tokenizers."""
         if "engine_binds" in self.api:
             raise ConfigError("api: engine_binds is the subscriber's: set subscriber.bind")
-        return _dataclass(ApiSettings, {**self.api, "engine_binds": self.subscriber.bind}, "api")
+        if "models" in self.api:
+            raise ConfigError("api: models is a section of its own: move it to the top level")
+        section = {**self.api, "engine_binds": self.subscriber.bind, "models": self.models}
+        return _dataclass(ApiSettings, section, "api")
 
     def check_binds(self, engines: Sequence[EngineSpec] = ()) -> None:
         """Refuse the file's and flags' engines that would bind where they may not."""

@@ -6,11 +6,14 @@ resolved (anchors and merges applied) without one. Each service's command
 must then parse with kvindex's own argument parser, and the services must be
 wired to each other: workers and replicas to Redis, workers to the engines'
 PUB and replay ports. tests/test_scaleout.py runs the same topology as
-processes.
+processes. The Prometheus and Grafana services are checked against the files
+they mount (deploy/); tests/test_prometheus.py runs a real Prometheus over
+every dashboard query.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -83,7 +86,7 @@ def test_commands_are_kvindex_commands_wired_together(services: dict[str, dict])
     parsed = kvindex_commands(services)
     roles = {name: args.command for name, args in parsed.items()}
     assert sorted(roles.values()) == ["api"] * 2 + ["indexer"] * 2 + ["sim"] * 4
-    assert set(services) == {*roles, "redis"}
+    assert set(services) == {*roles, "redis", "prometheus", "grafana"}
 
     ports = {}  # engine service -> (PUB, replay) ports it binds on every interface
     for name, args in parsed.items():
@@ -109,6 +112,55 @@ def test_commands_are_kvindex_commands_wired_together(services: dict[str, dict])
     assert len(set(published)) == 2
     assert {a.port for a in parsed.values() if a.command == "api"} == {8000}
     assert {a.host for a in parsed.values() if a.command == "api"} == {"0.0.0.0"}
+
+
+def bind_mounts(service: dict) -> dict[str, str]:
+    """Container path -> host path of a service's volumes (``SOURCE:TARGET[:MODE]``)."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        mounts[target] = source
+    return mounts
+
+
+def test_every_service_has_a_healthcheck(services: dict[str, dict]) -> None:
+    """``depends_on: service_healthy`` and ``docker compose ps`` need one on each."""
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), name
+
+
+def test_prometheus_scrapes_every_kvindex_process(services: dict[str, dict]) -> None:
+    """Each worker's metrics port and each replica's HTTP port is a target; the
+    workers' ports are also published, each on a port of its own."""
+    parsed = kvindex_commands(services)
+    wanted = {f"{n}:{a.metrics_port}" for n, a in parsed.items() if a.command == "indexer"}
+    wanted |= {f"{n}:{a.port}" for n, a in parsed.items() if a.command == "api"}
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for c in job["static_configs"]
+               for t in c["targets"]}  # fmt: skip
+    assert targets == wanted
+    published = [p["published"] for n, a in parsed.items() if a.command == "indexer"
+                 for p in services[n]["ports"]]  # fmt: skip
+    assert len(published) == len(set(published)) == 2
+    mounts = bind_mounts(services["prometheus"])
+    assert mounts["/etc/prometheus/prometheus.yml"].endswith("deploy/prometheus/prometheus.yml")
+
+
+def test_grafana_is_provisioned_with_the_dashboard(services: dict[str, dict]) -> None:
+    """The dashboard's panels name the datasource uid that provisioning creates."""
+    mounts = bind_mounts(services["grafana"])
+    assert mounts["/etc/grafana/provisioning"].endswith("deploy/grafana/provisioning")
+    assert mounts["/var/lib/grafana/dashboards"].endswith("deploy/grafana/dashboards")
+    provisioning = ROOT / "deploy/grafana/provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert source["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards/kvindex.yml").read_text())["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/kvindex.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    assert uids == {source["uid"]}
 
 
 def test_replicas_get_the_token_from_the_environment(services: dict[str, dict]) -> None:
