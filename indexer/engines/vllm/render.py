@@ -1,0 +1,252 @@
+"""vLLM 0.33.0's OpenAI front end: what a completions or chat request hands its tokenizer.
+
+Routers hold OpenAI bodies, not token ids. A block hash matches only if
+kvindex feeds the tokenizer exactly what vLLM's renderer feeds it, so the
+rules of that renderer are restated here, separate from any tokenizer:
+
+Completions (``prompt``): a string is tokenized with ``add_special_tokens``
+(default True: a BOS for tokenizers whose post-processor adds one, even
+after a literal BOS in the text); a list of token ids is the prompt as it
+is; an empty prompt is refused.
+
+Chat (``messages``): ``add_generation_prompt`` defaults to True,
+``continue_final_message`` to False and ``add_special_tokens`` to False
+(the template writes its own BOS). ``continue_final_message`` is refused unless
+``add_generation_prompt`` is false (set or defaulted true, transformers
+refuses the pair);
+the request's flags override the same keys in ``chat_template_kwargs``,
+and ``chat_template``/``tokenize`` there are refused. Each message becomes
+a conversation entry: string content is one text part, null content none;
+for a template that reads content as a string the text parts are joined
+with ``"\\n"``, for one that loops over content items they stay a list of
+``{"type": "text", "text": ...}``. A system text part whose first line
+starts with ``x-anthropic-billing-header`` loses that line (its value
+changes on every request and would defeat the prefix cache). When a
+template never names the ``developer`` role, developer messages become
+system messages and, if a system message is then not alone at the front,
+all system contents are merged with ``"\\n\\n"`` into one first message.
+The rendered text is then tokenized like a completion string.
+
+Only text is rendered: image, audio and other media parts are refused,
+because their placeholder tokens and hashes depend on the processor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+#: How a chat template reads a message's content: one string, or a list of typed parts.
+ContentFormat = Literal["string", "openai"]
+
+#: Content part types vLLM reads as text, and the field each keeps its text in.
+TEXT_PART_FIELDS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+}
+_BILLING_HEADER = "x-anthropic-billing-header"
+#: vLLM's own texts for the refusals a router is likely to meet, so logs read alike.
+EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
+#: Template kwargs a request may not set: kvindex (as vLLM) decides them.
+RESERVED_KWARGS = ("chat_template", "tokenize")
+
+
+class PromptRefused(ValueError):
+    """A prompt field vLLM would refuse, or kvindex cannot render: 4xx naming ``field``."""
+
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.status = status
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One part of a message's content; only text parts are rendered."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """An OpenAI chat message, with the fields vLLM passes on to the template."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """The request's chat flags as sent (None: not set, vLLM's default applies)."""
+
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateTraits:
+    """What the renderer reads off a chat template once, when it is loaded."""
+
+    content_format: ContentFormat
+    #: Whether the template names the developer role (else developer becomes system).
+    knows_developer: bool
+    #: Every kwarg the template or the tokenizer's ``apply_chat_template`` accepts.
+    accepted_kwargs: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCall:
+    """The arguments of the one ``apply_chat_template(tokenize=False)`` call."""
+
+    conversation: list[dict[str, Any]]
+    kwargs: dict[str, Any]
+    add_special_tokens: bool
+
+
+def completion_input(prompt: str | list[int]) -> str | list[int]:
+    """The text to tokenize, or the token ids as given; refuses an empty prompt."""
+    if len(prompt) == 0:
+        raise PromptRefused("prompt", EMPTY_PROMPT)
+    return prompt
+
+
+def completion_special_tokens(add_special_tokens: bool | None) -> bool:
+    """Completions add the tokenizer's special tokens unless told not to."""
+    return True if add_special_tokens is None else add_special_tokens
+
+
+def chat_call(
+    messages: list[ChatMessage], options: ChatOptions, traits: TemplateTraits
+) -> ChatCall:
+    """The conversation and kwargs vLLM renders ``messages`` with, or :class:`PromptRefused`."""
+    kwargs = dict(options.chat_template_kwargs or {})
+    reserved = sorted(set(RESERVED_KWARGS) & kwargs.keys())
+    if reserved:
+        raise PromptRefused(
+            "chat_template_kwargs", f"may not set {', '.join(reserved)} (the server decides them)"
+        )
+    generation = True if options.add_generation_prompt is None else options.add_generation_prompt
+    if generation and options.continue_final_message:
+        raise PromptRefused(
+            "continue_final_message",
+            "cannot be true while add_generation_prompt is (it defaults to true: set it"
+            " false): continue the final message or start a new assistant message, not both",
+        )
+    kwargs["add_generation_prompt"] = generation
+    kwargs["continue_final_message"] = bool(options.continue_final_message)
+    kwargs = {k: v for k, v in kwargs.items() if k in traits.accepted_kwargs}
+    conversation = [
+        _conversation_entry(i, m, traits.content_format) for i, m in enumerate(messages)
+    ]
+    if not traits.knows_developer and any(m["role"] == "developer" for m in conversation):
+        conversation = _merge_system(list(map(_developer_as_system, conversation)))
+    return ChatCall(conversation, kwargs, bool(options.add_special_tokens))
+
+
+def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dict[str, Any]:
+    role = message.role
+    parts = _text_parts(i, message)
+    if role == "system":
+        parts = _without_billing_header(parts)
+    content: str | list[dict[str, str]]
+    content = "\n".join(parts) if fmt == "string" else [{"type": "text", "text": t} for t in parts]
+    if role == "tool" and isinstance(content, list):
+        content = "\n".join(parts)  # vLLM flattens a tool result made of text parts
+    entry: dict[str, Any] = {"role": role, "content": content}
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if role == "assistant":
+        if message.tool_calls is not None:
+            entry["tool_calls"] = message.tool_calls
+        if reasoning is not None:
+            entry["reasoning"] = entry["reasoning_content"] = reasoning
+    elif role == "tool" and message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        entry["name"] = message.name
+    if role == "developer":
+        entry["tools"] = message.tools
+    return entry
+
+
+def _text_parts(i: int, message: ChatMessage) -> list[str]:
+    """The message's text parts in order; a part with no text is skipped, as vLLM does."""
+    content = message.content
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    texts = []
+    for j, part in enumerate(content):
+        field = TEXT_PART_FIELDS.get(part.type)
+        if field is None:
+            raise PromptRefused(
+                f"messages[{i}].content[{j}].type",
+                f"{part.type[:40]!r} is not supported: kvindex renders text parts only"
+                f" ({', '.join(TEXT_PART_FIELDS)})",
+                422,
+            )
+        text = getattr(part, field)
+        if text is not None:
+            texts.append(text)
+    return texts
+
+
+def _without_billing_header(parts: list[str]) -> list[str]:
+    kept = []
+    for text in parts:
+        if text.startswith(_BILLING_HEADER):
+            text = text.partition("\n")[2]
+            if not text:
+                continue
+        kept.append(text)
+    return kept
+
+
+def _developer_as_system(entry: dict[str, Any]) -> dict[str, Any]:
+    if entry["role"] != "developer":
+        return entry
+    entry = {**entry, "role": "system"}
+    entry.pop("tools", None)
+    return entry
+
+
+def _merge_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One system message at the front holding every system content, when there is
+    more than one or one not first; untouched otherwise."""
+    contents: list[str] = []
+    others: list[dict[str, Any]] = []
+    merge = False
+    for i, entry in enumerate(conversation):
+        if entry["role"] != "system":
+            others.append(entry)
+            continue
+        merge = merge or i > 0 or bool(contents)
+        content = entry.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(part["text"] for part in content)
+        if content:
+            contents.append(content)
+    if not merge:
+        return conversation
+    return [{"role": "system", "content": "\n\n".join(contents)}, *others]
+
+
+def accepted_kwargs(
+    template_variables: Collection[str], call_parameters: Collection[str]
+) -> frozenset[str]:
+    """The kwargs a render passes on: the template's free variables and the named
+    parameters of ``apply_chat_template``; any other key is dropped silently, as vLLM does."""
+    return (frozenset(template_variables) | frozenset(call_parameters)) - set(RESERVED_KWARGS)

@@ -1,0 +1,304 @@
+"""Prompts and chat messages to token ids, per model, exactly as vLLM's server makes them.
+
+Each configured model names a tokenizer (a local directory or a hub id,
+which Hugging Face's libraries resolve with their own cache, offline mode and
+token) and optionally a chat template overriding the tokenizer's. A model is
+loaded once, on its first request, and shared by every request after.
+
+Tokenizing a long prompt costs tens of milliseconds of Rust, so it runs in a
+thread pool (``tokenizers`` releases the GIL in ``encode_batch``), never on
+the event loop. It is also cached, where that is exact: the tokenizer cuts
+the text at every added token (``<|eot_id|>`` ...) before normalising,
+splitting and merging the pieces in between one by one, so a piece's ids do
+not depend on its neighbours, and a chat's pieces (message contents and role
+names) are cached individually. A conversation that grows by one turn then
+tokenizes only the new turn. That holds when no added token strips
+whitespace or matches after normalisation and no pre-tokenizer looks at a
+piece's position; a model where it does not hold (checked on a probe when it
+loads) is tokenized whole, uncached.
+
+Requires the optional extra ``tokenize`` (``pip install 'kvindex[tokenize]'``);
+without it kvindex runs, and a prompt is refused naming the extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import re
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from indexer.engines.vllm.render import (
+    ChatMessage,
+    ChatOptions,
+    PromptRefused,
+    chat_call,
+    completion_input,
+    completion_special_tokens,
+)
+
+EXTRA = "tokenize"
+_INSTALL = f"pip install 'kvindex[{EXTRA}]'"
+_EXTRA_MODULES = ("tokenizers", "transformers", "jinja2", "cachetools")
+_DEFAULTS = ChatOptions()
+
+
+class ModelTokenizer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``models: {NAME: {tokenizer: DIR or hub id, chat_template: FILE or template}}``."""
+
+    tokenizer: str
+    chat_template: str | None = None
+
+
+class _Loaded:
+    """One model's tokenizer, template traits and exact piece splitter."""
+
+    def __init__(self, name: str, spec: ModelTokenizer) -> None:
+        from transformers import AutoTokenizer
+
+        from indexer.engines.vllm.template import template_traits
+
+        self.name = name
+        self.hf = AutoTokenizer.from_pretrained(spec.tokenizer)
+        self.backend = self.hf.backend_tokenizer
+        self.template = _template_text(spec.chat_template) or _own_template(self.hf)
+        self.traits = None
+        if self.template is not None:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            tree = _compile_jinja_template(self.template).environment.parse(self.template)
+            named = inspect.signature(self.hf.apply_chat_template).parameters.values()
+            params = [p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+            self.traits = template_traits(self.template, tree, params)
+        self.added = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
+        self.split = _piece_splitter(self.backend, self.added)
+        self.specials = _special_tokens_around(self.backend)
+        if self.split is not None and not self._pieces_exact():
+            self.split = None
+
+    def _pieces_exact(self) -> bool:
+        """Whether tokenizing piece by piece equals tokenizing the whole, on a probe."""
+        tokens = list(self.added)[:3]
+        probe = (
+            f"{tokens[0]}user  \u00dcn\u00efcode\n\n e\u0301{tokens[-1]} next{tokens[0]}\t 123 x"
+        )
+        pieces = self.split(probe)
+        known = {p: self.plain(p) for p in pieces[0::2]}
+        return self.join(pieces, known, True) == self.whole(probe, True)
+
+    def pieces(self, text: str, add_special_tokens: bool) -> list[str] | None:
+        """The text cut at added tokens (odd items are the added tokens), or None
+        when this model's text must be tokenized whole."""
+        if self.split is None or (add_special_tokens and self.specials is None):
+            return None
+        return self.split(text)
+
+    def plain(self, piece: str) -> tuple[int, ...]:
+        return tuple(self.backend.encode(piece, add_special_tokens=False).ids)
+
+    def whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def join(
+        self, pieces: list[str], known: Mapping[str, tuple[int, ...]], add_special_tokens: bool
+    ) -> list[int]:
+        """The ids of ``pieces``, the plain ones read from ``known``."""
+        ids: list[int] = []
+        added = self.added
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids.append(added[piece])
+            elif piece:
+                ids.extend(known[piece])
+        if add_special_tokens:
+            before, after = self.specials
+            return [*before, *ids, *after]
+        return ids
+
+
+def _template_text(setting: str | None) -> str | None:
+    """A configured chat template: a file's text, or the template itself (vLLM's rule:
+    a value that names no file and holds any of ``{}\\n`` is a template)."""
+    if setting is None:
+        return None
+    path = Path(setting)
+    if path.is_file():
+        return path.read_text()
+    if any(c in setting for c in "{}\n"):
+        return setting
+    raise ValueError(f"chat_template {setting!r} is neither a file nor a template")
+
+
+def _own_template(hf: Any) -> str | None:
+    try:
+        return hf.get_chat_template(None, tools=None)
+    except ValueError:  # the tokenizer has no chat template
+        return None
+
+
+def _piece_splitter(backend: Any, added: Mapping[str, int]) -> Callable[[str], list[str]] | None:
+    """``re.split`` at added tokens, longest first (the tokenizer's leftmost-longest
+    match); None when the tokenizer's pieces would not be independent."""
+    tokens = backend.get_added_tokens_decoder().values()
+    if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in tokens):
+        return None
+    if '"prepend_scheme":"first"' in backend.to_str().replace(" ", ""):
+        return None  # Metaspace marks only the text's first piece
+    ordered = sorted(added, key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, ordered)) + ")").split
+
+
+def _special_tokens_around(backend: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The ids the post-processor puts before and after a single text, or None if
+    that is not the same for every text (then such prompts are tokenized whole)."""
+    found = set()
+    for probe in ("a", "hello world 12"):
+        plain, full = backend.encode(probe, add_special_tokens=False).ids, backend.encode(probe).ids
+        at = next(
+            (k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain),
+            None,
+        )
+        if at is None:
+            return None
+        found.add((tuple(full[:at]), tuple(full[at + len(plain) :])))
+    return found.pop() if len(found) == 1 else None
+
+
+class Tokenizers:
+    """The configured models' tokenizers, a shared piece cache and the worker threads.
+
+    ``cache_tokens`` bounds the cache by the token ids it holds (LRU).
+    """
+
+    def __init__(
+        self, models: Mapping[str, ModelTokenizer], workers: int = 2, cache_tokens: int = 1 << 22
+    ) -> None:
+        self._specs = dict(models)
+        self._loaded: dict[str, _Loaded] = {}
+        self._failed: dict[str, str] = {}
+        self._load_lock = threading.Lock()
+        self._cache_lock = threading.Lock()
+        self._cache: Any = None
+        self._cache_tokens = cache_tokens
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvindex-tokenize")
+
+    @property
+    def models(self) -> list[str]:
+        return sorted(self._specs)
+
+    async def tokens(
+        self,
+        model: str | None,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[ChatMessage] | None = None,
+        options: ChatOptions = _DEFAULTS,
+    ) -> list[int]:
+        """The prompt token ids vLLM hands its engine for this request, off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._pool,
+            lambda: self.tokens_now(model, prompt=prompt, messages=messages, options=options),
+        )
+
+    def tokens_now(
+        self,
+        model: str | None,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[ChatMessage] | None = None,
+        options: ChatOptions = _DEFAULTS,
+    ) -> list[int]:
+        """:meth:`tokens` in the calling thread."""
+        if prompt is not None:
+            given = completion_input(prompt)
+            if not isinstance(given, str):
+                return list(given)
+            loaded = self._model(model, "prompt")
+            return self._encode(
+                loaded, given, completion_special_tokens(options.add_special_tokens)
+            )
+        assert messages is not None
+        loaded = self._model(model, "messages")
+        if loaded.traits is None:
+            raise PromptRefused(
+                "messages",
+                f"model {model!r} has no chat template: set models.{model}.chat_template",
+            )
+        call = chat_call(messages, options, loaded.traits)
+        try:
+            text = loaded.hf.apply_chat_template(
+                conversation=call.conversation,
+                tools=None,
+                chat_template=loaded.template,
+                tokenize=False,
+                **call.kwargs,
+            )
+        except Exception as e:  # a template error, or transformers refusing the flags
+            raise PromptRefused("messages", f"the chat template failed: {e}") from None
+        if not isinstance(text, str):
+            raise PromptRefused("chat_template_kwargs", "must leave the template rendering text")
+        return self._encode(loaded, text, call.add_special_tokens)
+
+    def _encode(self, loaded: _Loaded, text: str, add_special_tokens: bool) -> list[int]:
+        """Cached pieces are read under the lock; the rest is tokenized outside it, at once."""
+        pieces = loaded.pieces(text, add_special_tokens)
+        if pieces is None:
+            return loaded.whole(text, add_special_tokens)
+        name, cache = loaded.name, self._cache
+        plain = [p for p in dict.fromkeys(pieces[0::2]) if p]
+        with self._cache_lock:
+            known = {p: ids for p in plain if (ids := cache.get((name, p))) is not None}
+        missing = [p for p in plain if p not in known]
+        if missing:
+            encoded = loaded.backend.encode_batch(missing, add_special_tokens=False)
+            fresh = {p: tuple(e.ids) for p, e in zip(missing, encoded, strict=True)}
+            known |= fresh
+            with self._cache_lock:
+                for piece, ids in fresh.items():
+                    if len(ids) <= cache.maxsize:
+                        cache[name, piece] = ids
+        return loaded.join(pieces, known, add_special_tokens)
+
+    def _model(self, model: str | None, field: str) -> _Loaded:
+        """The model's loaded tokenizer: 4xx naming the field when none can be had."""
+        loaded = self._loaded.get(model) if model is not None else None
+        if loaded is not None:
+            return loaded
+        missing = [m for m in _EXTRA_MODULES if importlib.util.find_spec(m) is None]
+        if missing:
+            raise PromptRefused(
+                field, f"needs the optional extra {EXTRA!r} ({_INSTALL}); missing: {missing}"
+            )
+        if model is None:
+            raise PromptRefused("model", f"is required with {field}: it picks the tokenizer")
+        spec = self._specs.get(model)
+        if spec is None:
+            known = ", ".join(self.models) or "none is configured"
+            raise PromptRefused("model", f"no tokenizer is configured for {model!r} ({known})")
+        with self._load_lock:
+            if model not in self._loaded and model not in self._failed:
+                self._load(model, spec)
+        if model in self._failed:
+            raise PromptRefused("model", self._failed[model], 503)
+        return self._loaded[model]
+
+    def _load(self, model: str, spec: ModelTokenizer) -> None:
+        if self._cache is None:
+            import cachetools
+
+            self._cache = cachetools.LRUCache(self._cache_tokens, getsizeof=len)
+        try:
+            self._loaded[model] = _Loaded(model, spec)
+        except Exception as e:  # a missing directory, a hub error, a broken template
+            self._failed[model] = f"the tokenizer of {model!r} failed to load: {e}"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
