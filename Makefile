@@ -14,7 +14,7 @@ help:
 	@echo "make bench   run every benchmark (quick mode); report in bench/results/"
 
 # The compiled core builds at install time: a changed source reinstalls.
-$(STAMP): pyproject.toml setup.py indexer/engines/vllm/_chainhash.pyx
+$(STAMP): pyproject.toml setup.py indexer/engines/vllm/_chainhash.pyx indexer/stores/memory/_holders.pyx
 	@scripts/ensure-build-tools.sh $(PYTHON)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

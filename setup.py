@@ -20,4 +20,10 @@ CHAIN_HASH = Extension(
     extra_compile_args=["-O3"],
 )
 
-setup(ext_modules=cythonize([CHAIN_HASH], language_level=3))
+HOLDERS = Extension(
+    "indexer.stores.memory._holders",
+    ["indexer/stores/memory/_holders.pyx"],
+    extra_compile_args=["-O3"],
+)
+
+setup(ext_modules=cythonize([CHAIN_HASH, HOLDERS], language_level=3))

@@ -19,18 +19,22 @@ from indexer.core.events import MEDIA, BlockHash, EventBatch, RankId
 from indexer.core.matching import PrefixMatch
 from indexer.core.residency import plan_batch
 from indexer.stores.base import ApplyResult, Loss, Residency, Watermark
-from indexer.stores.memory.holders import HolderIndex
+from indexer.stores.memory import compiled
 from indexer.stores.memory.hybrids import Hybrids
 from indexer.stores.memory.residency import IndexedResidency
 
 
 class MemoryStore:
-    """Implements :class:`indexer.stores.Store` with plain dicts."""
+    """Implements :class:`indexer.stores.Store` with plain dicts.
 
-    def __init__(self) -> None:
+    ``index`` makes the holder index: by default the compiled one when it built,
+    else the pure-Python reference (:mod:`indexer.stores.memory.compiled`).
+    """
+
+    def __init__(self, index: Callable[[], object] = compiled.HolderIndex) -> None:
         self._ranks: dict[RankId, IndexedResidency] = {}
         self._watermarks: dict[RankId, Watermark] = {}
-        self._holders = HolderIndex()
+        self._holders = index()
         self._hybrids = Hybrids()  # the ranks of hybrid models
         #: ranks, their engines and their bits, in step with ``_ranks``; None when stale
         self._listing: tuple[list[RankId], list[str], list[int]] | None = None

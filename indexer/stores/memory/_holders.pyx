@@ -1,0 +1,841 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The embedded store's holder index in C: block hash -> the rank slots holding it.
+
+Same interface and answers as :class:`indexer.stores.memory.holders.HolderIndex`
+(the executable reference, held to it by ``tests/test_compiled_core.py``).
+
+Layout, chosen for the query pattern (one chain, every rank at once):
+
+- Per medium an open-addressing table (linear probing, backward-shift deletion)
+  of 16-byte entries: the 64-bit key, the id of its rank set, and a tag. An int
+  hash below 2**64 is its own key (tag 0); any other hash (raw digest bytes) is
+  keyed by its Python hash and kept in a side list, compared on every hit (tag:
+  its place there), so a bytes hash never meets an int of the same bits.
+- Rank sets are interned: one bitset of ``width`` 64-bit words per distinct set,
+  refcounted by the entries naming it. A hash held by one rank names that rank's
+  singleton, so most entries cost 16 bytes whatever the number of ranks, and a
+  walk compares runs of one set by id, reading the words only where it changes.
+- A chain's hashes are all known before the walk, so the walk computes the slot
+  of a position a few positions ahead and prefetches it: the misses of a walk
+  overlap, where a tree pays one dependent miss per position.
+
+Memory comes from Python's allocator, so ``tracemalloc`` counts it.
+"""
+
+from cpython.long cimport PyLong_Check
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.object cimport PyObject, PyObject_Hash, PyObject_RichCompareBool, Py_EQ
+from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.sequence cimport PySequence_Fast, PySequence_Fast_GET_SIZE, PySequence_Fast_ITEMS
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy, memset
+
+from indexer.core.events import CPU, GPU, MEDIA, STORAGE
+from indexer.core.matching import PrefixMatch
+from indexer.stores.memory.walk import EMPTY
+
+
+cdef extern from "Python.h":
+    unsigned long long PyLong_AsUnsignedLongLong(PyObject *) nogil
+    PyObject *PyErr_Occurred()
+    void PyErr_Clear()
+    object _PyDict_NewPresized(Py_ssize_t)
+    int PyDict_SetItem(object, object, object) except -1
+
+
+cdef extern from *:
+    """
+    #define KV_PREFETCH(p) __builtin_prefetch((p), 0, 1)
+    #define KV_CTZ(x) __builtin_ctzll(x)
+    """
+    void KV_PREFETCH(const void *p) nogil
+    int KV_CTZ(uint64_t x) nogil
+
+
+ctypedef struct Entry:
+    uint64_t key
+    uint32_t set  # 0: a free slot
+    uint32_t tag  # 0: the key is the hash itself; else 1 + the hash's place in the side list
+
+
+ctypedef struct Answer:
+    int64_t f[6]
+    PyObject *obj  # NULL: a free slot
+
+
+cdef enum:
+    LOOKAHEAD = 8  # positions prefetched ahead of a walk
+    ANSWERS_KEPT = 4096  # answer objects kept between queries
+    NO_ID = 0xFFFFFFFF  # a set id not read yet
+
+
+cdef inline uint64_t mix(uint64_t k) nogil:
+    """A full-avalanche 64-bit mix: small or sequential keys spread too."""
+    k ^= k >> 33
+    k *= 0xFF51AFD7ED558CCDULL
+    k ^= k >> 33
+    k *= 0xC4CEB9FE1A85EC53ULL
+    k ^= k >> 33
+    return k
+
+
+cdef inline bint int_key(PyObject *h, uint64_t *key):
+    """True (and the key) for an int in [0, 2**64): the only hashes keyed by their value."""
+    if not PyLong_Check(<object>h):
+        return False
+    cdef unsigned long long v = PyLong_AsUnsignedLongLong(h)
+    if v == <unsigned long long>-1 and PyErr_Occurred() != NULL:
+        PyErr_Clear()
+        return False
+    key[0] = v
+    return True
+
+
+cdef class RankSets:
+    """Interned bitsets of rank slots, by id (0: the empty set)."""
+
+    cdef uint64_t *words  # set id -> its ``width`` words
+    cdef uint64_t *sig  # set id -> hash of its words (zero words do not count)
+    cdef uint32_t *refs  # set id -> entries naming it (+1 for a pinned singleton)
+    cdef uint32_t *index  # open addressing over sig: set ids
+    cdef uint32_t *spare  # freed ids
+    cdef uint32_t *single  # slot -> its singleton's id (0: none yet)
+    cdef uint64_t *scratch
+    cdef Py_ssize_t width, cap, fresh, nspare, icap, live, nsingle
+
+    def __cinit__(self):
+        self.width, self.cap, self.fresh, self.icap, self.nsingle = 1, 64, 1, 128, 64
+        self.words = <uint64_t *>PyMem_Malloc(self.cap * self.width * 8)
+        self.sig = <uint64_t *>PyMem_Malloc(self.cap * 8)
+        self.refs = <uint32_t *>PyMem_Malloc(self.cap * 4)
+        self.spare = <uint32_t *>PyMem_Malloc(self.cap * 4)
+        self.index = <uint32_t *>PyMem_Malloc(self.icap * 4)
+        self.single = <uint32_t *>PyMem_Malloc(self.nsingle * 4)
+        self.scratch = <uint64_t *>PyMem_Malloc(self.width * 8)
+        if not (self.words and self.sig and self.refs and self.spare and self.index
+                and self.single and self.scratch):
+            raise MemoryError()
+        memset(self.index, 0, self.icap * 4)
+        memset(self.single, 0, self.nsingle * 4)
+        memset(self.words, 0, self.width * 8)  # set 0: empty
+
+    def __dealloc__(self):
+        PyMem_Free(self.words)
+        PyMem_Free(self.sig)
+        PyMem_Free(self.refs)
+        PyMem_Free(self.spare)
+        PyMem_Free(self.index)
+        PyMem_Free(self.single)
+        PyMem_Free(self.scratch)
+
+    cdef int widen(self, Py_ssize_t slots) except -1:
+        """Room for ``slots`` slots in every set (sig ignores zero words: unchanged)."""
+        cdef Py_ssize_t width = (slots + 63) // 64, i
+        if width <= self.width:
+            return 0
+        cdef uint64_t *words = <uint64_t *>PyMem_Malloc(self.cap * width * 8)
+        cdef uint64_t *scratch = <uint64_t *>PyMem_Realloc(self.scratch, width * 8)
+        if not words or not scratch:
+            raise MemoryError()
+        self.scratch = scratch
+        memset(words, 0, self.cap * width * 8)
+        for i in range(self.fresh):
+            memcpy(words + i * width, self.words + i * self.width, self.width * 8)
+        PyMem_Free(self.words)
+        self.words, self.width = words, width
+        return 0
+
+    cdef inline uint64_t sig_of(self, const uint64_t *w) noexcept nogil:
+        cdef uint64_t h = 0x9E3779B97F4A7C15ULL
+        cdef Py_ssize_t k
+        for k in range(self.width):
+            if w[k]:
+                h ^= mix(w[k] + <uint64_t>k * 0x9E3779B97F4A7C15ULL)
+        return h
+
+    cdef uint32_t intern(self, const uint64_t *w) except 0:
+        """The id of the set with words ``w``, made if new (refs 0: the caller takes one)."""
+        cdef uint64_t h = self.sig_of(w)
+        cdef Py_ssize_t m = self.icap - 1, i = mix(h) & m
+        cdef uint32_t id
+        while self.index[i]:
+            id = self.index[i]
+            if self.sig[id] == h and memcmp(self.words + id * self.width, w, self.width * 8) == 0:
+                return id
+            i = (i + 1) & m
+        id = self.new_id()
+        memcpy(self.words + id * self.width, w, self.width * 8)
+        self.sig[id], self.refs[id] = h, 0
+        self.index[i] = id
+        self.live += 1
+        if self.live * 2 > self.icap:
+            self.reindex(self.icap * 2)
+        return id
+
+    cdef uint32_t new_id(self) except 0:
+        if self.nspare:
+            self.nspare -= 1
+            return self.spare[self.nspare]
+        if self.fresh == self.cap:
+            self.grow()
+        self.fresh += 1
+        return <uint32_t>(self.fresh - 1)
+
+    cdef int grow(self) except -1:
+        cdef Py_ssize_t cap = self.cap * 2
+        cdef void *words = PyMem_Realloc(self.words, cap * self.width * 8)
+        if not words:
+            raise MemoryError()
+        self.words = <uint64_t *>words
+        cdef void *sig = PyMem_Realloc(self.sig, cap * 8)
+        cdef void *refs = PyMem_Realloc(self.refs, cap * 4) if sig else NULL
+        cdef void *spare = PyMem_Realloc(self.spare, cap * 4) if refs else NULL
+        if sig:
+            self.sig = <uint64_t *>sig
+        if refs:
+            self.refs = <uint32_t *>refs
+        if spare:
+            self.spare = <uint32_t *>spare
+        if not spare:
+            raise MemoryError()
+        self.cap = cap
+        return 0
+
+    cdef int reindex(self, Py_ssize_t icap) except -1:
+        cdef uint32_t *index = <uint32_t *>PyMem_Malloc(icap * 4)
+        if not index:
+            raise MemoryError()
+        memset(index, 0, icap * 4)
+        cdef Py_ssize_t i, j, m = icap - 1
+        cdef uint32_t id
+        for i in range(self.icap):
+            id = self.index[i]
+            if id:
+                j = mix(self.sig[id]) & m
+                while index[j]:
+                    j = (j + 1) & m
+                index[j] = id
+        PyMem_Free(self.index)
+        self.index, self.icap = index, icap
+        return 0
+
+    cdef inline void take(self, uint32_t id) noexcept nogil:
+        self.refs[id] += 1
+
+    cdef void drop(self, uint32_t id) noexcept:
+        """One reference fewer; a set no entry names leaves the index and its id is reused."""
+        self.refs[id] -= 1
+        if self.refs[id]:
+            return
+        cdef Py_ssize_t m = self.icap - 1, i = mix(self.sig[id]) & m, j, home
+        while self.index[i] != id:
+            i = (i + 1) & m
+        j = i
+        while True:  # backward-shift deletion: no tombstones
+            j = (j + 1) & m
+            if not self.index[j]:
+                break
+            home = mix(self.sig[self.index[j]]) & m
+            if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
+                self.index[i] = self.index[j]
+                i = j
+        self.index[i] = 0
+        self.live -= 1
+        self.spare[self.nspare] = id
+        self.nspare += 1
+
+    cdef uint32_t singleton(self, Py_ssize_t slot) except 0:
+        """The set of one slot: interned once and pinned (slots are few and reused)."""
+        cdef Py_ssize_t n
+        if slot >= self.nsingle:
+            n = max(slot + 1, 2 * self.nsingle)
+            self.single = <uint32_t *>PyMem_Realloc(self.single, n * 4)
+            if not self.single:
+                raise MemoryError()
+            memset(self.single + self.nsingle, 0, (n - self.nsingle) * 4)
+            self.nsingle = n
+        cdef uint32_t id = self.single[slot]
+        if not id:
+            memset(self.scratch, 0, self.width * 8)
+            self.scratch[slot >> 6] = 1ULL << (slot & 63)
+            id = self.single[slot] = self.intern(self.scratch)
+            self.refs[id] += 1
+        return id
+
+    cdef uint32_t changed(self, uint32_t id, Py_ssize_t slot, bint on) except? 0:
+        """The set ``id`` with ``slot`` put in (``on``) or taken out; 0 if that empties it."""
+        memcpy(self.scratch, self.words + id * self.width, self.width * 8)
+        cdef uint64_t bit = 1ULL << (slot & 63)
+        if on:
+            self.scratch[slot >> 6] |= bit
+        else:
+            self.scratch[slot >> 6] &= ~bit
+        cdef Py_ssize_t k
+        for k in range(self.width):
+            if self.scratch[k]:
+                return self.intern(self.scratch)
+        return 0
+
+    cdef inline bint has(self, uint32_t id, Py_ssize_t slot) noexcept nogil:
+        return (self.words[id * self.width + (slot >> 6)] >> (slot & 63)) & 1
+
+    cdef object as_int(self, uint32_t id):
+        cdef bytes raw = (<char *>(self.words + id * self.width))[: self.width * 8]
+        return int.from_bytes(raw, "little")
+
+
+cdef class HolderTable:
+    """One medium's ``hash -> rank set``; reads like the reference's ``dict[hash, mask]``."""
+
+    cdef Entry *entries
+    cdef Py_ssize_t mask, count
+    cdef RankSets sets
+    cdef list side  # tag - 1 -> the hash (None: free)
+    cdef list side_free
+
+    def __cinit__(self, RankSets sets):
+        self.sets, self.mask, self.count = sets, 7, 0
+        self.entries = <Entry *>PyMem_Malloc(8 * sizeof(Entry))
+        if not self.entries:
+            raise MemoryError()
+        memset(self.entries, 0, 8 * sizeof(Entry))
+        self.side, self.side_free = [], []
+
+    def __dealloc__(self):
+        PyMem_Free(self.entries)
+
+    cdef inline bint same(self, const Entry *e, uint64_t key, PyObject *obj) except -1:
+        if e.key != key:
+            return False
+        if obj == NULL:
+            return e.tag == 0
+        if e.tag == 0:
+            return False
+        cdef object held = self.side[e.tag - 1]
+        return <PyObject *>held == obj or PyObject_RichCompareBool(held, <object>obj, Py_EQ)
+
+    cdef Py_ssize_t find(self, uint64_t key, PyObject *obj, uint64_t h) except? -2:
+        """Where the hash is (or -1 - the free slot where it would go)."""
+        cdef Py_ssize_t i = h & self.mask
+        while self.entries[i].set:
+            if self.same(&self.entries[i], key, obj):
+                return i
+            i = (i + 1) & self.mask
+        return -1 - i
+
+    cdef Py_ssize_t locate(self, object h, uint64_t *key, PyObject **obj) except? -2:
+        if int_key(<PyObject *>h, key):
+            obj[0] = NULL
+        else:
+            key[0] = <uint64_t>PyObject_Hash(h)
+            obj[0] = <PyObject *>h
+        return self.find(key[0], obj[0], mix(key[0]))
+
+    cdef int rehash(self, Py_ssize_t cap) except -1:
+        cdef Entry *old = self.entries
+        cdef Py_ssize_t n = self.mask + 1, i, j
+        self.entries = <Entry *>PyMem_Malloc(cap * sizeof(Entry))
+        if not self.entries:
+            self.entries = old
+            raise MemoryError()
+        memset(self.entries, 0, cap * sizeof(Entry))
+        self.mask = cap - 1
+        for i in range(n):
+            if old[i].set:
+                j = mix(old[i].key) & self.mask
+                while self.entries[j].set:
+                    j = (j + 1) & self.mask
+                self.entries[j] = old[i]
+        PyMem_Free(old)
+        return 0
+
+    cdef int insert(self, Py_ssize_t free, uint64_t key, PyObject *obj, uint32_t id) except -1:
+        cdef Py_ssize_t tag = 0
+        if obj != NULL:
+            if self.side_free:
+                tag = self.side_free.pop()
+                self.side[tag - 1] = <object>obj
+            else:
+                self.side.append(<object>obj)
+                tag = len(self.side)
+        if (self.count + 1) * 4 > (self.mask + 1) * 3:
+            self.rehash((self.mask + 1) * 2)
+            free = -1 - self.find(key, obj, mix(key))
+        self.entries[free].key, self.entries[free].set = key, id
+        self.entries[free].tag = <uint32_t>tag
+        self.count += 1
+        return 0
+
+    cdef int remove(self, Py_ssize_t i) except -1:
+        cdef uint32_t tag = self.entries[i].tag
+        if tag:
+            self.side[tag - 1] = None
+            self.side_free.append(tag)
+        cdef Py_ssize_t j = i, home, m = self.mask
+        while True:  # backward-shift deletion: no tombstones
+            j = (j + 1) & m
+            if not self.entries[j].set:
+                break
+            home = mix(self.entries[j].key) & m
+            if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
+                self.entries[i] = self.entries[j]
+                i = j
+        self.entries[i].set = 0
+        self.count -= 1
+        return 0
+
+    cdef int put(self, Py_ssize_t slot, object hashes, bint on) except -1:
+        """Put ``slot`` into (``on``) or out of every hash's set; a hash no slot holds leaves.
+
+        Runs of hashes share a set (a prompt several ranks hold): the last change
+        is remembered, its two sets held so their ids cannot be reused meanwhile.
+        """
+        cdef object seq = PySequence_Fast(hashes, "hashes must be iterable")
+        cdef PyObject **items = PySequence_Fast_ITEMS(seq)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), k, i
+        cdef uint64_t key
+        cdef PyObject *obj
+        cdef uint32_t old, new, was = 0, now = 0
+        cdef RankSets sets = self.sets
+        try:
+            for k in range(n):
+                i = self.locate(<object>items[k], &key, &obj)
+                if i < 0:
+                    if on:
+                        new = sets.singleton(slot)
+                        sets.take(new)
+                        self.insert(-1 - i, key, obj, new)
+                    continue
+                old = self.entries[i].set
+                if sets.has(old, slot) == on:
+                    continue
+                if old != was:
+                    new = sets.changed(old, slot, on)
+                    sets.take(old)  # held before the last pair is let go: it may be new
+                    if new:
+                        sets.take(new)
+                    if was:
+                        sets.drop(was)
+                        if now:
+                            sets.drop(now)
+                    was, now = old, new
+                new = now
+                if new:
+                    sets.take(new)
+                    self.entries[i].set = new
+                else:
+                    self.remove(i)
+                sets.drop(old)
+        finally:
+            if was:
+                sets.drop(was)
+                if now:
+                    sets.drop(now)
+        return 0
+
+    cdef inline object key_at(self, Py_ssize_t i):
+        if self.entries[i].tag:
+            return self.side[self.entries[i].tag - 1]
+        return self.entries[i].key
+
+    def get(self, h, default=None):
+        """The hash's rank mask (bit ``1 << slot`` per rank), or ``default``."""
+        cdef uint64_t key
+        cdef PyObject *obj
+        cdef Py_ssize_t i = self.locate(h, &key, &obj)
+        return default if i < 0 else self.sets.as_int(self.entries[i].set)
+
+    def __getitem__(self, h):
+        found = self.get(h)
+        if found is None:
+            raise KeyError(h)
+        return found
+
+    def __contains__(self, h) -> bool:
+        cdef uint64_t key
+        cdef PyObject *obj
+        return self.locate(h, &key, &obj) >= 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def items(self) -> list:
+        cdef Py_ssize_t i
+        return [
+            (self.key_at(i), self.sets.as_int(self.entries[i].set))
+            for i in range(self.mask + 1)
+            if self.entries[i].set
+        ]
+
+    def keys(self) -> list:
+        return [h for h, _ in self.items()]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, HolderTable):
+            other = dict(other.items())
+        return isinstance(other, dict) and dict(self.items()) == other
+
+    def __repr__(self) -> str:
+        return f"HolderTable({dict(self.items())!r})"
+
+    def bytes_used(self) -> int:
+        """What the table itself allocated (entries and side list), for the bench."""
+        return (self.mask + 1) * sizeof(Entry)
+
+
+cdef class HolderIndex:
+    """Per medium, ``hash -> rank set``; the reference's interface, walked in C.
+
+    ``media`` and ``windows`` (the window groups of hybrid models' ranks) map each
+    medium to its :class:`HolderTable`; a rank's bit is ``1 << slot``.
+    """
+
+    cdef readonly dict media
+    cdef readonly dict windows
+    cdef RankSets sets
+    cdef list free_slots
+    cdef Py_ssize_t slots
+    # the chain being walked: per position its key, mixed key and state (0: not read,
+    # 1: an int key, 2: a side key); per rank slot its runs; answers kept across queries
+    cdef uint64_t *wkey
+    cdef uint64_t *wmix
+    cdef uint8_t *wstate
+    cdef uint32_t *ids
+    cdef Py_ssize_t wcap
+    cdef PyObject **witems
+    cdef int32_t *runs  # 3 per slot: GPU run, CPU run, STORAGE run (in chunks)
+    cdef uint64_t *active
+    cdef Py_ssize_t rcap
+    cdef Answer *answers
+    cdef Py_ssize_t acap, acount
+    cdef object bits_seen  # the last ``bits`` list and its slots (callers never mutate one)
+    cdef int32_t *slot_of
+    cdef Py_ssize_t *rsize  # per rank: its chunk size (0: GPU only)
+    cdef Py_ssize_t slot_cap
+
+    def __cinit__(self):
+        self.sets = RankSets()
+        self.media = {m: HolderTable(self.sets) for m in MEDIA}
+        self.windows = {m: HolderTable(self.sets) for m in MEDIA}
+        self.free_slots = []
+        self.acap = 2 * ANSWERS_KEPT
+        self.answers = <Answer *>PyMem_Malloc(self.acap * sizeof(Answer))
+        if not self.answers:
+            raise MemoryError()
+        memset(self.answers, 0, self.acap * sizeof(Answer))
+
+    def __dealloc__(self):
+        self.forget_answers()
+        PyMem_Free(self.answers)
+        PyMem_Free(self.wkey)
+        PyMem_Free(self.wmix)
+        PyMem_Free(self.wstate)
+        PyMem_Free(self.ids)
+        PyMem_Free(self.runs)
+        PyMem_Free(self.active)
+        PyMem_Free(self.slot_of)
+        PyMem_Free(self.rsize)
+
+    def take_bit(self) -> int:
+        """A bit no live rank uses (its hashes were all discarded when it was released)."""
+        if self.free_slots:
+            return 1 << self.free_slots.pop()
+        self.slots += 1
+        self.sets.widen(self.slots)
+        cdef object one = 1  # a Python int: bits go past 64
+        return one << (self.slots - 1)
+
+    def release_bit(self, bit: int) -> None:
+        self.free_slots.append(bit.bit_length() - 1)
+
+    def add(self, medium, bit, hashes, media=None) -> None:
+        """Set ``bit`` on every hash (idempotent); ``media``: :attr:`media` or :attr:`windows`."""
+        (<HolderTable>(media or self.media)[medium]).put(bit.bit_length() - 1, hashes, True)
+
+    def discard(self, medium, bit, hashes, media=None) -> None:
+        """Clear ``bit`` on every hash (idempotent); a hash no rank holds leaves."""
+        (<HolderTable>(media or self.media)[medium]).put(bit.bit_length() - 1, hashes, False)
+
+    # ---- the walk -----------------------------------------------------------------------
+
+    cdef int room(self, Py_ssize_t n, Py_ssize_t ranks) except -1:
+        """Buffers for a chain of ``n`` and for every slot."""
+        if n > self.wcap:
+            self.wcap = max(n, 2 * self.wcap)
+            self.wkey = <uint64_t *>PyMem_Realloc(self.wkey, self.wcap * 8)
+            self.wmix = <uint64_t *>PyMem_Realloc(self.wmix, self.wcap * 8)
+            self.wstate = <uint8_t *>PyMem_Realloc(self.wstate, self.wcap)
+            self.ids = <uint32_t *>PyMem_Realloc(self.ids, 2 * self.wcap * 4)
+        if self.slots > self.rcap:
+            self.rcap = max(self.slots, 2 * self.rcap)
+            self.runs = <int32_t *>PyMem_Realloc(self.runs, 3 * self.rcap * 4)
+            self.active = <uint64_t *>PyMem_Realloc(self.active, 2 * ((self.rcap + 63) // 64) * 8)
+        if ranks > self.slot_cap:
+            self.slot_cap = max(ranks, 2 * self.slot_cap)
+            self.slot_of = <int32_t *>PyMem_Realloc(self.slot_of, self.slot_cap * 4)
+            self.rsize = <Py_ssize_t *>PyMem_Realloc(self.rsize, self.slot_cap * sizeof(Py_ssize_t))
+            self.bits_seen = None
+        if not (self.wkey and self.wmix and self.wstate and self.ids and self.runs
+                and self.active and self.slot_of and self.rsize):
+            raise MemoryError()
+        memset(self.wstate, 0, n)
+        return 0
+
+    cdef inline int read(self, Py_ssize_t i) except -1:
+        """Position ``i``'s key, once per query."""
+        if self.wstate[i]:
+            return 0
+        if int_key(self.witems[i], &self.wkey[i]):
+            self.wstate[i] = 1
+        else:
+            self.wkey[i] = <uint64_t>PyObject_Hash(<object>self.witems[i])
+            self.wstate[i] = 2
+        self.wmix[i] = mix(self.wkey[i])
+        return 0
+
+    cdef inline uint32_t lookup(self, HolderTable t, Py_ssize_t i) except? NO_ID:
+        """The set id of position ``i`` in ``t`` (0: not there); read() it first."""
+        cdef Entry *e = t.entries
+        cdef Py_ssize_t m = t.mask, j = self.wmix[i] & m
+        cdef uint64_t key = self.wkey[i]
+        if self.wstate[i] == 1:
+            while e[j].set:
+                if e[j].key == key and e[j].tag == 0:
+                    return e[j].set
+                j = (j + 1) & m
+            return 0
+        while e[j].set:
+            if t.same(&e[j], key, self.witems[i]):
+                return e[j].set
+            j = (j + 1) & m
+        return 0
+
+    cdef int walk(
+        self, HolderTable t, Py_ssize_t first, Py_ssize_t stride, Py_ssize_t count,
+        uint64_t *active, int32_t *out, uint32_t *ids,
+    ) except -1:
+        """For each slot of ``active``: how many of positions first, first + stride, ...
+        (``count`` of them) hold it, from the start (``out[3 * slot]``). Set ids read
+        are kept in ``ids`` (others stay NO_ID). ``active`` is consumed."""
+        cdef RankSets sets = self.sets
+        cdef Py_ssize_t width = sets.width, j, k, p, ahead = min(LOOKAHEAD, count)
+        cdef uint32_t id, last = NO_ID
+        cdef uint64_t *w
+        cdef uint64_t gone, left
+        if t.count:
+            for j in range(ahead):
+                p = first + j * stride
+                self.read(p)
+                KV_PREFETCH(&t.entries[self.wmix[p] & t.mask])
+            j = 0
+            while j < count:
+                if j + ahead < count:
+                    p = first + (j + ahead) * stride
+                    self.read(p)
+                    KV_PREFETCH(&t.entries[self.wmix[p] & t.mask])
+                id = self.lookup(t, first + j * stride)
+                ids[j] = id
+                if id != last:
+                    last = id
+                    w = sets.words + id * width
+                    left = 0
+                    for k in range(width):
+                        gone = active[k] & ~w[k]
+                        while gone:
+                            out[3 * (k * 64 + KV_CTZ(gone))] = <int32_t>j
+                            gone &= gone - 1
+                        active[k] &= w[k]
+                        left |= active[k]
+                    if not left:
+                        return 0
+                j += 1
+        else:
+            count = 0
+        for k in range(width):
+            gone = active[k]
+            while gone:
+                out[3 * (k * 64 + KV_CTZ(gone))] = <int32_t>count
+                gone &= gone - 1
+        return 0
+
+    cdef inline bint holds(self, HolderTable t, uint32_t *ids, Py_ssize_t j, Py_ssize_t size,
+                           Py_ssize_t slot) except -1:
+        """Whether chunk ``j`` (ending at position (j + 1) * size - 1) is in ``t`` for ``slot``."""
+        if ids[j] == NO_ID:
+            self.read((j + 1) * size - 1)
+            ids[j] = self.lookup(t, (j + 1) * size - 1)
+        return self.sets.has(ids[j], slot)
+
+    cdef void forget_answers(self) noexcept:
+        cdef Py_ssize_t i
+        for i in range(self.acap):
+            if self.answers[i].obj != NULL:
+                Py_DECREF(<object>self.answers[i].obj)
+                self.answers[i].obj = NULL
+        self.acount = 0
+
+    cdef PyObject *answer(self, int64_t *f) except NULL:
+        """The one shared (immutable) PrefixMatch with fields ``f``: most ranks repeat a few."""
+        cdef uint64_t h = 0
+        cdef Py_ssize_t i, k
+        if not (f[0] | f[1] | f[2] | f[3]):
+            return <PyObject *>EMPTY
+        for k in range(6):
+            h = mix(h ^ <uint64_t>f[k])
+        i = h & (self.acap - 1)
+        while self.answers[i].obj != NULL:
+            if memcmp(self.answers[i].f, f, 6 * 8) == 0:
+                return self.answers[i].obj
+            i = (i + 1) & (self.acap - 1)
+        if (self.acount + 1) * 2 > self.acap:
+            self.regrow_answers()
+            return self.answer(f)
+        match = PrefixMatch(f[0], f[1], f[2], f[3], f[4], f[5])
+        Py_INCREF(match)
+        memcpy(self.answers[i].f, f, 6 * 8)
+        self.answers[i].obj = <PyObject *>match
+        self.acount += 1
+        return <PyObject *>match
+
+    cdef int regrow_answers(self) except -1:
+        cdef Answer *old = self.answers
+        cdef Py_ssize_t n = self.acap, i, j, k
+        cdef uint64_t h
+        self.answers = <Answer *>PyMem_Malloc(2 * n * sizeof(Answer))
+        if not self.answers:
+            self.answers = old
+            raise MemoryError()
+        memset(self.answers, 0, 2 * n * sizeof(Answer))
+        self.acap = 2 * n
+        for i in range(n):
+            if old[i].obj != NULL:
+                h = 0
+                for k in range(6):
+                    h = mix(h ^ <uint64_t>old[i].f[k])
+                j = h & (self.acap - 1)
+                while self.answers[j].obj != NULL:
+                    j = (j + 1) & (self.acap - 1)
+                self.answers[j] = old[i]
+        PyMem_Free(old)
+        return 0
+
+    cdef int slots_of(self, object bits, Py_ssize_t n) except -1:
+        if bits is self.bits_seen:
+            return 0
+        cdef Py_ssize_t r
+        for r in range(n):
+            self.slot_of[r] = bits[r].bit_length() - 1
+        self.bits_seen = bits
+        return 0
+
+    def match(self, chain, ranks, bits, sizes, hybrids=None) -> dict:
+        """The prefix match of each rank, given its bit (from :meth:`take_bit`) and chunk size.
+
+        A chunk size of None or 0 means the rank is matched on GPU only (so does one
+        longer than the chain). The GPU run of every rank comes from one walk of the
+        chain; per chunk size, one walk of the chunk ends on CPU and one on STORAGE
+        gives the lower-tier runs; then each rank's prefix is the GPU run extended by
+        the chunks after it that a lower tier holds, CPU first (chunks inside its CPU
+        run skipped at once). The ranks of ``hybrids`` then have their answers taken
+        to vLLM's hybrid rule (:meth:`Hybrids.refine`).
+        """
+        cdef object seq = PySequence_Fast(chain, "chain must be a sequence")
+        cdef object rank_seq = PySequence_Fast(ranks, "ranks must be a sequence")
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), nr = PySequence_Fast_GET_SIZE(rank_seq)
+        if not n or not nr:
+            return dict.fromkeys(ranks, EMPTY)
+        if self.acount > ANSWERS_KEPT:
+            self.forget_answers()
+        self.room(n, nr)
+        self.slots_of(bits, nr)
+        self.witems = PySequence_Fast_ITEMS(seq)
+        cdef object size_seq = PySequence_Fast(sizes, "sizes must be a sequence")
+        cdef PyObject **size_items = PySequence_Fast_ITEMS(size_seq)
+        cdef PyObject **rank_items = PySequence_Fast_ITEMS(rank_seq)
+        cdef Py_ssize_t width = self.sets.width, r, slot, k
+        cdef uint64_t *active = self.active
+        cdef int32_t *runs = self.runs
+        memset(active, 0, width * 8)
+        for r in range(nr):
+            slot = self.slot_of[r]
+            active[slot >> 6] |= 1ULL << (slot & 63)
+        self.walk(self.media[GPU], 0, 1, n, active, runs, self.ids)
+        # every distinct chunk size in turn (there is usually one); 0: GPU only
+        cdef Py_ssize_t size = 0, done = 0, chunks, j, prefix, cpu_run, storage_run
+        cdef Py_ssize_t *rsize = self.rsize
+        cdef bint chosen
+        cdef HolderTable cpu = self.media[CPU], storage = self.media[STORAGE]
+        cdef uint32_t *cpu_ids = self.ids
+        cdef uint32_t *storage_ids = self.ids + self.wcap
+        cdef int64_t f[6]
+        cdef list answers = [None] * nr
+        for r in range(nr):
+            rsize[r] = <object>size_items[r] or 0
+        while done < nr:
+            chosen = False
+            memset(active, 0, width * 8)
+            for r in range(nr):
+                if answers[r] is None and (not chosen or rsize[r] == size):
+                    size, chosen = rsize[r], True
+                    slot = self.slot_of[r]
+                    active[slot >> 6] |= 1ULL << (slot & 63)
+            chunks = n // size if size > 0 else 0
+            if chunks:
+                memset(cpu_ids, 0xFF, chunks * 4)
+                memset(storage_ids, 0xFF, chunks * 4)
+                memcpy(active + width, active, width * 8)
+                self.walk(cpu, size - 1, size, chunks, active, runs + 1, cpu_ids)
+                self.walk(storage, size - 1, size, chunks, active + width, runs + 2, storage_ids)
+            for r in range(nr):
+                if answers[r] is not None or rsize[r] != size:
+                    continue
+                slot = self.slot_of[r]
+                f[0] = f[3] = runs[3 * slot]
+                f[1] = f[2] = f[4] = f[5] = 0
+                if chunks:
+                    cpu_run, storage_run = runs[3 * slot + 1], runs[3 * slot + 2]
+                    f[1], f[2] = cpu_run * size, storage_run * size
+                    prefix, j = f[0], f[0] // size
+                    while j < chunks:
+                        if j < cpu_run:  # chunks j .. cpu_run - 1 are all on CPU
+                            f[4] += cpu_run * size - prefix
+                            prefix, j = cpu_run * size, cpu_run
+                            continue
+                        if self.holds(cpu, cpu_ids, j, size, slot):
+                            f[4] += (j + 1) * size - prefix
+                        elif j < storage_run or self.holds(storage, storage_ids, j, size, slot):
+                            f[5] += (j + 1) * size - prefix
+                        else:
+                            break
+                        prefix, j = (j + 1) * size, j + 1
+                    f[3] = prefix
+                answers[r] = <object>self.answer(f)
+                done += 1
+        if hybrids is not None:
+            return self.refined(answers, chain, rank_seq, bits, sizes, hybrids)
+        cdef dict out = _PyDict_NewPresized(nr)
+        for r in range(nr):
+            PyDict_SetItem(out, <object>rank_items[r], answers[r])
+        return out
+
+    cdef dict refined(self, list answers, chain, ranks, bits, sizes, hybrids):
+        """The answers with the hybrid ranks' taken to vLLM's hybrid rule."""
+        masks: dict = {}
+        asked: dict = {}
+        for bit, size, match in zip(bits, sizes, answers):
+            asked[size or 0] = asked.get(size or 0, 0) | bit
+            if match is not EMPTY:
+                held = masks.setdefault(id(match), [0, match])
+                held[0] |= bit
+        refined = hybrids.refine([(m, match) for m, match in masks.values()], chain, asked,
+                                 self.windows)
+        by_bit = {}
+        for mask, match in refined:
+            while mask:
+                low = mask & -mask
+                by_bit[low] = match
+                mask ^= low
+        return {rank: by_bit.get(bit, EMPTY) for rank, bit in zip(ranks, bits)}
