@@ -1,11 +1,10 @@
 """``kvindex status``: the fleet as a terminal table, read from a running server.
 
-One row per engine dp rank: whether it is connected, degraded and why,
-resident blocks per tier, and how far its applied batches trail what it has
-published. A rank is degraded when its answers may be wrong: it is not
-connected, or it has a gap that no replay filled, or the store lost some of
-its batches. The totals line comes from ``/stats``. Standard library HTTP
-only: the command needs nothing a bare server does not have.
+One row per engine dp rank: ok or degraded and why (the server's judgement,
+the one prefix-match flags ranks by: not connected, an unfilled gap, or
+batches the store lost), resident blocks per tier, and how far its applied
+batches trail what it has received. The totals line is ``/stats``. Standard
+library HTTP only: the command needs nothing a bare server does not have.
 """
 
 from __future__ import annotations
@@ -47,18 +46,10 @@ def _get(base: str, path: str, token: str | None, gone_ok: bool = False) -> Any:
 
 
 def rank_state(rank: dict[str, Any]) -> str:
-    """One word or phrase for a rank: ok, or what makes its answers doubtful."""
-    if rank.get("never_connected"):
-        return "never connected (wrong endpoint or engine down?)"
-    if not rank.get("connected"):
-        return "disconnected"
-    if rank.get("missing"):
-        return f"degraded: {len(rank['missing'])} unfilled gap(s)"
-    if rank.get("store_loss"):
-        return f"degraded: {rank['store_loss']}"
-    if rank.get("degraded"):
-        return "degraded"
-    return "ok"
+    """ok, or degraded and the server's reasons (its one rule, as prefix-match's)."""
+    if not rank.get("degraded"):
+        return "ok"
+    return "; ".join(["degraded", *rank.get("degraded_reasons", [])])
 
 
 def rows(engines: list[dict[str, Any]]) -> list[tuple[str, ...]]:
@@ -95,12 +86,11 @@ def render(table: list[tuple[str, ...]], stats: dict[str, Any]) -> str:
         "  ".join(_cell(i, v, w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
         for row in lines
     ]
-    states = [row[2] for row in table]
-    ok = sum(s == "ok" for s in states)
-    blocks = "  ".join(f"{m} {stats.get('blocks', {}).get(m, 0)}" for m in MEDIA)
+    blocks = "  ".join(f"{m} {stats['blocks'].get(m, 0)}" for m in MEDIA)
     text.append(
-        f"{stats.get('engines', 0)} engines, {len(states)} ranks: {ok} ok,"
-        f" {len(states) - ok} not; resident blocks {blocks}"
+        f"{stats['engines']} engines, {stats['registered_ranks']} ranks:"
+        f" {stats['connected_ranks']} connected, {stats['never_connected_ranks']} never connected,"
+        f" {stats['degraded_ranks']} degraded; resident blocks {blocks}"
     )
     if stats.get("compiled_core") is False:
         text.append(f"warning: compiled core not loaded ({stats.get('compiled_core_error')})")
