@@ -3,22 +3,26 @@
 A query costs one store round trip per distinct chain: all engines that
 share a hash spec (the common case: every engine of a fleet) are looked up
 together, and only engines matched through the learned token index need a
-chain, and a lookup, per rank.
+chain, and a lookup, per rank. Routed entries (:mod:`indexer.routed`) are
+looked up after the store, from each rank's exact GPU run: one more call per
+chain, which ``route: "best"`` turns into the atomic pick-and-record.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 from api.chains import ChainComputer, Overrides, Prompt
 from api.context import ApiContext
 from api.errors import ApiError
-from api.schemas import EngineMatch, PrefixMatchResponse
+from api.schemas import EngineMatch, PrefixMatchResponse, RankRef
 from indexer.core.events import BlockHash, RankId
-from indexer.core.matching import PrefixMatch
+from indexer.core.matching import PrefixMatch, TierWeights
+from indexer.core.routed import Candidate
+from indexer.core.routed import score as routed_score
 from indexer.registry import EngineSpec, RankStatus, UnknownEngine, is_degraded
 
 _NO_MATCH = PrefixMatch()
@@ -36,6 +40,9 @@ class Query:
     model: str | None = None
     engines: Sequence[str] | None = None
     overrides: Overrides = field(default_factory=Overrides)
+    weights: TierWeights | None = None  # None: the configured ones
+    route: bool = False  # pick the best rank and record the prompt as routed to it
+    ttl: float = 0.0  # seconds the routed entries of ``route`` live
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +52,23 @@ class _Lookup:
     rank: RankId | None = None  # keep only this rank's answer: its chain is its own
 
 
+class _GpuRuns(Mapping[RankId, int]):
+    """Each found rank's exact GPU run, read only for the ranks routed entries
+    are looked up for."""
+
+    def __init__(self, found: dict[RankId, PrefixMatch]) -> None:
+        self._found = found
+
+    def __getitem__(self, rank: RankId) -> int:
+        return self._found[rank].gpu_blocks
+
+    def __iter__(self) -> Iterator[RankId]:
+        return iter(self._found)
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+
 class PrefixMatcher:
     def __init__(self, ctx: ApiContext) -> None:
         self._store = ctx.store
@@ -52,6 +76,8 @@ class PrefixMatcher:
         self._consumers = ctx.consumers
         self._token_index = ctx.token_index
         self._weights = ctx.settings.weights
+        self._routed = ctx.routed
+        self._rules = ctx.settings.routed
 
     async def match(self, query: Query) -> PrefixMatchResponse:
         specs = self._select(query.model, query.engines)
@@ -63,7 +89,79 @@ class PrefixMatcher:
         # Statuses before the store call: an engine removed meanwhile has none after.
         statuses = {s.name: self._consumers.rank_status(s.name) for s in specs}
         found = await self._run(lookups)
-        return self._answer(query, specs, statuses, found)
+        weights = query.weights or self._weights
+        pick = None
+        if query.route:
+            pick, routed = await self._route(query, lookups, specs, found, weights)
+        else:
+            routed = await self._routed_runs(lookups, found)
+        answer = self._answer(query, specs, statuses, found, routed, weights)
+        if pick is not None:
+            answer.routed_to = RankRef(pick.engine, pick.dp_rank)
+        return answer
+
+    def chain_of(self, query: Query, spec: EngineSpec) -> list[BlockHash]:
+        """The chain a query stands for on one engine (``POST /routed``); 422 when only
+        the learned token index could say, as it says nothing of blocks not yet stored."""
+        if query.prompt is None:
+            assert query.chain is not None
+            return query.chain
+        lookups = self._token_lookups(query.prompt, query.overrides, [spec])
+        if any(lookup.rank is not None for lookup in lookups):
+            raise ApiError(
+                422,
+                f"engine {spec.name!r}: its block hashes cannot be computed from tokens"
+                " (no reproducible hash_algo and hash_seed): give block_hashes",
+            )
+        return lookups[0].chain
+
+    async def _routed_runs(
+        self, lookups: list[_Lookup], found: dict[RankId, PrefixMatch]
+    ) -> dict[RankId, int]:
+        """``routed_blocks`` of the ranks whose routed entries extend their GPU run."""
+        runs: dict[RankId, int] = {}
+        starts = _GpuRuns(found)
+        for lookup in lookups:
+            if not lookup.chain or not lookup.chunk_blocks:
+                continue
+            got = await self._routed.lookup(lookup.chain, starts, lookup.chunk_blocks.keys())
+            if lookup.rank is None:
+                runs.update(got)
+            elif lookup.rank in got:
+                runs[lookup.rank] = got[lookup.rank]
+        return runs
+
+    async def _route(
+        self,
+        query: Query,
+        lookups: list[_Lookup],
+        specs: list[EngineSpec],
+        found: dict[RankId, PrefixMatch],
+        weights: TierWeights,
+    ) -> tuple[Candidate | None, dict[RankId, int]]:
+        """Every rank of the selected engines is a candidate, in (engine, rank) order."""
+        chains = [lookup for lookup in lookups if lookup.chain and lookup.chunk_blocks]
+        if not chains:
+            return None, {}
+        if len(chains) > 1 or chains[0].rank is not None:
+            raise ApiError(
+                422,
+                'route: "best" needs one block-hash chain for every selected engine (engines'
+                " that hash alike, reproducibly): narrow `engines` or `model`",
+            )
+        (lookup,) = chains
+        candidates = [
+            Candidate(
+                spec.name,
+                dp_rank,
+                found.get(RankId(spec.name, dp_rank), _NO_MATCH),
+                self._rules.bound(None if spec.events else spec.gpu_blocks),
+            )
+            for spec in sorted(specs, key=_name)
+            if spec.name in lookup.chunk_blocks
+            for dp_rank in range(spec.dp_ranks)
+        ]
+        return await self._routed.route(lookup.chain, candidates, weights, query.ttl)
 
     def _select(self, model: str | None, names: Sequence[str] | None) -> list[EngineSpec]:
         if names is None:
@@ -139,6 +237,8 @@ class PrefixMatcher:
         specs: list[EngineSpec],
         statuses: dict[str, list[RankStatus]],
         found: dict[RankId, PrefixMatch],
+        routed: dict[RankId, int],
+        weights: TierWeights,
     ) -> PrefixMatchResponse:
         """One entry per rank, best score first, then by engine and rank.
 
@@ -150,11 +250,13 @@ class PrefixMatcher:
         extra: dict[str, set[int]] = {}  # ranks answered beyond the declared ones
         for engine, dp_rank in found:
             extra.setdefault(engine, set()).add(dp_rank)
-        weights, entries, sizes = self._weights, [], set()
+        entries, sizes = [], set()
         for spec in sorted(specs, key=_name):
             name, model, block_size = spec.name, spec.model, query.overrides.block_size_of(spec)
             sizes.add(block_size)
-            degraded = {s.dp_rank: is_degraded(s) for s in statuses[name]}
+            # An engine without events has no connection to lose: its rows are approximate.
+            approximate = not spec.events
+            degraded = {s.dp_rank: is_degraded(s) and spec.events for s in statuses[name]}
             # A rank whose store lost data may hold older state: it matches nothing until rebuilt.
             lost = [s.dp_rank for s in statuses[name] if s.store_loss is not None]
             dp_ranks = range(spec.dp_ranks)
@@ -162,6 +264,7 @@ class PrefixMatcher:
                 dp_ranks = sorted(extra[name].union(dp_ranks))
             for dp_rank in dp_ranks:
                 m = _NO_MATCH if lost and dp_rank in lost else found.get((name, dp_rank), _NO_MATCH)
+                routed_blocks = max(m.gpu_blocks, routed.get((name, dp_rank), 0))
                 entries.append(
                     EngineMatch(
                         name,
@@ -173,9 +276,11 @@ class PrefixMatcher:
                         m.storage_blocks,
                         m.prefix_blocks,
                         m.prefix_blocks * block_size,
-                        round(m.score(weights), 6),
-                        degraded.get(dp_rank, True),
+                        round(routed_score(m, routed_blocks, weights), 6),
+                        degraded.get(dp_rank, not approximate),
                         m.gpu_blocks_full_attention,
+                        routed_blocks,
+                        approximate,
                     )
                 )
         entries.sort(key=_score, reverse=True)  # stable: ties keep (engine, rank) order

@@ -69,6 +69,7 @@ class Operators:
         self.registry = ctx.registry
         self.consumers = ctx.consumers
         self.token_index = ctx.token_index
+        self.routed = ctx.routed
 
     def spec(self, name: str) -> EngineSpec:
         try:
@@ -126,6 +127,7 @@ class Operators:
             blocks={m: sum(c[m] for c in counts) for m in MEDIA},
             anomalies=_total(anomalies),
             token_index_entries=len(self.token_index),
+            routed=await self.routed.counts(),
             **native.status(),
         )
 
@@ -232,6 +234,7 @@ def router(ctx: ApiContext) -> APIRouter:
             spec = await ops.registry.remove(name)
         except UnknownEngine:
             raise ApiError(404, f"unknown engine {name!r}") from None
+        await ctx.routed.forget(name)  # its routed entries end with it
         return _json(spec)
 
     @routes.get(

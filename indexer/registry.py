@@ -96,7 +96,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     name: Name
-    endpoint: Endpoint
+    endpoint: Endpoint | None = None  # required unless events is false
     model: str = ""
     replay_endpoint: Endpoint | None = None
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
@@ -108,10 +108,25 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bind: bool = False  # True: kvindex binds and the engine connects
     #: the model's KV cache groups by group_idx (null: learned from the events)
     kv_groups: list[KVGroup] | None = None
+    #: False: the engine publishes no KV events (no endpoint); it is routed by the
+    #: entries routers record (``POST /routed``) alone, an LRU of ``gpu_blocks`` blocks
+    events: bool = True
+    #: blocks the engine's GPU holds (its KV cache capacity): bounds its routed entries
+    gpu_blocks: Positive | None = None
     adapter: Literal[catalog.names()] = catalog.DEFAULT  # type: ignore[valid-type]
 
     def __post_init__(self) -> None:
         check_kv_groups(self.kv_groups or [], self.block_size)
+        if self.events != (self.endpoint is not None):
+            raise ValueError(
+                "endpoint: required for an engine that publishes events, and only for one"
+                " (events: false)"
+            )
+        if not self.events and (self.gpu_blocks is None or self.replay_endpoint or self.bind):
+            raise ValueError(
+                "an engine with events: false needs gpu_blocks (its GPU capacity in blocks)"
+                " and has no replay_endpoint or bind"
+            )
         for field in ("endpoint", "replay_endpoint"):
             endpoint = getattr(self, field)
             if endpoint is None:
@@ -166,7 +181,8 @@ def parse_engine_flag(text: str) -> EngineSpec:
     if not sep or not all(eq for _, eq, _ in pairs):
         raise ValueError(f"--engine {text!r}: expected NAME=ENDPOINT[,FIELD=VALUE...]")
     known = {f.name: f for f in msgspec.structs.fields(EngineSpec)}
-    fields: dict[str, str | None] = {"name": name, "endpoint": endpoint}
+    # ``NAME=,events=false,...``: an engine without events has no endpoint
+    fields: dict[str, str | None] = {"name": name, "endpoint": endpoint or None}
     for key, _, value in pairs:
         key = key.strip()
         if value != "null" or key not in known:

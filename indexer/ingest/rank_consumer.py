@@ -45,8 +45,9 @@ import tenacity
 
 from indexer import metrics
 from indexer.core import sequencer as seq_rules
-from indexer.core.events import EventBatch, RankId, WireError
+from indexer.core.events import GPU, EventBatch, RankId, WireError
 from indexer.core.hybrid import GroupDeclaration
+from indexer.core.routed import GPU_CLEARED
 from indexer.core.sequencer import Mark, Sequencer
 from indexer.ingest.intake import END, HELD, LIVE, REPLAY, WAKE, Intake, Item
 from indexer.ingest.live_feed import LiveFeed
@@ -354,6 +355,8 @@ class RankConsumer:
                 await self._store_call(
                     self._store.clear, self.rank, action.media, reset_seq=action.reset_seq
                 )
+                if GPU in action.media:  # observers (routed entries) hear of it as a clear
+                    self._shared.notify(self.rank, GPU_CLEARED)
             else:
                 self._note(action)
 

@@ -232,6 +232,8 @@ class Subscriber:
         return self._pool.rank_status(self._registry.get(engine))
 
     async def _start_engine(self, spec: EngineSpec) -> None:
+        if not spec.events:
+            return  # nothing to consume: routed entries alone stand for its cache
         started: list[RankId] = []
         try:
             for dp_rank in range(spec.dp_ranks):
