@@ -150,11 +150,16 @@ def watch(source: StatusSource) -> None:
     _sources.add(source)
 
 
+def configure(settings: MetricsSettings) -> None:
+    """Use these settings for the process's gauges from now on."""
+    global _settings
+    _settings = settings
+
+
 async def sample_residency(store: ResidencyReader, settings: MetricsSettings) -> None:
     """Read every consumed rank's resident blocks every ``sample_interval``, forever
     (run it as a task in the process that consumes, beside its store)."""
-    global _settings
-    _settings = settings
+    configure(settings)
 
     async def sample() -> None:
         ranks = [RankId(engine, s.dp_rank) for engine, s in _statuses()]
