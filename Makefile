@@ -10,15 +10,18 @@ TRACES := ../shared/fixtures/vllm-0.33.0/traces
 help:
 	@echo "make demo    set up, then run the service with 4 simulated engines"
 	@echo "make test    set up (Python deps, redis-server, docker-compose), then lint and run the tests"
-	@echo "make replay  apply a vLLM fixture trace and print the JSON report"
+	@echo "make replay  apply a vLLM fixture trace, print the JSON report and whether vLLM's answers match"
 	@echo "make bench   run every benchmark (quick mode); report in bench/results/"
 
 # The compiled core builds at install time: a changed source reinstalls.
 $(STAMP): pyproject.toml setup.py indexer/engines/vllm/_chainhash.pyx indexer/stores/memory/_holders.pyx
+	@echo "== [1/3] build tools for the compiled core (a C compiler, OpenSSL and xxhash headers)"
 	@scripts/ensure-build-tools.sh $(PYTHON)
+	@echo "== [2/3] $(VENV): a virtualenv with a current pip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	@echo "== [3/3] kvindex and its test tools into $(VENV) (minutes the first time: pip's progress follows)"
+	$(BIN)/pip install -e '.[test]'
 	touch $@
 
 setup: $(STAMP)
@@ -27,10 +30,11 @@ setup: $(STAMP)
 	@scripts/ensure-prometheus.sh
 	@scripts/ensure-browser.sh
 
-demo: setup
+# The demo needs only the venv (no Redis, Docker or browser).
+demo: $(STAMP)
 	scripts/demo.sh
 
-replay: setup
+replay: $(STAMP)
 	$(BIN)/kvindex replay $(TRACES)/chat-sha256.frames.msgpack \
 		--probe $(TRACES)/chat-sha256.expected.json
 

@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # The README's first command (`make demo` sets up the venv, then runs this):
 # kvindex serve with the embedded store, 4 simulated engines registered over
-# the API, a router's view of them through real curl queries, then live
-# progress until Ctrl-C. Ports: DEMO_HTTP_PORT (8080), DEMO_ZMQ_PORT (5557..).
+# the API, a router's view of them through real curl queries, the fleet as
+# `kvindex status` prints it, then live progress until Ctrl-C.
+# Ports: DEMO_HTTP_PORT (8080), DEMO_ZMQ_PORT (5557..).
+# Every command shown after a "$" is the exact command that ran, with its output
+# below it: copy one into another terminal while the demo runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-BIN=${VENV:-.venv}/bin
+BIN="$(realpath "${VENV:-.venv}")/bin"
 API="http://127.0.0.1:${DEMO_HTTP_PORT:-8080}"
+CHUNK=4  # blocks per CPU offload chunk
 SIM=(--engines 4 --base-port "${DEMO_ZMQ_PORT:-5557}" --gpu-blocks 256 --cpu-chunks 256
-     --storage-chunks 1024 --max-context 1024)
-VIEW=("$BIN/python" scripts/demo_view.py)
+     --blocks-per-chunk "$CHUNK" --storage-chunks 1024 --max-context 1024)
+VIEW=("$BIN/python" "$PWD/scripts/demo_view.py")
 
 [ -x "$BIN/kvindex" ] || { echo "no $BIN/kvindex: run 'make demo'" >&2; exit 1; }
 work=$(mktemp -d)
@@ -24,6 +28,12 @@ trap cleanup EXIT
 trap 'exit 0' INT TERM
 
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+# run COMMAND: show it as typed, then run exactly that text.
+run() {
+    printf '$ %s\n' "$1"
+    eval "$1"
+}
 
 fail() {
     echo "$*; logs:" >&2
@@ -44,13 +54,13 @@ wait_for() {
     done
 }
 
-# ask TITLE TOKENS: one router query, shown as the curl command and its answer.
+# ask TITLE NAME TOKENS: one router query (the prompt's tokens in a file, as a
+# long prompt is sent), its answer as a table.
 ask() {
-    local n
-    n=$(tr ',' '\n' <<<"$2" | wc -l)
-    printf '\n%s\n$ curl -s "%s/prefix-match?tokens=%s,…"   # %d tokens\n' \
-        "$1" "$API" "$(cut -d, -f1-6 <<<"$2")" "$n"
-    curl -sf "$API/prefix-match?tokens=$2" | "${VIEW[@]}" table
+    local body="$work/$2.json"
+    printf '{"tokens": [%s]}\n' "$3" >"$body"
+    printf '\n%s (%d tokens in %s)\n' "$1" "$(tr ',' '\n' <<<"$3" | wc -l)" "$body"
+    run "curl -s -X POST $API/prefix-match -H 'content-type: application/json' -d @$body | ${VIEW[*]} table"
 }
 
 served_by_all() {
@@ -59,10 +69,10 @@ served_by_all() {
 }
 
 say "kvindex serve on $API, embedded store"
-"$BIN/kvindex" --log-level INFO serve --port "${DEMO_HTTP_PORT:-8080}" >"$work/serve.log" 2>&1 &
+"$BIN/kvindex" serve --port "${DEMO_HTTP_PORT:-8080}" --log-level INFO >"$work/serve.log" 2>&1 &
 pids+=($!)
 wait_for "kvindex serve" 20 curl -sf "$API/readyz"
-echo "ready"
+echo "ready (its log: $work/serve.log)"
 
 say "4 simulated engines publishing vLLM KV events"
 "$BIN/kvindex" sim "${SIM[@]}" --samples "$work/served.json" >"$work/sim.log" 2>"$work/sim-progress.log" &
@@ -70,21 +80,27 @@ pids+=($!)
 wait_for "the simulated engines" 20 grep -q sim-3 "$work/sim.log"
 cat "$work/sim.log"
 
-say "register them: POST /engines"
-"$BIN/kvindex" sim "${SIM[@]}" --print-specs | while read -r body; do
-    echo "\$ curl -X POST $API/engines -d '$body'"
-    curl -sf -X POST -H 'content-type: application/json' -d "$body" "$API/engines" >/dev/null
-done
+say "register them: POST /engines (the bodies kvindex sim --print-specs prints)"
+n=0
+while read -r spec; do
+    printf '%s\n' "$spec" >"$work/engine-$n.json"
+    run "curl -s -w '\n' -X POST $API/engines -H 'content-type: application/json' -d @$work/engine-$n.json"
+    n=$((n + 1))
+done < <("$BIN/kvindex" sim "${SIM[@]}" --print-specs)
 
 say "let them serve a few seconds of chat traffic"
 wait_for "every engine to serve a request" 30 served_by_all
 sleep 5
 
 say "a router asks: which engine holds the longest prefix of this prompt?"
-ask "The next turn of the conversation sim-0 served last (its history + a new message):" \
-    "$("${VIEW[@]}" tokens "$work/served.json" sim-0 --extend 24)"
-ask "The last prompt sim-2 served:" "$("${VIEW[@]}" tokens "$work/served.json" sim-2)"
-ask "A prompt no engine has seen:" "$("${VIEW[@]}" random 300)"
+ask "The next turn of the conversation sim-0 served last (its history + a new message)" \
+    next-turn "$("${VIEW[@]}" tokens "$work/served.json" sim-0 --extend 24)"
+echo "Why CPU can trail GPU: offload moves whole chunks of $CHUNK blocks, so CPU holds a prefix only in whole chunks."
+ask "The last prompt sim-2 served" last-sim-2 "$("${VIEW[@]}" tokens "$work/served.json" sim-2)"
+ask "A prompt no engine has seen" unseen "$("${VIEW[@]}" random 300)"
 
-say "serving on $API until Ctrl-C (try $API/docs, /engines, /stats, /metrics)"
+say "the fleet, as an operator sees it"
+run "$BIN/kvindex status --url $API"
+
+say "serving on $API until Ctrl-C: open $API/ui/ in a browser, or try /docs, /engines, /stats, /metrics"
 "${VIEW[@]}" progress "$API"
