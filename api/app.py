@@ -72,15 +72,17 @@ def create_app(
     *,
     token_index: TokenIndex | None = None,
     routed: RoutedEntries | None = None,
+    tokenizers: Tokenizers | None = None,
 ) -> FastAPI:
     """The API app. ``token_index`` defaults to a new one fed by ``consumers``
     when it can report applied batches (``add_observer``); ``routed`` (the routed
-    entries) to in-process ones, confirmed by the same batches."""
+    entries) to in-process ones, confirmed by the same batches; ``tokenizers``
+    to a pool of ``settings.models`` (apps in one process may share one)."""
     if token_index is None:
         token_index = TokenIndex(settings.token_index_capacity, _learns_from(registry))
         if isinstance(consumers, Observable):
             consumers.add_observer(token_index.observe, token_index.learns)
-    tokenizers = Tokenizers(settings.models)
+    tokenizers = tokenizers or Tokenizers(settings.models)
     ctx = ApiContext(GuardedStore(store), registry, consumers, token_index, settings, tokenizers)
     routed = routed or MemoryRouted()
     metrics.watch_routed(routed)
