@@ -213,6 +213,7 @@ class PrefixMatcher:
                 lora_name=prompt.lora_name,
                 cache_salt=prompt.cache_salt,
                 mm_features=prompt.mm_features,
+                adapter=spec.engine_adapter,
             )
             lookups.append(_Lookup(chain, {spec.name: spec.blocks_per_chunk}, rank))
         return lookups

@@ -43,19 +43,11 @@ from typing import Any
 
 import msgspec
 
-from indexer.core.events import BlockHash, BlockStored, EventBatch, RankId
-from indexer.engines.vllm.hashing import MMFeature, block_extra_keys
-from indexer.engines.vllm.wire import STORED
+from indexer.core.events import BlockHash, BlockRemoved, BlockStored, EventBatch, RankId
+from indexer.engines import catalog
+from indexer.engines.base import EngineAdapter, MMFeature, Prompt
 
 _encode = msgspec.msgpack.Encoder().encode
-
-
-def _untag(key: tuple[Any, ...]) -> Any:
-    """vLLM's hash-input extra key to the value events publish for it."""
-    tag, *values = key
-    if tag == "lora":  # events carry the adapter name, not its path
-        return values[0]
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _normalised(values: Iterable[Any] | None) -> tuple[bytes, ...]:
@@ -87,8 +79,8 @@ class TokenIndex:
         """Learn from one applied batch (a subscriber observer)."""
         learns = None
         for event in batch.events:
-            if type(event) not in STORED or not event.block_hashes:
-                continue
+            if type(event) is BlockRemoved or not event.block_hashes:
+                continue  # only stores teach (clears carry no hashes)
             self._bytes_hashes[rank.engine] = type(event.block_hashes[0]) is bytes
             if learns is None:
                 learns = self.learns(rank.engine)
@@ -122,18 +114,22 @@ class TokenIndex:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         mm_features: Sequence[MMFeature] = (),
+        adapter: EngineAdapter | None = None,
     ) -> list[BlockHash]:
-        """The hashes of the prompt's leading blocks this rank's events described."""
+        """The hashes of the prompt's leading blocks this rank's events described.
+
+        ``adapter`` (the engine's; the default one if None) says which extra keys
+        the events stated for each block."""
         toks = tokens if type(tokens) is tuple else tuple(tokens)
-        n_blocks = len(toks) // block_size
-        lora = ("lora", lora_name, None) if lora_name is not None else None
-        extras = block_extra_keys(n_blocks, block_size, lora, cache_salt, mm_features)
+        prompt = Prompt(toks, lora_name, None, cache_salt, mm_features)
+        adapter = adapter or catalog.adapter(catalog.DEFAULT)
+        extras = adapter.stated_extras(prompt, block_size)
         chain: list[BlockHash] = []
         parent: BlockHash | None = None
         entries = self._entries
-        for start, extra in zip(range(0, n_blocks * block_size, block_size), extras, strict=True):
-            untagged = map(_untag, extra) if extra else None
-            key = _key(rank, parent, toks[start : start + block_size], _normalised(untagged))
+        starts = range(0, len(extras) * block_size, block_size)
+        for start, extra in zip(starts, extras, strict=True):
+            key = _key(rank, parent, toks[start : start + block_size], _normalised(extra))
             parent = entries.get(key)
             if parent is None:
                 break

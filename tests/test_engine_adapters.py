@@ -178,6 +178,10 @@ def test_a_legacy_engine_is_matched_through_the_learned_index() -> None:
     assert DECLARED.hashing_of(legacy) is None  # its hashes are not reproduced here
     assert DECLARED.hashing_of(EngineSpec("new", "tcp://h:5557")) is not None
     assert not LEGACY.hash_algos and not LEGACY.hasher("sha256", None, 16).reproducible
+    # Its events state no extra keys; vLLM's state them untagged, block by block.
+    salted = Prompt(tuple(range(40)), lora_name="ad", cache_salt="s")
+    assert LEGACY.stated_extras(salted, 16) == [None, None]
+    assert VLLM.stated_extras(salted, 16) == [("ad", "s"), ("ad",)]
 
 
 async def _positional_on_the_wire(endpoint: str) -> list:

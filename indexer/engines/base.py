@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol
+from typing import Any, Protocol
 
 from indexer.core.events import EventBatch, WireError, normalise_medium
 
@@ -111,6 +111,10 @@ class EngineAdapter(Protocol):
 
     def hasher(self, algo: str, seed: str | None, block_size: int) -> BlockHasher:
         """The hasher of one engine configuration (ValueError: an algorithm it lacks)."""
+
+    def stated_extras(self, prompt: Prompt, block_size: int) -> list[tuple[Any, ...] | None]:
+        """Each full block's extra keys as the engine's events state them (None: none),
+        so the learned token index can key a prompt's blocks as the events taught it."""
 
 
 _medium = attrgetter("medium")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 from indexer.engines.base import Prompt
 from indexer.engines.vllm import hashing, wire
@@ -41,6 +42,14 @@ def _hasher(algo: str, seed: str | None, block_size: int) -> VllmHasher:
     return VllmHasher(hashing.HashSpec(algo, seed, block_size))
 
 
+def _untag(key: tuple[Any, ...]) -> Any:
+    """A hash-input extra key to the value events publish for it."""
+    tag, *values = key
+    if tag == "lora":  # events carry the adapter name, not its path
+        return values[0]
+    return values[0] if len(values) == 1 else tuple(values)
+
+
 class VllmAdapter(ZmqFraming):
     """Maps (or positional arrays) in msgpack, seq-numbered ZMQ frames, vLLM's hashes."""
 
@@ -53,6 +62,16 @@ class VllmAdapter(ZmqFraming):
 
     def hasher(self, algo: str, seed: str | None, block_size: int) -> VllmHasher:
         return _hasher(algo, seed, block_size)
+
+    def stated_extras(self, prompt: Prompt, block_size: int) -> list[tuple[Any, ...] | None]:
+        """The hash-input keys, untagged: events list ``(name, salt, (mm id, offset))``
+        where hashing mixes in ``(("lora", name, path), ("cache_salt", salt), ...)``."""
+        lora = ("lora", prompt.lora_name, None) if prompt.lora_name is not None else None
+        n_blocks = len(prompt.tokens) // block_size
+        keys = hashing.block_extra_keys(
+            n_blocks, block_size, lora, prompt.cache_salt, prompt.mm_features
+        )
+        return [tuple(map(_untag, extra)) if extra else None for extra in keys]
 
 
 ADAPTER = VllmAdapter()

@@ -142,5 +142,9 @@ class LegacyVllmAdapter(ZmqFraming):
     def hasher(self, algo: str, seed: str | None, block_size: int) -> _NotReproduced:
         return _NOT_REPRODUCED
 
+    def stated_extras(self, prompt: Prompt, block_size: int) -> list[None]:
+        """These events state no extra keys (so they teach the token index nothing)."""
+        return [None] * (len(prompt.tokens) // block_size)
+
 
 ADAPTER = LegacyVllmAdapter()
