@@ -31,8 +31,9 @@ from indexer.cluster.status_board import StatusBoard
 from indexer.cluster.workers import Worker
 from indexer.engines.vllm import native
 from indexer.ingest.subscriber import RankPool
-from indexer.metrics import sample_residency
+from indexer.metrics import sample_residency, watch_routed
 from indexer.registry import EngineSpec
+from indexer.routed import RedisRouted
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.redis import RedisConfig, RedisStore
 from kvindex.config import ServeConfig
@@ -61,7 +62,11 @@ async def run_indexer(
     config.check_binds(engines)
     store = RedisStore(redis)
     registry = RedisRegistry(store)
-    worker = Worker(store, registry, RankPool(config.subscriber), config.indexer, worker_id)
+    pool = RankPool(config.subscriber)
+    routed = RedisRouted(redis)  # confirmed and cleared by the batches this worker applies
+    pool.add_observer(routed.observe)
+    watch_routed(routed)
+    worker = Worker(store, registry, pool, config.indexer, worker_id)
     exporter = sampler = None
     try:
         with stop_signals() as stop:
@@ -81,6 +86,7 @@ async def run_indexer(
         if sampler is not None:
             sampler.cancel()
         await worker.stop()
+        await routed.close()
         await store.close()
         if exporter is not None:
             exporter.shutdown()
@@ -111,7 +117,8 @@ async def run_api(
     registry.declare(config.engines)  # registered again should the registry be lost
     polls = config.indexer
     board = StatusBoard(store, registry, stale_after=3 * polls.status_interval)
-    app = create_app(store, registry, board, settings)
+    routed = RedisRouted(redis)
+    app = create_app(store, registry, board, settings, routed=routed)
     tasks: list[asyncio.Task] = []
     try:
         with stop_signals() as stop, listen(host, port) as sock:
@@ -127,5 +134,6 @@ async def run_api(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await routed.close()
         await store.close()
         log.info("stopped")

@@ -22,6 +22,7 @@ from indexer import metrics
 from indexer.engines.vllm import native
 from indexer.ingest.subscriber import Subscriber
 from indexer.registry import EngineRegistry, EngineSpec
+from indexer.routed import MemoryRouted, RedisRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.stores.memory import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
@@ -34,6 +35,11 @@ log = logging.getLogger("kvindex.serve")
 def open_store(redis: RedisConfig | None) -> Store:
     """The Redis store when configured, else the embedded one."""
     return MemoryStore() if redis is None else RedisStore(redis)
+
+
+def open_routed(redis: RedisConfig | None) -> RoutedEntries:
+    """Routed entries beside the store: in Redis with it, else in process."""
+    return MemoryRouted() if redis is None else RedisRouted(redis)
 
 
 async def serve(
@@ -53,7 +59,8 @@ async def serve(
     store = open_store(redis)
     registry = EngineRegistry()
     subscriber = Subscriber(store, registry, config.subscriber)
-    app = create_app(store, registry, subscriber, settings)
+    routed = open_routed(redis)
+    app = create_app(store, registry, subscriber, settings, routed=routed)
     sampler = None
     try:
         with stop_signals() as stop, listen(host, port) as sock:
@@ -67,5 +74,6 @@ async def serve(
         if sampler is not None:
             sampler.cancel()
         await subscriber.stop()
+        await routed.close()
         await store.close()
         log.info("stopped")

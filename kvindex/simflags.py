@@ -108,4 +108,10 @@ sim_flags = apply(
         help="vLLM's prefix-caching hash",
     ),
     option("--hash-seed", help="the engines' PYTHONHASHSEED (unset: xxhash gets a secret seed)"),
+    option(
+        "--no-events",
+        is_flag=True,
+        help="publish no KV events and bind no ports: event-less engines, which kvindex"
+        " routes by routed entries alone (--print-specs: events false, gpu_blocks)",
+    ),
 )

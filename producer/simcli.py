@@ -7,6 +7,8 @@ engines share popular system prompts), and publishes through a
 ``k`` binds its PUB socket on ``base_port + 2 * dp_ranks * k`` and its replay
 socket ``dp_ranks`` ports above, data-parallel rank ``r`` on those ports
 ``+ r``. ``--print-specs`` prints the matching ``POST /engines`` bodies.
+With ``--no-events`` the engines run the same but publish nothing (no ports):
+engines kvindex knows only by what routers tell it (``events: false``).
 """
 
 from __future__ import annotations
@@ -54,16 +56,23 @@ class Layout:
         return f"tcp://{self.host}:{self.base_port + 2 * self.dp_ranks * engine + self.dp_ranks}"
 
 
-def engine_spec(layout: Layout, engine: int, config: SimConfig, model: str) -> dict:
+def engine_spec(
+    layout: Layout, engine: int, config: SimConfig, model: str, events: bool = True
+) -> dict:
     """The ``POST /engines`` body (an :class:`indexer.registry.EngineSpec`) for one engine.
 
     The engine's seed is declared only when it is one kvindex could know: a
     secret xxhash seed stays secret, and kvindex matches by tokens instead.
+    An engine without ``events`` has no endpoints and declares its GPU capacity.
     """
+    where = (
+        {"endpoint": layout.endpoint(engine), "replay_endpoint": layout.replay_endpoint(engine)}
+        if events
+        else {"events": False, "gpu_blocks": config.gpu_blocks}
+    )
     return {
         "name": layout.name(engine),
-        "endpoint": layout.endpoint(engine),
-        "replay_endpoint": layout.replay_endpoint(engine),
+        **where,
         "model": model,
         "dp_ranks": layout.dp_ranks,
         "block_size": config.block_size,
@@ -77,7 +86,11 @@ class _Rank:
     """One engine rank: its engine, its requests in arrival order, its publisher."""
 
     def __init__(
-        self, name: str, engine: SimEngine, workload: Iterator[Request], publisher: Publisher
+        self,
+        name: str,
+        engine: SimEngine,
+        workload: Iterator[Request],
+        publisher: Publisher | None,
     ) -> None:
         self.name = name
         self.engine = engine
@@ -91,31 +104,41 @@ class _Rank:
             self.engine.submit(self._next.prompt, self._next.output)
             self._next = next(self._requests)
         batch = self.engine.step()
-        if batch is not None:
+        if batch is not None and self.publisher is not None:
             self.publisher.publish(batch)
 
 
-def _start(layout: Layout, config: SimConfig, workload: WorkloadConfig) -> list[_Rank]:
-    """Every rank bound and ready; if one cannot bind, none stays open."""
+def _start(
+    layout: Layout, config: SimConfig, workload: WorkloadConfig, events: bool = True
+) -> list[_Rank]:
+    """Every rank bound (unless without ``events``) and ready; if one cannot bind, none
+    stays open."""
     ranks: list[_Rank] = []
     try:
         for engine in range(layout.engines):
             for dp_rank in range(layout.dp_ranks):
-                publisher = Publisher(
-                    layout.endpoint(engine),
-                    layout.replay_endpoint(engine),
-                    data_parallel_rank=dp_rank,
-                    bind=True,
-                )
+                publisher = None
+                if events:
+                    publisher = Publisher(
+                        layout.endpoint(engine),
+                        layout.replay_endpoint(engine),
+                        data_parallel_rank=dp_rank,
+                        bind=True,
+                    )
                 stream = Workload(workload, stream=len(ranks))
                 engine_rank = SimEngine(config, dp_rank)
                 name = layout.rank_name(engine, dp_rank)
                 ranks.append(_Rank(name, engine_rank, stream, publisher))
     except BaseException:
-        for r in ranks:
-            r.publisher.close()
+        _close(ranks)
         raise
     return ranks
+
+
+def _close(ranks: list[_Rank]) -> None:
+    for r in ranks:
+        if r.publisher is not None:
+            r.publisher.close()
 
 
 def _write_samples(path: str, ranks: list[_Rank]) -> None:
@@ -134,11 +157,15 @@ def run(
     *,
     tick: float = 0.05,
     samples: str | None = None,
+    events: bool = True,
 ) -> None:
     """Run every rank one step per ``tick`` seconds until interrupted."""
-    ranks = _start(layout, config, workload)
+    ranks = _start(layout, config, workload, events)
     for r in ranks:
-        print(f"{r.name}: PUB {r.publisher.endpoint}  replay {r.publisher.replay_endpoint}")
+        p = r.publisher
+        print(
+            f"{r.name}: " + (f"PUB {p.endpoint}  replay {p.replay_endpoint}" if p else "no events")
+        )
     sys.stdout.flush()  # whoever started us may be waiting for these lines
     started = last_report = time.monotonic()
     try:
@@ -155,14 +182,13 @@ def run(
     except KeyboardInterrupt:
         pass
     finally:
-        for r in ranks:
-            r.publisher.close()
+        _close(ranks)
         sys.stderr.write("\n")
 
 
 def _progress(ranks: list[_Rank]) -> None:
     done = sum(r.engine.requests_done for r in ranks)
-    batches = sum(r.publisher.next_seq for r in ranks)
+    batches = sum(r.publisher.next_seq for r in ranks if r.publisher is not None)
     looked_up = max(1, sum(r.engine.prompt_blocks for r in ranks))
     hits = Counter()
     for r in ranks:
@@ -190,7 +216,8 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.print_specs:
         for engine in range(layout.engines):
-            print(json.dumps(engine_spec(layout, engine, config, args.model)))
+            spec = engine_spec(layout, engine, config, args.model, not args.no_events)
+            print(json.dumps(spec))
         return 0
     workload = WorkloadConfig(
         seed=args.seed,
@@ -204,7 +231,14 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        run(layout, config, workload, tick=args.tick, samples=args.samples)
+        run(
+            layout,
+            config,
+            workload,
+            tick=args.tick,
+            samples=args.samples,
+            events=not args.no_events,
+        )
     except zmq.ZMQError as e:  # binding a port: pyzmq's message names the address
         in_use = e.errno == errno.EADDRINUSE
         sys.exit(f"kvindex sim: {e}" + (": choose another --base-port" if in_use else ""))
