@@ -212,7 +212,10 @@ def cli(log_level: str | None) -> None:
     """
 
 
-@cli.command(context_settings=SETTINGS)
+@cli.command(
+    context_settings=SETTINGS,
+    short_help="apply a recorded trace, print a JSON report, check vLLM's answers",
+)
 @click.argument("trace", metavar="TRACE")
 @option("--probe", metavar="EXPECTED.json", help="answer this file's probes and check them")
 @_redis_flags("replay into Redis (redis://, rediss://, unix://)", prefix="kvindex-replay")
@@ -233,7 +236,10 @@ def replay(**_: object) -> argparse.Namespace:
     return _parsed(run_replay)
 
 
-@cli.command(context_settings=SETTINGS)
+@cli.command(
+    context_settings=SETTINGS,
+    short_help="one process: follow engines' KV events and serve the HTTP API",
+)
 @_http_flags()
 @_redis_flags("use the Redis store at this URL (default: embedded)", prefix=None)
 @_config_flag()
@@ -251,7 +257,9 @@ def serve(**_: object) -> argparse.Namespace:
     return _parsed(_service, service=_serve)
 
 
-@cli.command(context_settings=SETTINGS)
+@cli.command(
+    context_settings=SETTINGS, short_help="a scale-out worker: its share of the engines, into Redis"
+)
 @_redis_flags("the shared Redis (required, or a redis config section)", None)
 @_config_flag()
 @_engine_flag("an engine to register if it is not yet")
@@ -274,7 +282,9 @@ def indexer(**_: object) -> argparse.Namespace:
     return _parsed(_service, service=_indexer)
 
 
-@cli.command(context_settings=SETTINGS)
+@cli.command(
+    context_settings=SETTINGS, short_help="a scale-out HTTP API replica over Redis (stateless)"
+)
 @_http_flags()
 @_redis_flags("the shared Redis (required, or a redis config section)", None)
 @_config_flag()
@@ -290,7 +300,7 @@ def api(**_: object) -> argparse.Namespace:
     return _parsed(_service, service=_api)
 
 
-@cli.command(context_settings=SETTINGS)
+@cli.command(context_settings=SETTINGS, short_help="the fleet as a table, from a running server")
 @option("--url", default="http://127.0.0.1:8000", show_default=True, help="a kvindex HTTP API")
 @option(
     "--token",
@@ -311,7 +321,7 @@ def status(**_: object) -> argparse.Namespace:
     return _parsed(_status)
 
 
-@cli.command(context_settings=SETTINGS)
+@cli.command(context_settings=SETTINGS, short_help="simulated engines publishing vLLM KV events")
 @sim_flags
 @_log_level()
 def sim(**_: object) -> argparse.Namespace:
@@ -337,6 +347,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     one line on stderr, and on --help or --version, 0, after printing them."""
     try:
         parsed = cli.main(argv, prog_name="kvindex", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:  # plain "kvindex": the help, as a usage error
+        print(e.format_message(), file=sys.stderr)
+        raise SystemExit(2) from None
     except click.UsageError as e:
         print(usage_line(e), file=sys.stderr)
         raise SystemExit(2) from None

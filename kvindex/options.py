@@ -104,7 +104,8 @@ def usage_line(error: click.UsageError) -> str:
     the whole usage first, which buries the one line that says what is wrong)."""
     prog = error.ctx.command_path if error.ctx else "kvindex"
     message = error.format_message()
-    if isinstance(error, click.BadParameter) and error.param is not None:
+    missing = isinstance(error, click.MissingParameter)
+    if isinstance(error, click.BadParameter) and error.param is not None and not missing:
         flag = max(error.param.opts, key=len) if error.param.opts else error.param.name
         message = f"argument {flag}: {error.message}"
     return f"{prog}: error: {message} (see {prog} --help)"

@@ -18,21 +18,27 @@ from .conftest import (
 )
 
 
-def run_replay(*args: str) -> dict:
-    done = subprocess.run(
+def replay(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "kvindex.cli", "replay", *args],
         capture_output=True,
         text=True,
         timeout=120,
-        check=True,
+        check=check,
     )
-    return json.loads(done.stdout)
+
+
+def run_replay(*args: str) -> dict:
+    return json.loads(replay(*args).stdout)
 
 
 @pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES)
 def test_replay_answers_like_vllm(name: str) -> None:
-    report = run_replay(str(trace_path(name)), "--probe", str(expected_path(name)))
+    done = replay(str(trace_path(name)), "--probe", str(expected_path(name)))
+    report = json.loads(done.stdout)
     expected = load_expected_json(name)
+    n = len(expected["probes"])
+    assert done.stderr.splitlines() == [f"{n}/{n} probes match"]  # checked by kvindex itself
     assert report["blocks"] == {
         "GPU": len(expected["expected"]["gpu_refcounts"]),
         "CPU": len(expected["expected"]["cpu_refcounts"]),
@@ -57,3 +63,18 @@ def test_replay_of_a_missing_file_fails_clearly(tmp_path) -> None:
     )
     assert done.returncode != 0
     assert "none.msgpack" in done.stderr
+
+
+def test_replay_says_which_probes_do_not_match_and_fails(tmp_path) -> None:
+    expected = load_expected_json("chat-sha256")
+    probes = expected["probes"]
+    probes[1]["gpu_tokens"] += 16  # vLLM "said" one block more
+    wrong = tmp_path / "wrong.expected.json"
+    wrong.write_text(json.dumps(expected))
+    done = replay(str(trace_path("chat-sha256")), "--probe", str(wrong), check=False)
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert lines[-1] == f"{len(probes) - 1}/{len(probes)} probes match"
+    assert lines[0].startswith("probe 1: kvindex {'gpu_tokens': ")
+    assert f"vLLM {{'gpu_tokens': {probes[1]['gpu_tokens']}," in lines[0]
+    assert json.loads(done.stdout)["probes"]  # the report is still printed
