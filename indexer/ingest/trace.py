@@ -16,7 +16,7 @@ import msgspec
 
 from indexer.core.events import MEDIA, RankId
 from indexer.core.matching import PrefixMatch
-from indexer.engines.vllm.wire import decode_batch
+from indexer.engines import catalog
 from indexer.stores.base import Store
 
 Trace = list[tuple[int, bytes]]
@@ -77,8 +77,9 @@ class ReplayStats:
 async def apply_trace(store: Store, rank: RankId, trace: Trace) -> ReplayStats:
     """Decode and apply every batch of a trace in order, as one engine rank."""
     block_ops, started = 0, time.perf_counter()
+    decode = catalog.adapter(catalog.DEFAULT).decode  # traces are recorded on its wire
     for seq, payload in trace:
-        batch = decode_batch(payload, tokens=False)
+        batch = decode(payload, tokens=False)
         block_ops += (await store.apply_batch(rank, seq, batch)).block_ops
     return ReplayStats(len(trace), block_ops, time.perf_counter() - started)
 
