@@ -5,7 +5,11 @@ blank where GPU fleets usually run. The fastapi-offline package ships both
 bundles (their licence notices are in the files' headers); kvindex serves
 them itself under :data:`ASSETS`, and the pages reference nothing else: no
 web fonts, a local favicon, and Swagger UI's online spec validator off (it
-would send the schema to a public service).
+would send the schema to a public service). ReDoc's bundle still shows its
+vendor's logo from that vendor's CDN; the pages' Content-Security-Policy
+keeps the browser from loading anything but kvindex's own URLs (inline
+script and style stay allowed: the pages are built from them), so a machine
+with internet does not call out either.
 """
 
 from __future__ import annotations
@@ -18,6 +22,15 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 ASSETS = "/assets/docs"
+CSP = (
+    "default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline';"
+    " img-src 'self' data:; font-src 'self' data:; worker-src 'self' blob:"
+)
+
+
+def _own_urls_only(page: HTMLResponse) -> HTMLResponse:
+    page.headers["content-security-policy"] = CSP
+    return page
 
 
 def install_docs(app: FastAPI) -> None:
@@ -36,23 +49,27 @@ def install_docs(app: FastAPI) -> None:
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:
         root = base(request)
-        return get_swagger_ui_html(
-            openapi_url=f"{root}{app.openapi_url}",
-            title=f"{app.title} API",
-            swagger_js_url=f"{root}{ASSETS}/swagger-ui-bundle.js",
-            swagger_css_url=f"{root}{ASSETS}/swagger-ui.css",
-            swagger_favicon_url=f"{root}{ASSETS}/favicon.png",
-            oauth2_redirect_url=None,
-            swagger_ui_parameters={"validatorUrl": None},
+        return _own_urls_only(
+            get_swagger_ui_html(
+                openapi_url=f"{root}{app.openapi_url}",
+                title=f"{app.title} API",
+                swagger_js_url=f"{root}{ASSETS}/swagger-ui-bundle.js",
+                swagger_css_url=f"{root}{ASSETS}/swagger-ui.css",
+                swagger_favicon_url=f"{root}{ASSETS}/favicon.png",
+                oauth2_redirect_url=None,
+                swagger_ui_parameters={"validatorUrl": None},
+            )
         )
 
     @app.get("/redoc", include_in_schema=False)
     async def redoc(request: Request) -> HTMLResponse:
         root = base(request)
-        return get_redoc_html(
-            openapi_url=f"{root}{app.openapi_url}",
-            title=f"{app.title} API",
-            redoc_js_url=f"{root}{ASSETS}/redoc.standalone.js",
-            redoc_favicon_url=f"{root}{ASSETS}/favicon.png",
-            with_google_fonts=False,
+        return _own_urls_only(
+            get_redoc_html(
+                openapi_url=f"{root}{app.openapi_url}",
+                title=f"{app.title} API",
+                redoc_js_url=f"{root}{ASSETS}/redoc.standalone.js",
+                redoc_favicon_url=f"{root}{ASSETS}/favicon.png",
+                with_google_fonts=False,
+            )
         )

@@ -66,6 +66,9 @@ async def test_the_docs_load_the_local_bundles_and_schema(api: Api) -> None:
     assert '<script src="/assets/docs/swagger-ui-bundle.js">' in swagger
     assert "url: '/openapi.json'" in swagger
     assert '"validatorUrl": null' in swagger  # never sends the schema to a public validator
+    for page in ("/docs", "/redoc"):  # the browser may load nothing from elsewhere either
+        csp = (await api.client.get(page)).headers["content-security-policy"]
+        assert csp.startswith("default-src 'self';") and "http" not in csp
     assert 'spec-url="/openapi.json"' in (await api.client.get("/redoc")).text
     bundle = await api.client.get("/assets/docs/redoc.standalone.js")
     assert bundle.headers["content-type"].startswith(("text/javascript", "application/javascript"))

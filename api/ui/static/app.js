@@ -58,20 +58,9 @@ function bar(tier, value, max) {
   return el("span", { class: "track" }, el("span", { class: `bar ${tier}`, style: `width:${width}%;display:block` }));
 }
 
-function seqRanges(gaps) {
-  return gaps.map((g) => (g.first === g.last ? `${g.first}` : `${g.first}–${g.last}`)).join(", ");
-}
-
-// Why a rank's answers may be wrong (degraded) or late (lagging), in words.
+// Degraded by the server's one rule, with its reasons; lagging is judged here.
 function rankState(rank) {
-  const reasons = [];
-  if (rank.store_loss) reasons.push(`store lost data: ${rank.store_loss}`);
-  if (rank.never_connected) reasons.push("never connected: no publisher at its endpoint");
-  else if (!rank.connected) reasons.push("not connected");
-  const unfilled = (rank.missing ?? []).filter((g) => !g.filled);
-  if (unfilled.length) reasons.push(`unfilled gap: seq ${seqRanges(unfilled)}`);
-  if (rank.degraded && !reasons.length) reasons.push("degraded");
-  if (reasons.length) return { kind: "degraded", reason: reasons.join("; ") };
+  if (rank.degraded) return { kind: "degraded", reason: rank.degraded_reasons.join("; ") };
   if (rank.lag_batches >= LAGGING.batches || rank.lag_seconds >= LAGGING.seconds) {
     const behind = `${fmt(rank.lag_batches)} batches, ${seconds(rank.lag_seconds)} behind`;
     return { kind: "lagging", reason: behind };
@@ -101,16 +90,14 @@ function recordRates(engine, rank, now) {
 const rate = (r) => el("td", { class: "num" }, r === null ? "—" : r.toFixed(1));
 
 function renderSummary(stats, states) {
-  const ranks = states.flatMap((s) => s.ranks);
-  const counts = { degraded: 0, lagging: 0 };
-  for (const r of ranks) if (r.state.kind in counts) counts[r.state.kind] += 1;
-  const totals = TIERS.map((t) => `${t} ${fmt(ranks.reduce((n, r) => n + (r.blocks?.[t] ?? 0), 0))}`);
-  const connected = ranks.filter((r) => r.connected).length;
+  const lagging = states.flatMap((s) => s.ranks).filter((r) => r.state.kind === "lagging").length;
+  const totals = TIERS.map((t) => `${t} ${fmt(stats.blocks[t])}`);
   $("#summary").textContent =
-    `${states.length} engines · ${ranks.length} ranks · ${connected} connected · ` +
-    `${counts.degraded} degraded · ${counts.lagging} lagging · blocks ${totals.join(" ")}` +
+    `${fmt(stats.engines)} engines · ${fmt(stats.registered_ranks)} ranks · ` +
+    `${fmt(stats.connected_ranks)} connected · ${fmt(stats.degraded_ranks)} degraded · ` +
+    `${lagging} lagging · blocks ${totals.join(" ")}` +
     (stats.compiled_core === false ? ` · compiled core not loaded: ${stats.compiled_core_error}` : "");
-  const attention = counts.degraded + counts.lagging;
+  const attention = stats.degraded_ranks + lagging;
   $("#attention").textContent = attention ? `(${attention} ranks need attention)` : "";
 }
 
@@ -166,7 +153,7 @@ function renderEngine(states) {
     const rejected = Object.entries(rank.rejected ?? {});
     const rejectedCell = el("td", { class: "num", title: rejected.map(([k, v]) => `${k}: ${v}`).join("\n") });
     rejectedCell.textContent = fmt(rejected.reduce((n, [, v]) => n + v, 0));
-    const missing = (rank.missing ?? []).filter((g) => !g.filled);
+    const missing = rank.missing ?? [];
     const seen = rank.last_event_ts ? new Date(rank.last_event_ts * 1000).toISOString().slice(0, 19).replace("T", " ") : "—";
     return el(
       "tr",
@@ -175,7 +162,7 @@ function renderEngine(states) {
       stateCell(rank.state),
       el("td", { class: "num" }, `${rank.applied_seq ?? "—"} / ${rank.last_seq ?? "—"}`),
       el("td", { class: "num", "data-field": "gaps" }, `${fmt(rank.gaps)} (${fmt(rank.gaps_filled)} filled)`),
-      el("td", { "data-field": "unfilled" }, missing.length ? seqRanges(missing) : fmt(rank.gaps_unfilled)),
+      el("td", { "data-field": "unfilled" }, missing.map((g) => `${g.first}..${g.last}`).join(", ") || "none"),
       num(rank.replays, { "data-field": "replays" }),
       num(rank.restarts),
       num(rank.duplicates),
