@@ -7,12 +7,18 @@ Then each query of deploy/grafana/dashboards/kvindex.json is evaluated
 through Prometheus's HTTP API, as Grafana would send it: each must return at
 least one series with a number. A misspelt metric or label, a counter
 without ``_total``, or a metric kvindex stopped exporting fails here.
+
+Grafana itself is not installable here (no Debian package), so the test draws
+each panel's ``query_range`` answer with matplotlib into
+tests/output/dashboard.png, titled as what it is (docs/dashboard.png is a
+copy): the panels' data, not a Grafana screenshot.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +36,7 @@ pytestmark = pytest.mark.slow  # three processes, and Prometheus needs a few scr
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "kvindex.json"
+OUTPUT = ROOT / "tests" / "output"
 PROMETHEUS = shutil.which("prometheus")
 KVINDEX = (sys.executable, "-m", "kvindex.cli")
 ENGINES = 2
@@ -59,8 +66,9 @@ def answers(url: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """kvindex serve with simulated engines, and Prometheus scraping it: their URLs."""
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+    """kvindex serve with simulated engines, and Prometheus scraping it: their URLs,
+    and the file where the engines write prompts they served."""
     if PROMETHEUS is None:
         pytest.fail("prometheus not installed: run make setup (scripts/ensure-prometheus.sh)")
     work = tmp_path_factory.mktemp("prometheus")
@@ -86,7 +94,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
         ),
         subprocess.Popen(
             [*KVINDEX, "sim", "--engines", str(ENGINES), "--base-port", str(base),
-             "--rate", "20"],
+             "--rate", "20", "--samples", str(work / "samples.json")],
             stdout=logs[1], stderr=subprocess.STDOUT,
         ),
         subprocess.Popen(
@@ -99,7 +107,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]
     try:
         wait_for(lambda: answers(f"{api}/readyz"), "kvindex serve", procs=procs)
         wait_for(lambda: answers(f"{prometheus}/-/ready"), "prometheus", procs=procs)
-        yield api, prometheus
+        yield api, prometheus, work / "samples.json"
     finally:
         for proc in procs:
             proc.terminate()
@@ -122,19 +130,74 @@ def numbers(result: list[dict]) -> list[float]:
     return [v for v in (float(r["value"][1]) for r in result) if math.isfinite(v)]
 
 
-def test_every_dashboard_panel_returns_data(stack: tuple[str, str]) -> None:
-    api, prometheus = stack
-    # Whether it hits or not, each query is observed (a miss in the 0 bucket).
-    tokens = ",".join(str(t) for t in range(1, 200))
+def prompts(samples: Path) -> list[list[int]]:
+    """Prompts the engines served (they hit), else one that misses: both are observed."""
+    try:
+        served = json.loads(samples.read_text())
+    except (OSError, ValueError):
+        served = {}
+    found = [p for rank in served.values() for p in rank[-3:]]
+    return found or [list(range(1, 200))]
+
+
+def test_every_dashboard_panel_returns_data(stack: tuple[str, str, Path]) -> None:
+    api, prometheus, samples = stack
+    started = time.time()
     pending = dict(panel_queries())
     deadline = time.monotonic() + 40
-    while pending and time.monotonic() < deadline:
-        for _ in range(5):
-            assert httpx.get(f"{api}/prefix-match", params={"tokens": tokens}).status_code == 200
+    # Until every panel has data, and long enough for the drawing to show a trend.
+    while (pending or time.time() < started + 8) and time.monotonic() < deadline:
+        for tokens in prompts(samples)[:6]:
+            answer = httpx.post(f"{api}/prefix-match", json={"tokens": tokens})
+            assert answer.status_code == 200, answer.text
         time.sleep(SCRAPE)
         pending = {t: e for t, e in pending.items() if not numbers(query(prometheus, e))}
     assert not pending, f"panels without data: {pending}"
+    draw(prometheus, started, time.time(), OUTPUT / "dashboard.png")
     resident = query(prometheus, "sum by (tier) (kvindex_engine_resident_blocks)")
     assert {r["metric"]["tier"] for r in resident} == {"GPU", "CPU", "STORAGE"}
+    assert all(float(r["value"][1]) > 0 for r in resident if r["metric"]["tier"] != "STORAGE")
     assert float(query(prometheus, "sum(kvindex_engine_connected_ranks)")[0]["value"][1]) == ENGINES
     assert not query(prometheus, '{__name__=~".+_created"}')  # no _created series
+
+
+def _legend(template: str, labels: dict[str, str]) -> str:
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m[1], ""), template)
+
+
+def draw(prometheus: str, start: float, end: float, path: Path) -> None:
+    """Each panel's queries over the test's run, one small chart per panel."""
+    import matplotlib  # imported here: only this test draws
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    columns = 4
+    figure, axes = pyplot.subplots(
+        math.ceil(len(panels) / columns), columns, figsize=(22, 2.9 * len(panels) / columns)
+    )
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        for target in panel["targets"]:
+            params = {"query": target["expr"], "start": start, "end": end, "step": SCRAPE}
+            answer = httpx.get(f"{prometheus}/api/v1/query_range", params=params, timeout=5)
+            for line in answer.json()["data"]["result"][:8]:
+                times = [float(t) - start for t, _ in line["values"]]
+                values = [float(v) for _, v in line["values"]]
+                ax.plot(times, values, label=_legend(target["legendFormat"], line["metric"]))
+        ax.set_title(panel["title"], fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6, loc="upper left")
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    figure.suptitle(
+        "kvindex dashboard panels (deploy/grafana/dashboards/kvindex.json): each panel's"
+        " PromQL over a real Prometheus scraping kvindex serve with 2 simulated engines,"
+        " drawn by tests/test_prometheus.py with matplotlib (not a Grafana screenshot);"
+        " x: seconds",
+        fontsize=10,
+    )
+    figure.tight_layout()
+    path.parent.mkdir(exist_ok=True)
+    figure.savefig(path, dpi=72)
+    pyplot.close(figure)
