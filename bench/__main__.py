@@ -27,6 +27,7 @@ from bench import (
     ingest,
     memory,
     plots,
+    prompts,
     query,
     redis_bench,
     scaling,
@@ -37,7 +38,7 @@ from indexer.log import setup_logging
 from indexer.stores import MemoryStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11")
 
 
 def _section(report: Report, name: str, fn: Callable[[], object]) -> None:
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if "3" in only:
         batches, seconds = (3000, 3.0) if quick else (20_000, 5.0)
         _section(report, "3", lambda: e2e.run(report, fleet.stream, batches, seconds))
+    if "11" in only:
+        _section(report, "11", lambda: prompts.run(report, quick))
     if "9" in only:
         _section(report, "9", lambda: idle.run(report, 5.0 if quick else 20.0))
     if only & {"2", "5"} and redis_bench.available():

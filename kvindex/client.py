@@ -1,0 +1,271 @@
+"""A router's client for kvindex's ``/prefix-match``: async and sync, typed answers.
+
+A router asks, per request, which engine rank holds most of the prompt's KV
+cache, then sends the request there::
+
+    async with AsyncKvindex("http://kvindex:8000") as kv:
+        match = await kv.prefix_match(model="llama-3-8b", messages=body["messages"])
+        best = best_rank(match)            # None: nobody holds any of it
+
+The prompt goes as the router has it (``tokens``, ``block_hashes``, a
+completions ``prompt`` or chat ``messages`` with their flags); kvindex
+tokenizes and hashes it as the engines do. One client keeps its connections
+open across calls (make one per process, not per request). A 503 (the store
+is unreachable, or kvindex is at its connection limit) and a failure to
+connect are retried with jittered exponential backoff; anything else is
+raised at once as :class:`KvindexError`, with kvindex's message.
+
+Imports httpx, msgspec and tenacity only, so a router need not install the
+server's dependencies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import httpx
+import msgspec
+import tenacity
+
+__all__ = [
+    "AsyncKvindex",
+    "EngineMatch",
+    "Kvindex",
+    "KvindexError",
+    "KvindexUnavailable",
+    "PrefixMatch",
+    "best_rank",
+]
+
+
+class EngineMatch(msgspec.Struct, frozen=True):
+    """How much of the prompt one engine rank can serve (kvindex's ``EngineMatch``).
+
+    Fields kvindex adds later are ignored, so an older client keeps working.
+    """
+
+    engine: str
+    dp_rank: int
+    model: str
+    block_size: int
+    gpu_blocks: int
+    cpu_blocks: int
+    storage_blocks: int
+    prefix_blocks: int
+    prefix_tokens: int
+    score: float
+    degraded: bool
+    gpu_blocks_full_attention: int = 0
+
+
+class PrefixMatch(msgspec.Struct, frozen=True):
+    """Every matching engine rank, best score first, as kvindex answered."""
+
+    block_size: int | None
+    num_blocks: int | None
+    engines: list[EngineMatch]
+
+
+class KvindexError(Exception):
+    """kvindex refused the query (4xx) or failed; ``message`` is its own sentence."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"kvindex answered {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class KvindexUnavailable(KvindexError):
+    """Still unavailable (503, or unreachable: status 0) after every retry."""
+
+    attempts: int = 1
+
+
+def best_rank(match: PrefixMatch, *, allow_degraded: bool = False) -> EngineMatch | None:
+    """The rank to send the request to: the best score above zero, skipping ranks
+    whose view is degraded unless ``allow_degraded``; None when no rank holds any
+    of the prompt (route by load instead). Ties go to kvindex's order."""
+    for entry in match.engines:  # kvindex sorts best score first
+        if entry.score <= 0:
+            return None
+        if allow_degraded or not entry.degraded:
+            return entry
+    return None
+
+
+_decode_match = msgspec.json.Decoder(PrefixMatch).decode
+_decode_error = msgspec.json.Decoder(dict[str, Any]).decode
+
+
+def _body(fields: dict[str, Any]) -> bytes:
+    """The JSON body of a query: the fields given (None: not sent)."""
+    return msgspec.json.encode({k: v for k, v in fields.items() if v is not None})
+
+
+def _answer(response: httpx.Response) -> PrefixMatch:
+    if response.status_code == 200:
+        return _decode_match(response.content)
+    try:
+        message = str(_decode_error(response.content).get("error", response.text))
+    except msgspec.DecodeError:
+        message = response.text
+    kind = KvindexUnavailable if response.status_code == 503 else KvindexError
+    raise kind(response.status_code, message)
+
+
+def _unreachable(error: httpx.TransportError) -> KvindexUnavailable:
+    return KvindexUnavailable(0, f"{type(error).__name__}: {error}")
+
+
+def _policy(retries: int, backoff: float) -> dict[str, Any]:
+    """tenacity's arguments: retry unavailability, then re-raise the last one."""
+
+    def give_up(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception()
+        error.attempts = state.attempt_number
+        raise error
+
+    return {
+        "retry": tenacity.retry_if_exception_type(KvindexUnavailable),
+        "stop": tenacity.stop_after_attempt(retries + 1),
+        "wait": tenacity.wait_exponential(multiplier=backoff, max=backoff * 16)
+        + tenacity.wait_random(0, backoff),
+        "retry_error_callback": give_up,
+    }
+
+
+class _Queries:
+    """What both clients share: the settings and the query's body."""
+
+    def __init__(self, url: str, token: str | None, retries: int, backoff: float) -> None:
+        self._headers = {"Content-Type": "application/json"}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._url = url.rstrip("/") + "/prefix-match"
+        self._policy = _policy(retries, backoff)
+
+    @staticmethod
+    def fields(
+        tokens: Sequence[int] | None,
+        block_hashes: Sequence[int | str] | None,
+        prompt: str | Sequence[int] | None,
+        messages: Iterable[dict[str, Any]] | None,
+        model: str | None,
+        engines: Sequence[str] | None,
+        more: dict[str, Any],
+    ) -> bytes:
+        listed = {"tokens": tokens, "block_hashes": block_hashes, "engines": engines}
+        fields = {k: list(v) if v is not None else None for k, v in listed.items()}
+        messages = list(messages) if messages is not None else None
+        return _body({**fields, "prompt": prompt, "messages": messages, "model": model, **more})
+
+
+class AsyncKvindex(_Queries):
+    """The asyncio client (one per process: it pools connections).
+
+    ``timeout``: seconds for each attempt (connect, read, write); ``retries``:
+    further attempts after a 503 or a failed connection, waiting about
+    ``backoff`` seconds, then twice that..., jittered; ``token``: the bearer
+    token, if kvindex requires one. ``client``: an httpx client to use instead
+    of a new one (then closing it is the caller's business).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 2.0,
+        retries: int = 3,
+        backoff: float = 0.05,
+        token: str | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(url, token, retries, backoff)
+        self._own = client is None
+        self._client = client or httpx.AsyncClient(timeout=timeout)
+
+    async def prefix_match(
+        self,
+        *,
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[int | str] | None = None,
+        prompt: str | Sequence[int] | None = None,
+        messages: Iterable[dict[str, Any]] | None = None,
+        model: str | None = None,
+        engines: Sequence[str] | None = None,
+        **more: Any,
+    ) -> PrefixMatch:
+        """``POST /prefix-match``; ``more``: any other field (``add_generation_prompt``,
+        ``lora_name``, ``cache_salt`` ...), as the API documents them."""
+        body = self.fields(tokens, block_hashes, prompt, messages, model, engines, more)
+        async for attempt in tenacity.AsyncRetrying(**self._policy):
+            with attempt:
+                try:
+                    response = await self._client.post(
+                        self._url, content=body, headers=self._headers
+                    )
+                except httpx.TransportError as e:
+                    raise _unreachable(e) from e
+                return _answer(response)
+        raise AssertionError("tenacity either returns or raises")  # pragma: no cover
+
+    async def aclose(self) -> None:
+        if self._own:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncKvindex:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Kvindex(_Queries):
+    """The blocking client, for routers without an event loop; as :class:`AsyncKvindex`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 2.0,
+        retries: int = 3,
+        backoff: float = 0.05,
+        token: str | None = None,
+        client: httpx.Client | None = None,
+    ) -> None:
+        super().__init__(url, token, retries, backoff)
+        self._own = client is None
+        self._client = client or httpx.Client(timeout=timeout)
+
+    def prefix_match(
+        self,
+        *,
+        tokens: Sequence[int] | None = None,
+        block_hashes: Sequence[int | str] | None = None,
+        prompt: str | Sequence[int] | None = None,
+        messages: Iterable[dict[str, Any]] | None = None,
+        model: str | None = None,
+        engines: Sequence[str] | None = None,
+        **more: Any,
+    ) -> PrefixMatch:
+        """``POST /prefix-match``, as :meth:`AsyncKvindex.prefix_match`."""
+        body = self.fields(tokens, block_hashes, prompt, messages, model, engines, more)
+        for attempt in tenacity.Retrying(**self._policy):
+            with attempt:
+                try:
+                    response = self._client.post(self._url, content=body, headers=self._headers)
+                except httpx.TransportError as e:
+                    raise _unreachable(e) from e
+                return _answer(response)
+        raise AssertionError("tenacity either returns or raises")  # pragma: no cover
+
+    def close(self) -> None:
+        if self._own:
+            self._client.close()
+
+    def __enter__(self) -> Kvindex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
