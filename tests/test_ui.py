@@ -3,10 +3,12 @@
 The fleet: engine ``a`` replays the chat-sha256 trace with two batches lost
 on the live socket (replays fill the gaps), ``b`` the chat-gpu-only trace
 with a batch missing for good (an unfilled gap: degraded), ``ghost`` has no
-publisher at all, and ``kvindex sim`` runs two engines of two data-parallel
-ranks each with GPU, CPU and STORAGE tiers, streaming while the page is
-open. Everything the page shows of the traced engines is checked against
-the numbers vLLM's recording implies and against what the JSON API answers.
+publisher at all, ``c`` (model llama3ish, with its tokenizer) holds blocks
+of two of vLLM's tokenizer cases (a completions prompt and a chat), and
+``kvindex sim`` runs two engines of two data-parallel ranks each with GPU,
+CPU and STORAGE tiers, streaming while the page is open. Everything the
+page shows of the engines fed from vLLM's recordings is checked against the
+numbers those imply and against what the JSON API answers.
 
 One browser session serves every test (Debian's chromium, driven through
 Selenium and the chromedriver of the same release); it resolves no host but
@@ -17,9 +19,11 @@ tests/output/ui.png (docs/ui.png is a copy of it).
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -32,13 +36,14 @@ from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
+from indexer.core.events import GPU, BlockStored, EventBatch
 from producer.publisher import Publisher
 from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
 
-from .conftest import free_ports, load_expected_json, trace_batches
+from .conftest import FIXTURES, free_ports, load_expected_json, trace_batches
 from .test_serve import KVINDEX, Serve, blocks_of, publish
 
 pytestmark = pytest.mark.slow  # a serve, a sim and a browser
@@ -46,6 +51,7 @@ pytestmark = pytest.mark.slow  # a serve, a sim and a browser
 OUTPUT = Path(__file__).parent / "output"
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 TOKEN = "s3cret"  # mutating endpoints need it; the page must not
+TIERS = ("GPU", "CPU", "STORAGE")
 WAIT_S = 30  # generous: a loaded 2-core machine runs serve, sim and chromium at once
 SIM_ARGS = ("--engines", "2", "--dp-ranks", "2", "--gpu-blocks", "128", "--cpu-chunks", "64")
 SIM_ARGS += ("--storage-chunks", "128", "--max-context", "1024", "--rate", "4")
@@ -61,12 +67,26 @@ engines:
     replay_endpoint: tcp://127.0.0.1:{b_replay}
   - name: ghost
     endpoint: tcp://127.0.0.1:{ghost}
+  - name: c
+    model: llama3ish
+    endpoint: tcp://127.0.0.1:{c_pub}
+    replay_endpoint: tcp://127.0.0.1:{c_replay}
+models:
+  llama3ish:
+    tokenizer: {tokenizer}
 subscriber:
   replay_timeout: 0.5
   probe_interval: 0.2
 api:
   auth_token: {token}
 """
+
+TOKENIZE = FIXTURES / "tokenize"
+TOKENIZER = TOKENIZE / "llama3ish"
+_CASES = json.loads((TOKENIZE / "cases.json").read_text())["cases"]
+_LLAMA = {c["name"]: c for c in _CASES if c["tokenizer"] == "llama3ish"}
+#: Prompts engine c holds (of vLLM's tokenizer cases) and how many of their blocks.
+PROMPT_CASES = ((_LLAMA["cmpl_long_prose"], 200), (_LLAMA["chat_multi_turn"], 5))
 
 #: Each rank row of the fleet table, keyed "engine/rank" (read in one script: atomic).
 FLEET_JS = """
@@ -94,12 +114,14 @@ class Fleet:
     """
 
     def __init__(self, tmp: Path, stack: ExitStack) -> None:
-        ports = {k: free_ports() for k in ("a_pub", "a_replay", "b_pub", "b_replay", "ghost")}
+        names = ("a_pub", "a_replay", "b_pub", "b_replay", "ghost", "c_pub", "c_replay")
+        ports = {k: free_ports() for k in names}
         self.a_endpoint = f"tcp://127.0.0.1:{ports['a_pub']}"
         config = tmp / "kvindex.yaml"
-        config.write_text(CONFIG.format(token=TOKEN, **ports))
+        config.write_text(CONFIG.format(token=TOKEN, tokenizer=TOKENIZER, **ports))
         a = stack.enter_context(publisher(ports["a_pub"], ports["a_replay"], drop_live={100, 180}))
         b = stack.enter_context(publisher(ports["b_pub"], ports["b_replay"], holes={120}))
+        c = stack.enter_context(publisher(ports["c_pub"], ports["c_replay"]))
         self.serve = Serve(tmp / "serve.log", "--config", str(config))
         stack.callback(self.serve.stop)
         self.url = f"http://127.0.0.1:{self.serve.port}"
@@ -120,7 +142,8 @@ class Fleet:
             assert answer.status_code == 201, answer.text
         publish(a, trace_batches("chat-sha256"))
         publish(b, trace_batches("chat-gpu-only"))
-        for engine, last in (("a", 249), ("b", 199)):
+        publish(c, [EventBatch(time.time(), [held(case, n) for case, n in PROMPT_CASES])])
+        for engine, last in (("a", 249), ("b", 199), ("c", 0)):
             self.serve.until(
                 lambda e=engine, s=last: self.rank(e).get("applied_seq") == s, f"{engine} caught up"
             )
@@ -137,6 +160,16 @@ class Fleet:
         answer = httpx.request(kw.pop("method", "GET"), self.url + path, timeout=10, **kw)
         assert answer.status_code == 200, answer.text
         return answer.json()
+
+
+def held(case: dict, blocks: int) -> BlockStored:
+    """The first ``blocks`` blocks of a tokenizer case's prompt, stored on GPU."""
+    return BlockStored(
+        block_hashes=case["block_hashes_u64"][:blocks],
+        token_ids=case["token_ids"][: blocks * 16],
+        block_size=16,
+        medium=GPU,
+    )
 
 
 def publisher(pub: int, replay: int, **faults: set[int]) -> Publisher:
@@ -199,7 +232,7 @@ def page_errors(browser: webdriver.Chrome) -> list[str]:
 def test_fleet_table_shows_every_rank_and_why_it_is_degraded(fleet: Fleet, browser) -> None:
     browser.get(fleet.url + "/")  # redirects to /ui/
     sims = [f"sim-{e}/{r}" for e in (0, 1) for r in (0, 1)]
-    wanted = ["a/0", "b/0", "ghost/0", *sims]
+    wanted = ["a/0", "b/0", "ghost/0", "c/0", *sims]
 
     def loaded(d) -> dict | None:
         rows = fleet_rows(d)
@@ -209,14 +242,14 @@ def test_fleet_table_shows_every_rank_and_why_it_is_degraded(fleet: Fleet, brows
     assert browser.current_url == fleet.url + "/ui/"
     a = rows["a/0"]
     assert a["state"] == "ok"
-    assert {t: number(a[t]) for t in ("GPU", "CPU", "STORAGE")} == blocks_of("chat-sha256")
-    assert {t: number(a[t]) for t in ("GPU", "CPU", "STORAGE")} == fleet.rank("a")["blocks"]
+    assert {t: number(a[t]) for t in TIERS} == blocks_of("chat-sha256")
+    assert {t: number(a[t]) for t in TIERS} == fleet.rank("a")["blocks"]
     assert rows["b/0"]["state"] == "degraded"
     assert "unfilled gaps: batches 120..120" in rows["b/0"]["reason"]
     assert number(rows["b/0"]["GPU"]) == fleet.rank("b")["blocks"]["GPU"]  # batch 120 never came
     assert rows["ghost/0"]["state"] == "degraded" and "connected" in rows["ghost/0"]["reason"]
     summary = browser.find_element(By.ID, "summary").text
-    assert "7 ranks" in summary and "2 degraded" in summary
+    assert "8 ranks" in summary and "2 degraded" in summary
     wait(browser, lambda d: all(number(fleet_rows(d)[k]["GPU"]) > 0 for k in sims), "sim blocks")
     assert asked_elsewhere(browser, fleet.url) == []
     assert page_errors(browser) == []
@@ -244,29 +277,59 @@ def test_engine_detail_shows_gaps_and_replays(fleet: Fleet, browser) -> None:
     assert row.find_element(By.CSS_SELECTOR, "[data-state]").get_attribute("data-state") == "ok"
 
 
-def test_probe_draws_per_tier_bars(fleet: Fleet, browser) -> None:
-    probe = max(load_expected_json("chat-sha256")["probes"], key=lambda p: p["gpu_tokens"])
+def probe(browser: webdriver.Chrome, by: str, prompt: str, model: str = "") -> None:
+    """Fill the probe form as pasting would (typing 5,000 keys takes seconds) and submit."""
+    option = f'#probe-form option[value="{by}"]'
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, option), f"the {by} option")
     form = browser.find_element(By.ID, "probe-form")
-    prompt = form.find_element(By.NAME, "prompt")  # pasted: typing 5,000 keys takes seconds
+    Select(form.find_element(By.NAME, "by")).select_by_value(by)
     browser.execute_script(
-        "arguments[0].value = arguments[1]", prompt, ", ".join(map(str, probe["tokens"]))
+        "arguments[0].prompt.value = arguments[1]; arguments[0].model.value = arguments[2];"
+        " document.querySelector('#probe-result').replaceChildren()",  # wait for the new one
+        form,
+        prompt,
+        model,
     )
     form.find_element(By.CSS_SELECTOR, "button").click()
-    row = '#probe-result .probe-row[data-engine="a"][data-rank="0"]'
-    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, row), "the probe answer")
-    answer = fleet.api("/prefix-match", method="POST", json={"tokens": probe["tokens"]})
+
+
+def probe_row(browser: webdriver.Chrome, engine: str) -> dict[str, str]:
+    """The probe answer's bars for ``engine``'s rank 0, by tier (and its prefix line)."""
+    row = f'#probe-result .probe-row[data-engine="{engine}"][data-rank="0"]'
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, row), f"the probe answer for {engine}")
+    texts = {
+        t: browser.find_element(By.CSS_SELECTOR, f'{row} [data-tier="{t}"]').text for t in TIERS
+    }
+    texts["prefix"] = browser.find_element(By.CSS_SELECTOR, f'{row} [data-field="prefix"]').text
+    return texts
+
+
+def test_text_and_chat_prompts_are_tokenized_by_the_server(fleet: Fleet, browser) -> None:
+    for case, blocks in PROMPT_CASES:
+        if case["kind"] == "completion":
+            probe(browser, "prompt", case["request"]["prompt"], "llama3ish")
+        else:
+            probe(browser, "messages", json.dumps(case["request"]["messages"]), "llama3ish")
+        bars = probe_row(browser, "c")
+        assert bars["GPU"].endswith(f"{blocks} / {case['num_full_blocks']} blocks"), case["name"]
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#probe-result .probe-row")) == 1
+
+
+def test_probe_draws_per_tier_bars(fleet: Fleet, browser) -> None:
+    case = max(load_expected_json("chat-sha256")["probes"], key=lambda p: p["gpu_tokens"])
+    probe(browser, "tokens", ", ".join(map(str, case["tokens"])))
+    bars = probe_row(browser, "a")
+    answer = fleet.api("/prefix-match", method="POST", json={"tokens": case["tokens"]})
     want = next(e for e in answer["engines"] if e["engine"] == "a")
-    assert want["gpu_blocks"] * 16 == probe["gpu_tokens"]  # what vLLM itself reused
-    for tier in ("GPU", "CPU", "STORAGE"):
-        bar = browser.find_element(By.CSS_SELECTOR, f'{row} [data-tier="{tier}"]')
+    assert want["gpu_blocks"] * 16 == case["gpu_tokens"]  # what vLLM itself reused
+    for tier in TIERS:
         text = f"{want[tier.lower() + '_blocks']} / {answer['num_blocks']} blocks"
-        assert bar.text.endswith(text), (tier, bar.text)
-    width = browser.find_element(By.CSS_SELECTOR, f'{row} [data-tier="GPU"] .bar')
-    assert width.value_of_css_property("width") != "0px"
-    prefix = browser.find_element(By.CSS_SELECTOR, f'{row} [data-field="prefix"]').text
-    assert prefix.startswith(f"prefix {want['prefix_blocks']} blocks")
+        assert bars[tier].endswith(text), (tier, bars[tier])
+    assert bars["prefix"].startswith(f"prefix {want['prefix_blocks']} blocks")
+    gpu = '#probe-result .probe-row[data-engine="a"] [data-tier="GPU"] .bar'
+    assert browser.find_element(By.CSS_SELECTOR, gpu).value_of_css_property("width") != "0px"
     ranks = browser.find_elements(By.CSS_SELECTOR, "#probe-result .probe-row")
-    assert len(ranks) == len(answer["engines"]) == 7
+    assert len(ranks) == len(answer["engines"]) == 8
 
 
 def test_block_lookup_shows_residency(fleet: Fleet, browser) -> None:

@@ -230,6 +230,15 @@ function probeBody(form) {
   const model = form.model.value.trim();
   const filter = model ? `,"model":${JSON.stringify(model)}` : "";
   if (by === "prompt") return `{"prompt":${JSON.stringify(text)}${filter}}`;
+  if (by === "messages") {
+    let messages;
+    try {
+      messages = JSON.parse(text);
+    } catch {
+      throw new Error('chat messages are a JSON list: [{"role": "user", "content": "…"}]');
+    }
+    return `{"messages":${JSON.stringify(messages)}${filter}}`;
+  }
   const items = text.split(/[\s,[\]]+/).filter(Boolean);
   if (by === "block_hashes") {
     // As strings: decimal uint64 hashes do not survive a JS number.
@@ -272,13 +281,22 @@ async function probe(event) {
   }
 }
 
-// Text prompts are matched by the server when its schema takes them.
+const PLACEHOLDERS = {
+  tokens: "token ids, separated by commas or spaces",
+  block_hashes: "block hashes (decimal uint64 or 0x-hex), separated by commas or spaces",
+  prompt: "a completions prompt, tokenized as the model's vLLM does (give the model)",
+  messages: 'chat messages as JSON: [{"role": "user", "content": "…"}] (give the model)',
+};
+
+// Text and chat prompts are offered when the server's schema takes them (a server
+// without tokenizers still takes token ids and block hashes).
 async function offerTextPrompts() {
   try {
     const schema = await getJSON("openapi.json");
-    if ("prompt" in (schema.components?.schemas?.PrefixMatchBody?.properties ?? {})) {
-      $("#probe-form select[name=by]").append(new Option("text prompt (needs model)", "prompt"));
-    }
+    const fields = schema.components?.schemas?.PrefixMatchBody?.properties ?? {};
+    const by = $("#probe-form select[name=by]");
+    if ("prompt" in fields) by.append(new Option("text prompt", "prompt"));
+    if ("messages" in fields) by.append(new Option("chat messages", "messages"));
   } catch {
     // token ids and block hashes still work
   }
@@ -318,6 +336,9 @@ $("#engine-select").addEventListener("change", (e) => {
 });
 window.addEventListener("hashchange", () => select(decodeURIComponent(location.hash.replace(/^#engine=/, ""))));
 $("#probe-form").addEventListener("submit", probe);
+$("#probe-form select[name=by]").addEventListener("change", (e) => {
+  e.target.form.prompt.placeholder = PLACEHOLDERS[e.target.value];
+});
 $("#block-form").addEventListener("submit", lookup);
 offerTextPrompts();
 poll();
