@@ -48,7 +48,10 @@ TEXT_PART_FIELDS = {
     "input_text": "text",
     "output_text": "text",
     "refusal": "refusal",
+    "thinking": "thinking",
 }
+#: A text part's fields that are not passed on as the part's extra fields.
+_PART_FIELDS = {"type", "uuid", *TEXT_PART_FIELDS.values()}
 _BILLING_HEADER = "x-anthropic-billing-header"
 #: vLLM's own texts for the refusals a router is likely to meet, so logs read alike.
 EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
@@ -65,19 +68,16 @@ class PromptRefused(ValueError):
         self.status = status
 
 
-class ContentPart(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """One part of a message's content; only text parts are rendered."""
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    """An OpenAI chat message, with the fields vLLM passes on to the template.
 
-    type: str
-    text: str | None = None
-    refusal: str | None = None
-
-
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """An OpenAI chat message, with the fields vLLM passes on to the template."""
+    Other fields are ignored, as vLLM ignores them; so are a content part's
+    fields other than its text (``cache_control`` ...), except that a
+    template reading content as a list of parts gets them, as from vLLM.
+    """
 
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[str | dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -161,10 +161,13 @@ def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dic
     parts = _text_parts(i, message)
     if role == "system":
         parts = _without_billing_header(parts)
-    content: str | list[dict[str, str]]
-    content = "\n".join(parts) if fmt == "string" else [{"type": "text", "text": t} for t in parts]
-    if role == "tool" and isinstance(content, list):
-        content = "\n".join(parts)  # vLLM flattens a tool result made of text parts
+    content: str | list[dict[str, Any]]
+    if fmt == "string":  # an empty text adds no line: vLLM drops it before joining
+        content = "\n".join(text for text, _, _ in parts if text)
+    elif role == "tool":  # vLLM flattens a tool result made of text parts
+        content = "\n".join(text for text, _, _ in parts)
+    else:
+        content = [{"type": "text", "text": text, **extras} for text, extras, _ in parts]
     entry: dict[str, Any] = {"role": role, "content": content}
     reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
     if role == "assistant":
@@ -181,37 +184,50 @@ def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dic
     return entry
 
 
-def _text_parts(i: int, message: ChatMessage) -> list[str]:
-    """The message's text parts in order; a part with no text is skipped, as vLLM does."""
+#: A text part: its text, its extra fields, and whether it is a plain text part
+#: (a string, or of type ``text``: the only parts the billing header is cut from).
+_Part = tuple[str, dict[str, Any], bool]
+
+
+def _text_parts(i: int, message: ChatMessage) -> list[_Part]:
+    """The message's text parts in order, each with its extra fields; a part with no
+    text is skipped, as vLLM does."""
     content = message.content
     if content is None:
         return []
     if isinstance(content, str):
-        return [content]
-    texts = []
+        return [(content, {}, True)]
+    parts = []
     for j, part in enumerate(content):
-        field = TEXT_PART_FIELDS.get(part.type)
+        if isinstance(part, str):
+            parts.append((part, {}, True))
+            continue
+        kind = part.get("type")
+        field = TEXT_PART_FIELDS.get(kind) if isinstance(kind, str) else None
         if field is None:
             raise PromptRefused(
                 f"messages[{i}].content[{j}].type",
-                f"{part.type[:40]!r} is not supported: kvindex renders text parts only"
+                f"{str(kind)[:40]!r} is not supported: kvindex renders text parts only"
                 f" ({', '.join(TEXT_PART_FIELDS)})",
                 422,
             )
-        text = getattr(part, field)
+        text = part.get(field)
         if text is not None:
-            texts.append(text)
-    return texts
+            if not isinstance(text, str):
+                raise PromptRefused(f"messages[{i}].content[{j}].{field}", "must be a string", 422)
+            extras = {k: v for k, v in part.items() if k not in _PART_FIELDS}
+            parts.append((text, extras, kind == "text"))
+    return parts
 
 
-def _without_billing_header(parts: list[str]) -> list[str]:
+def _without_billing_header(parts: list[_Part]) -> list[_Part]:
     kept = []
-    for text in parts:
-        if text.startswith(_BILLING_HEADER):
+    for text, extras, plain in parts:
+        if plain and text.startswith(_BILLING_HEADER):
             text = text.partition("\n")[2]
             if not text:
                 continue
-        kept.append(text)
+        kept.append((text, extras, plain))
     return kept
 
 
