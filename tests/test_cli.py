@@ -229,13 +229,13 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 def table(text: str) -> dict[str, dict[str, str]]:
     """``kvindex status`` rows by engine, cells by header; the totals line as ``""``."""
-    lines = text.splitlines()
-    headers = re.split(r"  +", lines[0])
-    rows = {}
-    for line in lines[1:-1]:
+    header, *lines = text.splitlines()
+    headers = re.split(r"  +", header)
+    end = next(i for i, line in enumerate(lines) if re.match(r"\d+ engines, ", line))
+    rows = {"": {"totals": lines[end]}}
+    for line in lines[:end]:
         cells = re.split(r"  +", line.strip())
         rows[cells[0]] = dict(zip(headers, cells, strict=True))
-    rows[""] = {"totals": lines[-1]}
     return rows
 
 
