@@ -310,9 +310,9 @@ def api(**_: object) -> argparse.Namespace:
 )
 @_log_level()
 def status(**_: object) -> argparse.Namespace:
-    """Print the fleet as a table: each engine's dp ranks, connected or degraded
-    (and why), resident blocks per tier and how far each rank lags; the totals
-    below. Read from a running server's /engines and /stats.
+    """Print the fleet as a table: each engine's dp ranks, ok or degraded (and
+    why), resident blocks per tier and how far each rank lags; the totals below.
+    Read from a running server's /engines and /stats, as its /ui page is.
 
     \b
     Example:

@@ -28,7 +28,10 @@ Each command reads the sections it needs (:mod:`kvindex.serve`,
         tokenizer: /models/llama-3-8b     # a directory or a hub id
         chat_template: /etc/kvindex/llama3.jinja   # optional: overrides the tokenizer's
 
-The API's auth token comes from a flag, the environment or this file
+A ``KVINDEX_<SECTION>__<FIELD>`` variable overrides the file's field
+(``KVINDEX_SUBSCRIBER__REPLAY_TIMEOUT=2``; :func:`load_config`), so a container
+can be configured without a file. The API's auth token comes from a flag, the
+environment or this file
 (:func:`resolve_auth_token`); a listener other machines can reach without one
 is refused (:func:`refuse_open_door`).
 """
