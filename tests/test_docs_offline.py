@@ -91,3 +91,12 @@ async def test_page_files_are_outside_the_api_contract(api: Api) -> None:
     assert missing.json() == {"error": "Not Found"}  # the API's one error shape
     paths = (await api.client.get("/openapi.json")).json()["paths"]
     assert not [p for p in paths if p in ("/", "/ui", "/docs", "/redoc") or p.startswith("/ass")]
+
+
+async def test_the_page_is_confined_to_its_own_files_and_revalidated(api: Api) -> None:
+    for path in ("/ui/", "/ui/app.js", "/ui/ui.css"):
+        headers = (await api.client.get(path)).headers
+        assert headers["content-security-policy"] == "default-src 'self'; img-src 'self' data:"
+        assert headers["cache-control"] == "no-cache"  # an upgrade never meets a stale script
+        again = await api.client.get(path, headers={"if-none-match": headers["etag"]})
+        assert again.status_code == 304
