@@ -1,4 +1,8 @@
 """Engine adapters: everything that is specific to one inference engine.
 
-:mod:`indexer.engines.vllm` holds vLLM's: its KV event wire and its block hashing.
+:mod:`.base` says what kvindex needs of an engine (:class:`~.base.EngineAdapter`);
+each package here with an ``adapter`` module is one engine type, found by
+name by :mod:`.catalog`: :mod:`indexer.engines.vllm` (vLLM 0.33's wire and
+block hashing) and :mod:`indexer.engines.vllm_legacy` (older vLLM's
+positional events). :mod:`.zmq_framing` is the framing both share.
 """

@@ -1,1 +1,2 @@
-"""vLLM's adapter: its ZMQ KV event wire (:mod:`.wire`) and block hashing (:mod:`.hashing`)."""
+"""vLLM's adapter (:mod:`.adapter`) over its ZMQ KV event wire (:mod:`.wire`) and block
+hashing (:mod:`.hashing`)."""

@@ -64,8 +64,9 @@ class VllmAdapter(ZmqFraming):
         return _hasher(algo, seed, block_size)
 
     def stated_extras(self, prompt: Prompt, block_size: int) -> list[tuple[Any, ...] | None]:
-        """The hash-input keys, untagged: events list ``(name, salt, (mm id, offset))``
-        where hashing mixes in ``(("lora", name, path), ("cache_salt", salt), ...)``."""
+        """The hash-input keys untagged, as events list them: where hashing mixes in
+        ``("lora", name, path)``, ``("mm", id, offset)``, ``("cache_salt", salt)``, the
+        events give ``name``, ``(id, offset)``, ``salt``."""
         lora = ("lora", prompt.lora_name, None) if prompt.lora_name is not None else None
         n_blocks = len(prompt.tokens) // block_size
         keys = hashing.block_extra_keys(
