@@ -1,7 +1,7 @@
 """Engine-side half of kvindex: what an engine runs to publish KV cache events.
 
 Imports only msgspec, pyzmq, the standard library, :mod:`indexer.core` and
-:mod:`indexer.engines.vllm`, so an engine process never pulls in the server's
+:mod:`indexer.engines` (the engine adapters), so an engine process never pulls in the server's
 dependencies (FastAPI, redis).
 """
 
