@@ -16,11 +16,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from indexer.registry import EngineSpec, parse_engine_flag
+if TYPE_CHECKING:
+    from indexer.registry import EngineSpec
 
 ENV_PREFIX = "KVINDEX_"
 FILE_SUFFIX = "_FILE"
@@ -91,8 +92,8 @@ class EngineFlag(click.ParamType):
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
     ) -> EngineSpec:
-        if isinstance(value, EngineSpec):
-            return value
+        from indexer.registry import parse_engine_flag  # on use: --help stays quick
+
         try:
             return parse_engine_flag(value)
         except ValueError as e:
