@@ -87,6 +87,16 @@ def test_the_legacy_adapter_reproduces_the_positional_fixture() -> None:
     assert VLLM.decode(LEGACY_FIXTURE) == batch  # vLLM's adapter reads both shapes
 
 
+def test_the_legacy_adapter_reads_its_earliest_releases_too() -> None:
+    """No medium yet (so GPU) and no data_parallel_rank in the batch."""
+    payload = msgspec.msgpack.encode(
+        [2.5, [["BlockStored", [5, 6], None, list(range(32)), 16, None], ["BlockRemoved", [6]]]]
+    )
+    batch = LEGACY.decode(payload)
+    assert batch.data_parallel_rank is None and LEGACY.batch_ts(payload) == 2.5
+    assert [(e.block_hashes, e.medium) for e in batch.events] == [([5, 6], None), ([6], None)]
+
+
 def _stored(n: int, medium: str = "GPU") -> EventBatch:
     return EventBatch(1.5, [BlockStored(list(range(1, n + 1)), None, [], 0, None, medium)], 0)
 

@@ -3,10 +3,12 @@
 Before vLLM tagged its events as maps it encoded each event as an array,
 ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
 lora_id, medium]``, ``["BlockRemoved", block_hashes, medium]`` and
-``["AllBlocksCleared"]``, in the same batch envelope ``[ts, events,
-data_parallel_rank]`` and the same ZMQ framing as today's releases. Fields
-later positional releases appended are ignored: those releases are the
-``vllm`` adapter's, which reads both shapes.
+``["AllBlocksCleared"]`` (the first of these releases had no ``medium``: nil,
+so GPU), in a batch ``[ts, events]`` that later gained ``data_parallel_rank``,
+and in the same ZMQ framing as today's releases. Fields later positional
+releases appended are ignored: those releases are the ``vllm`` adapter's,
+which reads both shapes. Batches are encoded with every field these
+releases had, as the last of them did.
 
 These events state no extra keys, so the learned token index learns nothing
 from them, and kvindex does not reproduce these releases' hashes: such an
