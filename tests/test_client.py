@@ -236,3 +236,20 @@ def test_unknown_answer_fields_are_ignored() -> None:
         b'"gpu_blocks_full_attention":1,"routed_blocks":0,"approximate":false}]}'
     )
     assert msgspec.json.decode(body, type=PrefixMatch).engines[0].prefix_blocks == 1
+
+
+async def test_the_ten_line_router_of_the_api_readme_routes(fleet: Fleet) -> None:
+    """api/README.md's router, run as written against a real kvindex."""
+    readme = (Path(__file__).resolve().parents[1] / "api/README.md").read_text()
+    section = readme.split("### A router in ten lines", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 10
+    async with serving(fleet.app) as (url, _):
+        names: dict = {}
+        exec(code.replace("http://kvindex:8000", url), names)
+        names["RANKS"] = {("e", 0): "rank-0", ("e", 1): "rank-1"}
+        body = {"model": "chat", "messages": MESSAGES}
+        assert await names["pick"](body, "least-loaded") == "rank-1"
+        other = {"model": "chat", "messages": [{"role": "user", "content": "new"}]}
+        assert await names["pick"](other, "least-loaded") == "least-loaded"
+        await names["kv"].aclose()
