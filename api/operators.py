@@ -40,6 +40,7 @@ from indexer.registry import (
     degraded_reasons,
     is_degraded,
 )
+from indexer.stores.memory import compiled as holder_core
 
 log = logging.getLogger("kvindex.api")
 _encode = msgspec.json.Encoder().encode
@@ -128,8 +129,19 @@ class Operators:
             anomalies=_total(anomalies),
             token_index_entries=len(self.token_index),
             routed=await self.routed.counts(),
-            **native.status(),
+            **_compiled_status(),
         )
+
+
+def _compiled_status() -> dict[str, bool | str | None]:
+    """The compiled core is in use when every compiled part is (token hashing, the
+    embedded store's holder index); the errors of those that are not."""
+    parts = (native.status(), holder_core.status())
+    errors = [e for part in parts if (e := part["compiled_core_error"])]
+    return {
+        "compiled_core": all(part["compiled_core"] for part in parts),
+        "compiled_core_error": "; ".join(errors) or None,
+    }
 
 
 def _by_engine(ranks: list[RankId]) -> dict[str, set[int]]:

@@ -24,7 +24,7 @@ from indexer.ingest.subscriber import Subscriber
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import MemoryRouted, RedisRouted, RoutedEntries
 from indexer.stores.base import Store
-from indexer.stores.memory import MemoryStore
+from indexer.stores.memory import MemoryStore, compiled
 from indexer.stores.redis import RedisConfig, RedisStore
 from kvindex.config import ServeConfig
 from kvindex.http import listen, serve_http, stop_signals
@@ -54,6 +54,7 @@ async def serve(
     """Run until SIGTERM or SIGINT, then stop cleanly; ``redis``: the store (default
     embedded); ``settings``: the API's (default the config file's)."""
     native.warn_if_unavailable("serve")
+    compiled.warn_if_unavailable("serve")
     config.check_binds(engines)
     settings = settings or config.api_settings()
     store = open_store(redis)

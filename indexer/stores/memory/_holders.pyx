@@ -36,7 +36,6 @@ from indexer.stores.memory.walk import EMPTY
 
 
 cdef extern from "Python.h":
-    unsigned long long PyLong_AsUnsignedLongLong(PyObject *) nogil
     PyObject *PyErr_Occurred()
     void PyErr_Clear()
     object _PyDict_NewPresized(Py_ssize_t)
@@ -45,9 +44,26 @@ cdef extern from "Python.h":
 
 cdef extern from *:
     """
+    /* Answers go into a dict by the rank's hash, computed once per listing of ranks
+       (a RankId tuple does not cache its hash). */
+    #if PY_VERSION_HEX < 0x030D0000
+    #define KV_SET_KNOWN(d, k, v, h) _PyDict_SetItem_KnownHash((d), (k), (v), (h))
+    #else
+    #define KV_SET_KNOWN(d, k, v, h) PyDict_SetItem((d), (k), (v))
+    #endif
+    /* PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray: 3x slower per key
+       than PyLong_AsUnsignedLong's digit loop, the same where unsigned long is 64 bits. */
+    #include <limits.h>
+    #if ULONG_MAX == 0xFFFFFFFFFFFFFFFFUL
+    #define KV_AS_U64(o) PyLong_AsUnsignedLong(o)
+    #else
+    #define KV_AS_U64(o) PyLong_AsUnsignedLongLong(o)
+    #endif
     #define KV_PREFETCH(p) __builtin_prefetch((p), 0, 1)
     #define KV_CTZ(x) __builtin_ctzll(x)
     """
+    int KV_SET_KNOWN(object d, object k, object v, Py_hash_t h) except -1
+    unsigned long long KV_AS_U64(PyObject *o)
     void KV_PREFETCH(const void *p) nogil
     int KV_CTZ(uint64_t x) nogil
 
@@ -64,7 +80,7 @@ ctypedef struct Answer:
 
 
 cdef enum:
-    LOOKAHEAD = 8  # positions prefetched ahead of a walk
+    LOOKAHEAD = 16  # positions prefetched ahead of a walk
     ANSWERS_KEPT = 4096  # answer objects kept between queries
     NO_ID = 0xFFFFFFFF  # a set id not read yet
 
@@ -83,7 +99,7 @@ cdef inline bint int_key(PyObject *h, uint64_t *key):
     """True (and the key) for an int in [0, 2**64): the only hashes keyed by their value."""
     if not PyLong_Check(<object>h):
         return False
-    cdef unsigned long long v = PyLong_AsUnsignedLongLong(h)
+    cdef unsigned long long v = KV_AS_U64(h)
     if v == <unsigned long long>-1 and PyErr_Occurred() != NULL:
         PyErr_Clear()
         return False
@@ -511,8 +527,10 @@ cdef class HolderIndex:
     cdef Py_ssize_t rcap
     cdef Answer *answers
     cdef Py_ssize_t acap, acount
-    cdef object bits_seen  # the last ``bits`` list and its slots (callers never mutate one)
+    # the last ``ranks`` and ``bits`` lists (callers never mutate one), their slots and hashes
+    cdef object bits_seen, ranks_seen
     cdef int32_t *slot_of
+    cdef Py_hash_t *rank_hash
     cdef Py_ssize_t *rsize  # per rank: its chunk size (0: GPU only)
     cdef Py_ssize_t slot_cap
 
@@ -538,6 +556,7 @@ cdef class HolderIndex:
         PyMem_Free(self.active)
         PyMem_Free(self.slot_of)
         PyMem_Free(self.rsize)
+        PyMem_Free(self.rank_hash)
 
     def take_bit(self) -> int:
         """A bit no live rank uses (its hashes were all discarded when it was released)."""
@@ -577,9 +596,12 @@ cdef class HolderIndex:
             self.slot_cap = max(ranks, 2 * self.slot_cap)
             self.slot_of = <int32_t *>PyMem_Realloc(self.slot_of, self.slot_cap * 4)
             self.rsize = <Py_ssize_t *>PyMem_Realloc(self.rsize, self.slot_cap * sizeof(Py_ssize_t))
+            self.rank_hash = <Py_hash_t *>PyMem_Realloc(
+                self.rank_hash, self.slot_cap * sizeof(Py_hash_t)
+            )
             self.bits_seen = None
         if not (self.wkey and self.wmix and self.wstate and self.ids and self.runs
-                and self.active and self.slot_of and self.rsize):
+                and self.active and self.slot_of and self.rsize and self.rank_hash):
             raise MemoryError()
         memset(self.wstate, 0, n)
         return 0
@@ -722,13 +744,15 @@ cdef class HolderIndex:
         PyMem_Free(old)
         return 0
 
-    cdef int slots_of(self, object bits, Py_ssize_t n) except -1:
-        if bits is self.bits_seen:
+    cdef int listed(self, object ranks, object bits, Py_ssize_t n) except -1:
+        """Each rank's slot and hash, kept while the same two lists are passed."""
+        if bits is self.bits_seen and ranks is self.ranks_seen:
             return 0
         cdef Py_ssize_t r
         for r in range(n):
             self.slot_of[r] = bits[r].bit_length() - 1
-        self.bits_seen = bits
+            self.rank_hash[r] = PyObject_Hash(ranks[r])
+        self.bits_seen, self.ranks_seen = bits, ranks
         return 0
 
     def match(self, chain, ranks, bits, sizes, hybrids=None) -> dict:
@@ -750,7 +774,7 @@ cdef class HolderIndex:
         if self.acount > ANSWERS_KEPT:
             self.forget_answers()
         self.room(n, nr)
-        self.slots_of(bits, nr)
+        self.listed(ranks, bits, nr)
         self.witems = PySequence_Fast_ITEMS(seq)
         cdef object size_seq = PySequence_Fast(sizes, "sizes must be a sequence")
         cdef PyObject **size_items = PySequence_Fast_ITEMS(size_seq)
@@ -818,7 +842,7 @@ cdef class HolderIndex:
             return self.refined(answers, chain, rank_seq, bits, sizes, hybrids)
         cdef dict out = _PyDict_NewPresized(nr)
         for r in range(nr):
-            PyDict_SetItem(out, <object>rank_items[r], answers[r])
+            KV_SET_KNOWN(out, <object>rank_items[r], answers[r], self.rank_hash[r])
         return out
 
     cdef dict refined(self, list answers, chain, ranks, bits, sizes, hybrids):
