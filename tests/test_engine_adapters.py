@@ -9,12 +9,14 @@ its answers equal those of the same trace published on vLLM 0.33's wire.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
+import indexer.engines
 from api.chains import DECLARED
 from indexer.core.events import (
     CPU,
@@ -55,6 +57,44 @@ def test_the_catalog_finds_each_adapter_package_by_name() -> None:
     assert [catalog.adapter(n).name for n in catalog.names()] == list(catalog.names())
     with pytest.raises(ValueError, match=r"unknown engine adapter 'sglang'.*vllm_legacy"):
         catalog.adapter("sglang")
+
+
+@pytest.fixture
+def catalog_cache():
+    """The catalog's lists forgotten before and after, and the packages a test added
+    unloaded: the test changes what it finds."""
+    before = set(sys.modules)
+    catalog.names.cache_clear(), catalog.adapter.cache_clear()
+    yield
+    catalog.names.cache_clear(), catalog.adapter.cache_clear()
+    for name in set(sys.modules) - before:
+        if name.startswith("indexer.engines."):
+            del sys.modules[name]
+
+
+def test_a_new_adapter_package_is_found_with_no_other_edit(
+    tmp_path, monkeypatch, catalog_cache
+) -> None:
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "__init__.py").write_text("")
+    (tmp_path / "toy" / "adapter.py").write_text(
+        "from indexer.engines.zmq_framing import ZmqFraming\n"
+        "class Toy(ZmqFraming):\n    name = 'toy'\n    hash_algos = ()\n"
+        "ADAPTER = Toy()\n"
+    )
+    (tmp_path / "misnamed").mkdir()
+    (tmp_path / "misnamed" / "__init__.py").write_text("")
+    (tmp_path / "misnamed" / "adapter.py").write_text(
+        "class Other:\n    name = 'other'\nADAPTER = Other()\n"
+    )
+    (tmp_path / "not_an_engine").mkdir()  # a package without an adapter module
+    (tmp_path / "not_an_engine" / "__init__.py").write_text("")
+    monkeypatch.setattr(indexer.engines, "__path__", [*indexer.engines.__path__, str(tmp_path)])
+    assert {"toy", "misnamed"} <= set(catalog.names())
+    assert "not_an_engine" not in catalog.names()
+    assert catalog.adapter("toy").split_live([b"", SEQ_8, b"x"]) == (7, b"x")
+    with pytest.raises(RuntimeError, match="calls itself 'other'"):
+        catalog.adapter("misnamed")
 
 
 def test_an_engine_names_its_adapter_and_vllm_is_the_default() -> None:
