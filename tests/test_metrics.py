@@ -21,8 +21,9 @@ from indexer.ingest.subscriber import Subscriber
 from indexer.metrics import MetricsSettings
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
+from producer.publisher import Publisher
 
-from .conftest import free_ports
+from .conftest import free_ports, wait_until
 from .test_subscriber import FAST
 
 RANKS = 5
@@ -37,6 +38,9 @@ async def scrape() -> AsyncIterator:
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvindex")
     await subscriber.start()
     await registry.add(EngineSpec("wide", f"tcp://127.0.0.1:{free_ports(RANKS)}", dp_ranks=RANKS))
+    live = Publisher(f"tcp://127.0.0.1:{free_ports()}", bind=True)
+    await registry.add(EngineSpec("live", live.endpoint))
+    await wait_until(lambda: subscriber.rank_status("live")[0].connected, what="live connected")
     sampler = asyncio.create_task(
         metrics.sample_residency(store, MetricsSettings(rank_series=BOUND, sample_interval=0.05))
     )
@@ -49,6 +53,7 @@ async def scrape() -> AsyncIterator:
     metrics.configure(MetricsSettings())  # the process's default again, for later tests
     await client.aclose()
     await subscriber.stop()
+    live.close()
 
 
 def series(text: str, name: str) -> dict[str, float]:
@@ -57,13 +62,16 @@ def series(text: str, name: str) -> dict[str, float]:
 
 
 async def test_rank_gauges_are_bounded_and_every_rank_is_in_the_engine_gauges(scrape) -> None:
+    """Beyond the bound, per-rank series go to the ranks an operator looks at first."""
     for _ in range(200):  # the first sample: within sample_interval (0.05 s)
         text = await scrape()
         if series(text, "kvindex_rank_resident_blocks"):
             break
         await asyncio.sleep(0.02)
-    ranks = {labels for labels in series(text, "kvindex_ingest_connected") if "wide" in labels}
-    assert len(ranks) == BOUND  # 5 ranks, 2 series
+    ranks = set(series(text, "kvindex_ingest_connected"))
+    assert len(ranks) == BOUND  # 6 ranks, 2 series: degraded ranks first, so 2 of wide's
+    assert all('engine="wide"' in labels for labels in ranks)
+    assert series(text, "kvindex_engine_connected_ranks")['engine="live"'] == 1
     resident = [k for k in series(text, "kvindex_rank_resident_blocks") if "wide" in k]
     assert len(resident) == BOUND * 3  # a series per tier of each reported rank
     assert series(text, "kvindex_engine_ranks")['engine="wide"'] == RANKS
