@@ -77,8 +77,11 @@ function stateCell(state) {
 // Batches applied and GPU blocks gained per second over the recent polls of one rank.
 function recordRates(engine, rank, now) {
   const key = `${engine}/${rank.dp_rank}`;
-  const samples = history.get(key) ?? [];
-  samples.push({ t: now, seq: rank.applied_seq ?? -1, gpu: rank.blocks?.GPU ?? 0 });
+  const seq = rank.applied_seq ?? -1;
+  let samples = history.get(key) ?? [];
+  // A seq lower than before is a restart (seq from 0): the window starts again.
+  if (samples.length && seq < samples[samples.length - 1].seq) samples = [];
+  samples.push({ t: now, seq, gpu: rank.blocks?.GPU ?? 0 });
   while (samples.length > 2 && now - samples[1].t >= RATE_WINDOW_MS) samples.shift();
   history.set(key, samples);
   const first = samples[0];
