@@ -91,7 +91,8 @@ class _Loaded:
         )
         pieces = self.split(probe)
         known = {p: self.plain(p) for p in pieces[0::2]}
-        return self.join(pieces, known, True) == self.whole(probe, True)
+        specials = self.specials is not None
+        return self.join(pieces, known, specials) == self.whole(probe, specials)
 
     def pieces(self, text: str, add_special_tokens: bool) -> list[str] | None:
         """The text cut at added tokens (odd items are the added tokens), or None
@@ -174,11 +175,12 @@ def _special_tokens_around(backend: Any) -> tuple[tuple[int, ...], tuple[int, ..
 class Tokenizers:
     """The configured models' tokenizers, a shared piece cache and the worker threads.
 
-    ``cache_tokens`` bounds the cache by the token ids it holds (LRU).
+    ``cache_tokens`` bounds the cache by the token ids it holds (LRU; a
+    million ids are some tens of MB). ``workers``: threads tokenizing at once.
     """
 
     def __init__(
-        self, models: Mapping[str, ModelTokenizer], workers: int = 2, cache_tokens: int = 1 << 22
+        self, models: Mapping[str, ModelTokenizer], workers: int = 2, cache_tokens: int = 1 << 20
     ) -> None:
         self._specs = dict(models)
         self._loaded: dict[str, _Loaded] = {}
