@@ -128,6 +128,10 @@ def test_config_fields_come_from_section_variables(
     assert (loaded.subscriber.replay_timeout, loaded.subscriber.probe_interval) == (2.5, 0.2)
     assert loaded.api_settings().max_connections == 7
     assert load_config().indexer.lease_ttl == 3.0  # no file: the variables over the defaults
+    monkeypatch.setenv("KVINDEX_SUBSCRIBER", '{"bind": {"tcp_hosts": ["10.0.0.7"]}}')
+    loaded = load_config(config)  # a whole section as JSON, merged with the file and fields
+    assert loaded.subscriber.bind.tcp_hosts == ["10.0.0.7"]
+    assert (loaded.subscriber.replay_timeout, loaded.subscriber.probe_interval) == (2.5, 0.2)
 
 
 def test_a_bad_section_variable_is_one_line_naming_it() -> None:
