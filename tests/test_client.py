@@ -253,3 +253,56 @@ async def test_the_ten_line_router_of_the_api_readme_routes(fleet: Fleet) -> Non
         other = {"model": "chat", "messages": [{"role": "user", "content": "new"}]}
         assert await names["pick"](other, "least-loaded") == "least-loaded"
         await names["kv"].aclose()
+
+
+SERVE_YAML = """
+engines:
+  - {{name: a, model: chat, hash_algo: sha256,
+      endpoint: "tcp://127.0.0.1:{a_pub}", replay_endpoint: "tcp://127.0.0.1:{a_replay}"}}
+  - {{name: b, model: chat, hash_algo: xxhash,
+      endpoint: "tcp://127.0.0.1:{b_pub}", replay_endpoint: "tcp://127.0.0.1:{b_replay}"}}
+models:
+  chat:
+    tokenizer: {tokenizer}
+"""
+
+
+@pytest.mark.slow
+def test_kvindex_serve_with_models_routes_a_chat_end_to_end(tmp_path: Path) -> None:
+    """The real program: ``kvindex serve`` with a ``models`` section, two engines
+    publishing over ZMQ what vLLM would for the chat (one hashing with sha256, one
+    with xxhash and a seed kvindex is never told), a router asking by messages."""
+    from indexer.engines.vllm.render import ChatMessage as Message
+
+    from .test_serve import Serve, publish, publisher
+
+    ids = Tokenizers({"chat": ModelTokenizer(str(CHATML))}).tokens_now(
+        "chat", messages=[Message(**m) for m in MESSAGES]
+    )
+    full = len(ids) // 16
+    secret = catalog.adapter("vllm").hasher("xxhash", "engine b's own seed", 16)
+    chains = {
+        "a": SHA.published(SHA.digests(Prompt(tuple(ids)))),
+        "b": secret.published(secret.digests(Prompt(tuple(ids)))),
+    }
+    ports = {f"{e}_{kind}": free_port() for e in "ab" for kind in ("pub", "replay")}
+    config = tmp_path / "kvindex.yaml"
+    config.write_text(SERVE_YAML.format(tokenizer=CHATML, **ports))
+    with (
+        publisher(ports["a_pub"], ports["a_replay"]) as pub_a,
+        publisher(ports["b_pub"], ports["b_replay"]) as pub_b,
+    ):
+        serve = Serve(tmp_path / "serve.log", "--config", str(config))
+        for name, pub in (("a", pub_a), ("b", pub_b)):
+            held = chains[name][: full - 1 if name == "a" else full]
+            keys = [None] * len(held)  # as vLLM's GPU events state them: no extra keys
+            stored = BlockStored(held, None, ids[: len(held) * 16], 16, extra_keys=keys)
+            publish(pub, [EventBatch(time.time(), [stored], None)])
+        for name in "ab":
+            serve.until(lambda n=name: serve.rank(n).get("applied_seq") == 0, f"{name} applied")
+        with Kvindex(f"http://127.0.0.1:{serve.port}") as kv:
+            match = kv.prefix_match(model="chat", messages=MESSAGES)
+        serve.stop()
+    held = {(e.engine, e.prefix_blocks) for e in match.engines}
+    assert held == {("a", full - 1), ("b", full)} and match.num_blocks == full
+    assert best_rank(match).engine == "b"
