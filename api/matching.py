@@ -11,7 +11,7 @@ chain, which ``route: "best"`` turns into the atomic pick-and-record.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -50,23 +50,6 @@ class _Lookup:
     chain: list[BlockHash]
     chunk_blocks: dict[str, int | None]
     rank: RankId | None = None  # keep only this rank's answer: its chain is its own
-
-
-class _GpuRuns(Mapping[RankId, int]):
-    """Each found rank's exact GPU run, read only for the ranks routed entries
-    are looked up for."""
-
-    def __init__(self, found: dict[RankId, PrefixMatch]) -> None:
-        self._found = found
-
-    def __getitem__(self, rank: RankId) -> int:
-        return self._found[rank].gpu_blocks
-
-    def __iter__(self) -> Iterator[RankId]:
-        return iter(self._found)
-
-    def __len__(self) -> int:
-        return len(self._found)
 
 
 class PrefixMatcher:
@@ -120,7 +103,7 @@ class PrefixMatcher:
     ) -> dict[RankId, int]:
         """``routed_blocks`` of the ranks whose routed entries extend their GPU run."""
         runs: dict[RankId, int] = {}
-        starts = _GpuRuns(found)
+        starts = {rank: m.gpu_blocks for rank, m in found.items() if m.gpu_blocks}
         for lookup in lookups:
             if not lookup.chain or not lookup.chunk_blocks:
                 continue
@@ -265,7 +248,11 @@ class PrefixMatcher:
                 dp_ranks = sorted(extra[name].union(dp_ranks))
             for dp_rank in dp_ranks:
                 m = _NO_MATCH if lost and dp_rank in lost else found.get((name, dp_rank), _NO_MATCH)
-                routed_blocks = max(m.gpu_blocks, routed.get((name, dp_rank), 0))
+                routed_blocks = routed.get((name, dp_rank), 0)
+                if routed_blocks > m.gpu_blocks:
+                    score = routed_score(m, routed_blocks, weights)
+                else:  # no routed block beyond the exact GPU run: the exact score
+                    routed_blocks, score = m.gpu_blocks, m.score(weights)
                 entries.append(
                     EngineMatch(
                         name,
@@ -277,7 +264,7 @@ class PrefixMatcher:
                         m.storage_blocks,
                         m.prefix_blocks,
                         m.prefix_blocks * block_size,
-                        round(routed_score(m, routed_blocks, weights), 6),
+                        round(score, 6),
                         degraded.get(dp_rank, not approximate),
                         m.gpu_blocks_full_attention,
                         routed_blocks,

@@ -30,6 +30,7 @@ from bench import (
     prompts,
     query,
     redis_bench,
+    routed,
     scaling,
 )
 from bench.fleet import FULL, QUICK, Fleet
@@ -38,7 +39,7 @@ from indexer.log import setup_logging
 from indexer.stores import MemoryStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12")
 
 
 def _section(report: Report, name: str, fn: Callable[[], object]) -> None:
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         _section(report, "3", lambda: e2e.run(report, fleet.stream, batches, seconds))
     if "11" in only:
         _section(report, "11", lambda: prompts.run(report, quick))
+    if "12" in only:
+        _section(report, "12", lambda: routed.run(report, fleet, store, quick))
     if "9" in only:
         _section(report, "9", lambda: idle.run(report, 5.0 if quick else 20.0))
     if only & {"2", "5"} and redis_bench.available():

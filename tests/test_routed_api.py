@@ -19,7 +19,7 @@ from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
 
 from .apikit import Api, FakeConsumers, LiveApi, engine
-from .conftest import redis_config, wait_until
+from .conftest import redis_config
 
 ENGINES = [engine(f"e{i}", model="m") for i in range(4)]
 BLOCK = 16
@@ -292,11 +292,14 @@ async def test_an_engine_restart_ends_its_routed_entries() -> None:
         publisher.close()
         restarted = Publisher(spec.endpoint, spec.replay_endpoint, data_parallel_rank=0, bind=True)
         live.publishers.append(restarted)
-        restarted.publish(EventBatch(3.0, [BlockStored([7], block_size=BLOCK)]))
 
-        def cleared() -> bool:
-            return live.subscriber.rank_status("r")[0].restarts == 1
+        async def restarted_engine_publishes() -> None:  # until its subscriber has joined
+            ts = 3.0
+            while live.subscriber.rank_status("r")[0].restarts == 0:
+                restarted.publish(EventBatch(ts, [BlockStored([7 + int(ts)], block_size=BLOCK)]))
+                ts += 1.0
+                await asyncio.sleep(0.05)
 
-        await wait_until(cleared, timeout=20, what="the restart")
+        await asyncio.wait_for(restarted_engine_publishes(), 30)
         stats = (await live.client.get("/stats")).json()["routed"]
         assert stats["cleared"] + stats["confirmed"] == 4 and stats["live"] == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from indexer.core.events import AllBlocksCleared, BlockStored, EventBatch, RankId
-from indexer.core.routed import RoutedRules, confirmations, deadline, routed_run
+from indexer.core.routed import RoutedRules, confirmations, deadlines, routed_run
 from indexer.routed import MemoryRouted, RedisRouted, conformance
 
 from .conftest import redis_config, server_for
@@ -39,7 +39,8 @@ def test_ttl_bounds_name_the_field() -> None:
 def test_core_rules() -> None:
     assert routed_run([1, 2, 3, 4], 1, {2, 3}.__contains__) == 3
     assert routed_run([1, 2], 2, set().__contains__) == 2
-    assert deadline(10.0, 1.0, 0) > deadline(10.0, 1.0, 1)
+    first, second = deadlines(10.0, 1.0, 2)
+    assert first == 11.0 and first - second == pytest.approx(1e-6)
     batch = EventBatch(
         0.0,
         [BlockStored([1], medium="CPU"), BlockStored([2]), AllBlocksCleared(), BlockStored([3])],

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice, takewhile
 
 from indexer.core.events import GPU, AllBlocksCleared, BlockHash, BlockStored, EventBatch
 from indexer.core.matching import PrefixMatch, TierWeights
@@ -74,9 +75,10 @@ class RoutedRules:
 TAIL_STEP = 1e-6
 
 
-def deadline(now: float, ttl: float, position: int) -> float:
-    """When the entry of a chain's block ``position``, recorded at ``now``, ends."""
-    return now + ttl - position * TAIL_STEP
+def deadlines(now: float, ttl: float, blocks: int) -> list[float]:
+    """When the entries of a chain of ``blocks`` blocks, recorded at ``now``, end."""
+    end = now + ttl
+    return [end - position * TAIL_STEP for position in range(blocks)]
 
 
 def routed_run(chain: Sequence[BlockHash], start: int, live: Callable[[BlockHash], bool]) -> int:
@@ -85,12 +87,15 @@ def routed_run(chain: Sequence[BlockHash], start: int, live: Callable[[BlockHash
 
     The exact run is what events confirmed, so routed entries of those blocks may
     already have ended; the blocks after it are counted only while each is routed.
+    Every rank holding entries is walked per query, so the walk runs in C: stretches
+    of doubling length are checked whole (``all`` over ``map``), and the first that
+    is not is walked block by block.
     """
-    end = start
-    for block_hash in chain[start:]:
-        if not live(block_hash):
-            break
-        end += 1
+    n, end, step = len(chain), start, 8
+    while end < n and all(map(live, islice(chain, end, end + step))):
+        end, step = min(n, end + step), step * 2
+    if end < n:
+        end += len(list(takewhile(live, islice(chain, end, end + step))))
     return end
 
 

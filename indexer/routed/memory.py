@@ -1,10 +1,12 @@
 """Routed entries of ``kvindex serve`` with the embedded store: in process.
 
-Each rank keeps its entries in a dict (hash -> deadline) for lookups and a
-heap of deadlines for what ends first, expired or evicted. An entry routed
-again gets a new deadline and leaves its old heap item behind; those are
-skipped when they surface and dropped wholesale once they outnumber the
-live ones, so a rank's memory stays within twice its bound.
+Each rank keeps its entries in a dict (hash -> deadline) for lookups and, for
+what ends first (expired or evicted), the chains they were recorded in, in a
+heap by the deadline of their tail: one heap item per ``record``, so routing
+a prompt costs C-speed dict work, not a heap push per block. An entry routed
+again gets a new deadline and leaves its old copy in an older chain; those
+are skipped when they surface and dropped wholesale once they outnumber the
+live ones, so a rank's memory stays within about twice its bound.
 
 Every method runs without awaiting, so ``route`` reads and records in one
 step of the event loop: two concurrent routers cannot both see the same
@@ -20,47 +22,72 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from indexer.core.events import BlockHash, EventBatch, RankId
 from indexer.core.matching import TierWeights
-from indexer.core.routed import Candidate, best, confirmations, deadline, routed_run, score
+from indexer.core.routed import Candidate, best, confirmations, deadlines, routed_run, score
 from indexer.routed.base import COUNTS
 
 
 class _RankEntries:
-    """One rank's entries and the heap of their deadlines."""
+    """One rank's entries (hash -> deadline) and, in a heap by their earliest deadline,
+    the chains they were recorded in (hashes with their deadlines, tail last: a chain's
+    deadlines fall along it, so its tail ends first)."""
 
     def __init__(self) -> None:
         self.entries: dict[BlockHash, float] = {}
-        self.heap: list[tuple[float, int, BlockHash]] = []
+        self.heap: list[tuple[float, int, list[BlockHash], list[float]]] = []  # chains
         self.pushed = 0  # tie-break of equal deadlines: first recorded ends first
+        self.kept = 0  # hashes the heap's chains hold, current or not
+
+    def _push(self, hashes: list[BlockHash], ends: list[float]) -> None:
+        heapq.heappush(self.heap, (ends[-1], self.pushed, hashes, ends))
+        self.pushed += 1
+        self.kept += len(hashes)
+
+    def _drop_tail(self, stop: Callable[[float], bool]) -> int:
+        """Pop the chain ending first and drop its entries from the tail while
+        ``stop(deadline)`` is false, pushing back what is left; how many were current."""
+        _, _, hashes, ends = heapq.heappop(self.heap)
+        self.kept -= len(hashes)
+        entries, gone, i = self.entries, 0, len(hashes)
+        while i and not stop(ends[i - 1]):
+            i -= 1
+            if entries.get(hashes[i]) == ends[i]:  # else routed again since
+                del entries[hashes[i]]
+                gone += 1
+        if i:
+            self._push(hashes[:i], ends[:i])
+        return gone
 
     def expire(self, now: float) -> int:
         """Drop the entries whose deadline has passed; how many."""
-        heap, entries, gone = self.heap, self.entries, 0
-        while heap and heap[0][0] <= now:
-            d, _, block_hash = heapq.heappop(heap)
-            if entries.get(block_hash) == d:
-                del entries[block_hash]
-                gone += 1
+        gone = 0
+        while self.heap and self.heap[0][0] <= now:
+            gone += self._drop_tail(lambda d: d > now)
         return gone
 
     def record(self, chain: Sequence[BlockHash], now: float, ttl: float, bound: int) -> tuple:
         """Route ``chain`` here; (new entries, entries evicted past ``bound``)."""
-        entries, heap, new = self.entries, self.heap, 0
-        for position, block_hash in enumerate(chain):
-            d = deadline(now, ttl, position)
-            new += block_hash not in entries
-            entries[block_hash] = d
-            heapq.heappush(heap, (d, self.pushed, block_hash))
-            self.pushed += 1
+        entries, hashes = self.entries, list(chain)
+        if not hashes:
+            return 0, 0
+        ends = deadlines(now, ttl, len(hashes))
+        new = len(hashes) - sum(map(entries.__contains__, hashes))
+        entries.update(zip(hashes, ends, strict=True))
+        self._push(hashes, ends)
         evicted = 0
         while len(entries) > bound:
-            d, _, block_hash = heapq.heappop(heap)
-            if entries.get(block_hash) == d:
-                del entries[block_hash]
-                evicted += 1
-        if len(heap) > 2 * len(entries) + 1024:
-            self.heap = [(d, n, h) for d, n, h in heap if entries.get(h) == d]
-            heapq.heapify(self.heap)
+            evicted += self._drop_tail(lambda d: len(entries) <= bound)
+        if self.kept > 2 * len(entries) + 1024:
+            self._compact()
         return new, evicted
+
+    def _compact(self) -> None:
+        """Forget what the heap's chains hold that was routed again since."""
+        entries, chains = self.entries, self.heap
+        self.heap, self.kept = [], 0
+        for _, _, hashes, ends in chains:
+            kept = [(h, d) for h, d in zip(hashes, ends, strict=True) if entries.get(h) == d]
+            if kept:
+                self._push([h for h, _ in kept], [d for _, d in kept])
 
 
 class MemoryRouted:
@@ -105,12 +132,23 @@ class MemoryRouted:
     ) -> dict[RankId, int]:
         if not self._ranks or not chain:
             return {}
-        found = {}
-        for rank, held in self._live_ranks(engines, self._clock()):
-            start = starts.get(rank, 0)
-            end = routed_run(chain, start, held.entries.__contains__)
-            if end > start:
-                found[rank] = end
+        # Runs per query for every rank holding entries, so the common cases cost no
+        # call: expiry is looked at only once the rank's first deadline has passed, and
+        # a rank is walked only if it holds the block after its exact run.
+        now, found, emptied, n = self._clock(), {}, [], len(chain)
+        for rank, held in self._ranks.items():
+            if rank.engine not in engines:
+                continue
+            if held.heap[0][0] <= now:
+                self._counts["expired"] += held.expire(now)
+                if not held.entries:
+                    emptied.append(rank)
+                    continue
+            entries, start = held.entries, starts.get(rank, 0)
+            if start < n and chain[start] in entries:
+                found[rank] = routed_run(chain, start, entries.__contains__)
+        for rank in emptied:
+            del self._ranks[rank]
         return found
 
     async def route(

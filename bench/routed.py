@@ -1,0 +1,201 @@
+"""Item 12: routed entries. ``POST /routed`` over HTTP against the bare endpoint, and
+the prefix-match cost with 10k live routed entries against none.
+
+- ``POST /routed``: a uvicorn server in a forked child (the fleet's engines
+  registered, routed entries in process) takes 4k-token prompts as block hashes
+  (256 each), each to another engine, over keep-alive connections at a fixed
+  concurrency; ``GET /bare`` of the same app, server and run is the baseline.
+- Prefix match: the API's matcher, in process, over the fleet's embedded store,
+  every engine asked; once with no routed entry, once with ~10k live ones
+  (20 fleet prompts routed each to a rank of its own, the rest prompts nobody
+  served on other ranks). Two query sets: the routed prompts themselves (each
+  lookup walks its rank's whole routed run beyond the exact one, and the runs
+  of the ranks whose routed prompts share its system prompt), and other
+  prompts of the fleet (what most queries are).
+  Interleaved, query by query, so a noisy moment hits both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import random
+from collections.abc import Callable
+
+import uvicorn
+
+from api import ApiSettings, create_app
+from api.context import ApiContext
+from api.matching import PrefixMatcher, Query
+from bench.fleet import BLOCK_SIZE, CHUNK_BLOCKS, Fleet, rank_of
+from bench.http import AllConnected, scenario
+from bench.measure import latency_ms
+from bench.query import timed_calls
+from bench.report import Figure, Goal, Report
+from indexer.engines.vllm.hashing import block_hashes
+from indexer.prompts import Tokenizers
+from indexer.registry import EngineRegistry, EngineSpec
+from indexer.routed import MemoryRouted
+from indexer.stores import MemoryStore
+from indexer.token_index import TokenIndex
+from tests.servers import free_port
+
+SECTION = "12"
+BLOCKS = 256  # a 4k-token prompt in blocks of 16
+LIVE = 10_000
+RECORD_GOAL = Goal(0.5)
+MATCH_GOAL = Goal(1.2, at_least=False)
+
+
+def _specs(fleet: Fleet) -> list[EngineSpec]:
+    return [
+        EngineSpec(rank_of(e).engine, "tcp://127.0.0.1:1", "m", blocks_per_chunk=CHUNK_BLOCKS)
+        for e in range(fleet.config.engines)
+    ]
+
+
+def _serve(fleet: Fleet, port: int) -> None:
+    registry = EngineRegistry()
+
+    async def fill() -> None:
+        for spec in _specs(fleet):
+            await registry.add(spec)
+
+    asyncio.run(fill())
+    app = create_app(MemoryStore(), registry, AllConnected(), ApiSettings())
+
+    @app.get("/bare", include_in_schema=False)
+    async def bare() -> dict:
+        return {}
+
+    uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")).run()
+
+
+def _post(path: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+    return head.encode() + f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+
+
+async def _drive(port: int, raws: dict[str, list[bytes]], concurrency: int, requests: int) -> dict:
+    for _ in range(200):  # the child registers the fleet before it listens
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            break
+        except OSError:
+            await asyncio.sleep(0.2)
+    out: dict[str, dict] = {name: {} for name in raws}
+    for _ in range(3):  # interleaved: bare, routed, bare, routed, ...; the best of 3
+        for name, batch in raws.items():
+            got = await scenario(port, batch, concurrency, requests)
+            if got["req_per_s"] > out[name].get("req_per_s", 0):
+                out[name] = got
+    return out
+
+
+def record_rate(fleet: Fleet, concurrency: int, requests: int) -> dict:
+    chains = fleet.chains(BLOCKS, 32)
+    engines = [rank_of(e).engine for e in range(fleet.config.engines)]
+    raws = {
+        "bare": [b"GET /bare HTTP/1.1\r\nHost: bench\r\n\r\n"],
+        "routed": [
+            _post("/routed", {"engine": engines[i % len(engines)], "block_hashes": chain})
+            for i, chain in enumerate(chains)
+        ],
+    }
+    port = free_port()
+    child = multiprocessing.get_context("fork").Process(target=_serve, args=(fleet, port))
+    child.start()
+    try:
+        return asyncio.run(_drive(port, raws, concurrency, requests))
+    finally:
+        child.terminate()
+        child.join(10)
+
+
+def _matcher(store: MemoryStore, fleet: Fleet, routed: MemoryRouted) -> Callable:
+    registry = EngineRegistry()
+
+    async def fill() -> None:
+        for spec in _specs(fleet):
+            await registry.add(spec)
+
+    asyncio.run(fill())
+    settings = ApiSettings()
+    ctx = ApiContext(
+        store=store,
+        registry=registry,
+        consumers=AllConnected(),
+        token_index=TokenIndex(1024, lambda engine: False),
+        settings=settings,
+        tokenizers=Tokenizers(settings.models),
+        routed=routed,
+    )
+    matcher = PrefixMatcher(ctx)
+
+    def call(chain: list[int]) -> object:
+        coroutine = matcher.match(Query(chain=chain))
+        try:
+            coroutine.send(None)
+        except StopIteration as done:
+            return done.value
+        raise RuntimeError("match suspended")
+
+    return call
+
+
+def _random_chains(fleet: Fleet, count: int, seed: int) -> list[list[int]]:
+    """Chains of prompts nobody served (no block of them held or routed by chance)."""
+    spec, rng = fleet.spec(), random.Random(seed)
+    tokens = BLOCKS * BLOCK_SIZE
+    return [
+        block_hashes(spec, [rng.randrange(32_000) for _ in range(tokens)]) for _ in range(count)
+    ]
+
+
+def match_cost(fleet: Fleet, store: MemoryStore, queries: int, rounds: int) -> dict:
+    """p50/p99 of matches with no routed entry and with ~10k, for queries whose prompts
+    are routed (each to a rank of its own) and for queries of other prompts."""
+    routed_prompts = fleet.chains(BLOCKS, queries)
+    other_prompts = fleet.chains(BLOCKS, queries, seed=23)
+    routed = MemoryRouted()
+    engines = fleet.config.engines
+    for i, chain in enumerate(routed_prompts):
+        asyncio.run(routed.record(rank_of(i % engines), chain, 3600.0, 100_000))
+    for i, chain in enumerate(_random_chains(fleet, LIVE // BLOCKS - queries + 1, 11)):
+        asyncio.run(routed.record(rank_of((i + queries) % engines), chain, 3600.0, 100_000))
+    candidates = {
+        "none": _matcher(store, fleet, MemoryRouted()),
+        "routed": _matcher(store, fleet, routed),
+    }
+    out: dict = {"live_entries": routed.local_counts()["live"]}
+    for name, chains in (("routed_prompts", routed_prompts), ("other_prompts", other_prompts)):
+        samples = timed_calls(candidates, chains, rounds)
+        out[name] = {label: latency_ms(s) for label, s in samples.items()}
+    return out
+
+
+def run(report: Report, fleet: Fleet, store: MemoryStore, quick: bool) -> dict:
+    concurrency, requests = 8, (300 if quick else 2000)
+    rates = record_rate(fleet, concurrency, requests)
+    cost = match_cost(fleet, store, 20, 3 if quick else 10)
+    bare, routed = rates["bare"], rates["routed"]
+    live = cost["live_entries"]
+    report.add(
+        Figure(SECTION, f"POST /routed, 256 blocks, c={concurrency}: req/s", routed["req_per_s"],
+               "req/s", "bare endpoint, same server", bare["req_per_s"], RECORD_GOAL),
+        Figure(SECTION, f"POST /routed, 256 blocks, c={concurrency}: p50", routed["p50_ms"], "ms",
+               "bare endpoint p50", bare["p50_ms"]),
+    )  # fmt: skip
+    for case, what in (("routed_prompts", "prompts routed"), ("other_prompts", "other prompts")):
+        none, held = cost[case]["none"], cost[case]["routed"]
+        name = f"prefix match, {BLOCKS}-block chain, {what}, {live:,} routed entries"
+        report.add(
+            Figure(SECTION, f"{name}: p50", held["p50_ms"], "ms", "no routed entries p50",
+                   none["p50_ms"], MATCH_GOAL),
+            Figure(SECTION, f"{name}: p99", held["p99_ms"], "ms", "no routed entries p99",
+                   none["p99_ms"]),
+        )  # fmt: skip
+    return {"concurrency": concurrency, "requests": requests, "http": rates, "match": cost}
