@@ -243,7 +243,7 @@ async def test_the_ten_line_router_of_the_api_readme_routes(fleet: Fleet) -> Non
     readme = (Path(__file__).resolve().parents[1] / "api/README.md").read_text()
     section = readme.split("### A router in ten lines", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    assert len(code.strip().splitlines()) <= 10
+    assert len([line for line in code.splitlines() if line.strip()]) <= 10
     async with serving(fleet.app) as (url, _):
         names: dict = {}
         exec(code.replace("http://kvindex:8000", url), names)
