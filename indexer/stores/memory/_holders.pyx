@@ -532,6 +532,7 @@ cdef class HolderIndex:
     cdef int32_t *slot_of
     cdef Py_hash_t *rank_hash
     cdef Py_ssize_t *rsize  # per rank: its chunk size (0: GPU only)
+    cdef PyObject **ans  # per rank: its answer, borrowed from the kept answers
     cdef Py_ssize_t slot_cap
 
     def __cinit__(self):
@@ -557,6 +558,7 @@ cdef class HolderIndex:
         PyMem_Free(self.slot_of)
         PyMem_Free(self.rsize)
         PyMem_Free(self.rank_hash)
+        PyMem_Free(self.ans)
 
     def take_bit(self) -> int:
         """A bit no live rank uses (its hashes were all discarded when it was released)."""
@@ -599,9 +601,10 @@ cdef class HolderIndex:
             self.rank_hash = <Py_hash_t *>PyMem_Realloc(
                 self.rank_hash, self.slot_cap * sizeof(Py_hash_t)
             )
+            self.ans = <PyObject **>PyMem_Realloc(self.ans, self.slot_cap * sizeof(PyObject *))
             self.bits_seen = None
         if not (self.wkey and self.wmix and self.wstate and self.ids and self.runs
-                and self.active and self.slot_of and self.rsize and self.rank_hash):
+                and self.active and self.slot_of and self.rsize and self.rank_hash and self.ans):
             raise MemoryError()
         memset(self.wstate, 0, n)
         return 0
@@ -795,14 +798,19 @@ cdef class HolderIndex:
         cdef uint32_t *cpu_ids = self.ids
         cdef uint32_t *storage_ids = self.ids + self.wcap
         cdef int64_t f[6]
-        cdef list answers = [None] * nr
-        for r in range(nr):
-            rsize[r] = <object>size_items[r] or 0
+        cdef PyObject **ans = self.ans
+        cdef PyObject *seen = NULL
+        for r in range(nr):  # sizes are mostly one small int object: convert it once
+            if size_items[r] != seen:
+                seen = size_items[r]
+                size = <object>seen or 0
+            rsize[r] = size
+            ans[r] = NULL
         while done < nr:
             chosen = False
             memset(active, 0, width * 8)
             for r in range(nr):
-                if answers[r] is None and (not chosen or rsize[r] == size):
+                if ans[r] == NULL and (not chosen or rsize[r] == size):
                     size, chosen = rsize[r], True
                     slot = self.slot_of[r]
                     active[slot >> 6] |= 1ULL << (slot & 63)
@@ -814,7 +822,7 @@ cdef class HolderIndex:
                 self.walk(cpu, size - 1, size, chunks, active, runs + 1, cpu_ids)
                 self.walk(storage, size - 1, size, chunks, active + width, runs + 2, storage_ids)
             for r in range(nr):
-                if answers[r] is not None or rsize[r] != size:
+                if ans[r] != NULL or rsize[r] != size:
                     continue
                 slot = self.slot_of[r]
                 f[0] = f[3] = runs[3 * slot]
@@ -836,13 +844,14 @@ cdef class HolderIndex:
                             break
                         prefix, j = (j + 1) * size, j + 1
                     f[3] = prefix
-                answers[r] = <object>self.answer(f)
+                ans[r] = self.answer(f)
                 done += 1
         if hybrids is not None:
-            return self.refined(answers, chain, rank_seq, bits, sizes, hybrids)
+            return self.refined([<object>ans[r] for r in range(nr)], chain, rank_seq, bits, sizes,
+                                hybrids)
         cdef dict out = _PyDict_NewPresized(nr)
         for r in range(nr):
-            KV_SET_KNOWN(out, <object>rank_items[r], answers[r], self.rank_hash[r])
+            KV_SET_KNOWN(out, <object>rank_items[r], <object>ans[r], self.rank_hash[r])
         return out
 
     cdef dict refined(self, list answers, chain, ranks, bits, sizes, hybrids):
