@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from indexer.core.events import AllBlocksCleared, BlockStored, EventBatch, RankId
+from indexer.core.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, RankId
 from indexer.core.routed import RoutedRules, confirmations, deadlines, routed_run
+from indexer.engines.vllm.wire import decode_batch, encode_batch
 from indexer.routed import MemoryRouted, RedisRouted, conformance
 
 from .conftest import redis_config, server_for
@@ -46,6 +47,9 @@ def test_core_rules() -> None:
         [BlockStored([1], medium="CPU"), BlockStored([2]), AllBlocksCleared(), BlockStored([3])],
     )
     assert confirmations(batch) == ([3], True)
+    # as ingest decodes a batch: stores in the adapter's own lighter struct
+    stored = EventBatch(0.0, [BlockStored([4, 5], block_size=16), BlockRemoved([4])])
+    assert confirmations(decode_batch(encode_batch(stored), tokens=False)) == ([4, 5], False)
 
 
 def test_rank_ids_round_trip_names_with_colons() -> None:

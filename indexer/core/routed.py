@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice, takewhile
 
-from indexer.core.events import GPU, AllBlocksCleared, BlockHash, BlockStored, EventBatch
+from indexer.core.events import GPU, AllBlocksCleared, BlockHash, BlockRemoved, EventBatch
 from indexer.core.matching import PrefixMatch, TierWeights
 
 #: Counter names of routed entries: how each one was born or ended.
@@ -130,15 +130,19 @@ def best(scored: Iterable[tuple[Candidate, float, int]]) -> Candidate | None:
 
 def confirmations(batch: EventBatch) -> tuple[list[BlockHash], bool]:
     """What an applied batch says about a rank's routed entries: the hashes it
-    stored on GPU (confirmed), and whether it cleared the GPU (every entry ends)."""
+    stored on GPU (confirmed), and whether it cleared the GPU (every entry ends).
+
+    A store is any event neither a removal nor a clear: adapters decode stores into
+    lighter structs of their own (the hashes and tier alone), which count the same.
+    """
     stored: list[BlockHash] = []
     cleared = False
     for event in batch.events:
         kind = type(event)
-        if kind is BlockStored and (event.medium is None or event.medium.upper() == GPU):
-            stored.extend(event.block_hashes)
-        elif kind is AllBlocksCleared:
+        if kind is AllBlocksCleared:
             cleared, stored = True, []
+        elif kind is not BlockRemoved and (event.medium is None or event.medium.upper() == GPU):
+            stored.extend(event.block_hashes)
     return stored, cleared
 
 
