@@ -503,3 +503,35 @@ def test_the_content_format_is_read_off_the_template() -> None:
     assert pool.tokens_now("loops", messages=messages) == pool.tokens_now(
         "plain", messages=[ChatMessage(role="user", content="hello")]
     )
+
+
+@pytest.mark.parametrize("tokenizer", sorted(MODELS))
+@pytest.mark.parametrize("seed", range(12))
+def test_random_chats_and_flags_tokenize_as_transformers_renders_them(
+    tokenizer: str, seed: int
+) -> None:
+    """Where vLLM adds no rule of its own (no developer role, no billing header, string
+    content), its tokens are transformers' render, tokenized: random chats and flags."""
+    rng = random.Random(seed)
+    messages = [
+        {"role": role, "content": m.content}
+        for role, m in zip(
+            rng.choice([["system"], []]) + ["user", "assistant"] * 3,
+            _conversation(8, seed),
+            strict=False,
+        )
+    ]
+    generation = rng.choice([None, True, False])
+    cont = generation is False and rng.random() < 0.5
+    special = rng.choice([None, True, False])
+    options = ChatOptions(generation, cont or None, special)
+    converted = msgspec.convert(messages, list[ChatMessage])
+    tokens = POOL.tokens_now(tokenizer, messages=converted, options=options)
+    hf = POOL._model(tokenizer, "messages").hf
+    text = hf.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=generation is not False,
+        continue_final_message=cont,
+    )
+    assert tokens == hf(text, add_special_tokens=bool(special))["input_ids"]
