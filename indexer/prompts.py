@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
+import logging
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -48,6 +49,8 @@ EXTRA = "tokenize"
 _INSTALL = f"pip install 'kvindex[{EXTRA}]'"
 _EXTRA_MODULES = ("tokenizers", "transformers", "jinja2", "cachetools")
 _DEFAULTS = ChatOptions()
+
+log = logging.getLogger("kvindex.prompts")
 
 
 class ModelTokenizer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -301,6 +304,9 @@ class Tokenizers:
             self._loaded[model] = _Loaded(model, spec)
         except Exception as e:  # a missing directory, a hub error, a broken template
             self._failed[model] = f"the tokenizer of {model!r} failed to load: {e}"
+            log.error("tokenizer failed to load", extra={"model": model, "error": str(e)})
+        else:
+            log.info("tokenizer loaded", extra={"model": model, "tokenizer": spec.tokenizer})
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
