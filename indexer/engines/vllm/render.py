@@ -27,8 +27,9 @@ system messages and, if a system message is then not alone at the front,
 all system contents are merged with ``"\\n\\n"`` into one first message.
 The rendered text is then tokenized like a completion string.
 
-Only text is rendered: image, audio and other media parts are refused,
-because their placeholder tokens and hashes depend on the processor.
+Only text is rendered: image, audio and other media parts are refused
+(400, as vLLM refuses a part type it cannot take), because their placeholder
+tokens and hashes depend on the model's processor.
 """
 
 from __future__ import annotations
@@ -209,7 +210,6 @@ def _text_parts(i: int, message: ChatMessage) -> list[_Part]:
                 f"messages[{i}].content[{j}].type",
                 f"{str(kind)[:40]!r} is not supported: kvindex renders text parts only"
                 f" ({', '.join(TEXT_PART_FIELDS)})",
-                422,
             )
         text = part.get(field)
         if text is not None:
