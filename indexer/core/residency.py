@@ -268,7 +268,7 @@ class RankResidency:
             tier, delta, hashes, locality, kind, chunk = op
             table = tables.get(tier)
             if table is None:
-                table = tables[tier] = TierTable()
+                table = tables[tier] = self.new_table()
                 self._by_group = None
             if locality is not None:
                 table.locality = locality
@@ -282,6 +282,11 @@ class RankResidency:
                 self.unknown_removals += self.drop(tier, table.counts, hashes)
             applied += len(hashes)
         return applied
+
+    def new_table(self) -> TierTable:
+        """A new tier's table: a store may keep its counts in a container of its own
+        that reads like the dict (the embedded store's compiled tables)."""
+        return TierTable()
 
     # The three methods below are where counts and kinds change: a store that
     # keeps an index derived from residency (the embedded store's holder

@@ -70,7 +70,7 @@ cdef extern from *:
 
 ctypedef struct Entry:
     uint64_t key
-    uint32_t set  # 0: a free slot
+    uint32_t val  # a rank set's id, or a refcount; 0: a free slot
     uint32_t tag  # 0: the key is the hash itself; else 1 + the hash's place in the side list
 
 
@@ -300,17 +300,20 @@ cdef class RankSets:
         return int.from_bytes(raw, "little")
 
 
-cdef class HolderTable:
-    """One medium's ``hash -> rank set``; reads like the reference's ``dict[hash, mask]``."""
+cdef class KeyTable:
+    """Open addressing over the hashes of one tier or medium: ``hash -> value``.
+
+    Reads like the ``dict`` of the reference it replaces (``get``, ``in``, ``len``,
+    iteration, ``items``, equality with a dict); what the value is, the subclass says.
+    """
 
     cdef Entry *entries
     cdef Py_ssize_t mask, count
-    cdef RankSets sets
     cdef list side  # tag - 1 -> the hash (None: free)
     cdef list side_free
 
-    def __cinit__(self, RankSets sets):
-        self.sets, self.mask, self.count = sets, 7, 0
+    def __cinit__(self, *args):
+        self.mask, self.count = 7, 0
         self.entries = <Entry *>PyMem_Malloc(8 * sizeof(Entry))
         if not self.entries:
             raise MemoryError()
@@ -333,7 +336,7 @@ cdef class HolderTable:
     cdef Py_ssize_t find(self, uint64_t key, PyObject *obj, uint64_t h) except? -2:
         """Where the hash is (or -1 - the free slot where it would go)."""
         cdef Py_ssize_t i = h & self.mask
-        while self.entries[i].set:
+        while self.entries[i].val:
             if self.same(&self.entries[i], key, obj):
                 return i
             i = (i + 1) & self.mask
@@ -357,9 +360,9 @@ cdef class HolderTable:
         memset(self.entries, 0, cap * sizeof(Entry))
         self.mask = cap - 1
         for i in range(n):
-            if old[i].set:
+            if old[i].val:
                 j = mix(old[i].key) & self.mask
-                while self.entries[j].set:
+                while self.entries[j].val:
                     j = (j + 1) & self.mask
                 self.entries[j] = old[i]
         PyMem_Free(old)
@@ -377,7 +380,7 @@ cdef class HolderTable:
         if (self.count + 1) * 4 > (self.mask + 1) * 3:
             self.rehash((self.mask + 1) * 2)
             free = -1 - self.find(key, obj, mix(key))
-        self.entries[free].key, self.entries[free].set = key, id
+        self.entries[free].key, self.entries[free].val = key, id
         self.entries[free].tag = <uint32_t>tag
         self.count += 1
         return 0
@@ -390,15 +393,78 @@ cdef class HolderTable:
         cdef Py_ssize_t j = i, home, m = self.mask
         while True:  # backward-shift deletion: no tombstones
             j = (j + 1) & m
-            if not self.entries[j].set:
+            if not self.entries[j].val:
                 break
             home = mix(self.entries[j].key) & m
             if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
                 self.entries[i] = self.entries[j]
                 i = j
-        self.entries[i].set = 0
+        self.entries[i].val = 0
         self.count -= 1
         return 0
+
+    cdef inline object key_at(self, Py_ssize_t i):
+        if self.entries[i].tag:
+            return self.side[self.entries[i].tag - 1]
+        return self.entries[i].key
+
+    cdef object value(self, uint32_t val):
+        return val
+
+    def get(self, h, default=None):
+        cdef uint64_t key
+        cdef PyObject *obj
+        cdef Py_ssize_t i = self.locate(h, &key, &obj)
+        return default if i < 0 else self.value(self.entries[i].val)
+
+    def __getitem__(self, h):
+        found = self.get(h)
+        if found is None:
+            raise KeyError(h)
+        return found
+
+    def __contains__(self, h) -> bool:
+        cdef uint64_t key
+        cdef PyObject *obj
+        return self.locate(h, &key, &obj) >= 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def items(self) -> list:
+        cdef Py_ssize_t i
+        return [
+            (self.key_at(i), self.value(self.entries[i].val))
+            for i in range(self.mask + 1)
+            if self.entries[i].val
+        ]
+
+    def keys(self) -> list:
+        cdef Py_ssize_t i
+        return [self.key_at(i) for i in range(self.mask + 1) if self.entries[i].val]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, KeyTable):
+            other = dict(other.items())
+        return isinstance(other, dict) and dict(self.items()) == other
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict(self.items())!r})"
+
+
+cdef class HolderTable(KeyTable):
+    """One medium's ``hash -> rank mask`` (bit ``1 << slot`` per rank), as rank set ids."""
+
+    cdef RankSets sets
+
+    def __cinit__(self, RankSets sets):
+        self.sets = sets
+
+    cdef object value(self, uint32_t val):
+        return self.sets.as_int(val)
 
     cdef int put(self, Py_ssize_t slot, object hashes, bint on) except -1:
         """Put ``slot`` into (``on``) or out of every hash's set; a hash no slot holds leaves.
@@ -422,7 +488,7 @@ cdef class HolderTable:
                         sets.take(new)
                         self.insert(-1 - i, key, obj, new)
                     continue
-                old = self.entries[i].set
+                old = self.entries[i].val
                 if sets.has(old, slot) == on:
                     continue
                 if old != was:
@@ -438,7 +504,7 @@ cdef class HolderTable:
                 new = now
                 if new:
                     sets.take(new)
-                    self.entries[i].set = new
+                    self.entries[i].val = new
                 else:
                     self.remove(i)
                 sets.drop(old)
@@ -449,57 +515,46 @@ cdef class HolderTable:
                     sets.drop(now)
         return 0
 
-    cdef inline object key_at(self, Py_ssize_t i):
-        if self.entries[i].tag:
-            return self.side[self.entries[i].tag - 1]
-        return self.entries[i].key
+cdef class CountTable(KeyTable):
+    """One tier's ``hash -> refcount`` of one rank, for the reference's ``dict[hash, int]``."""
 
-    def get(self, h, default=None):
-        """The hash's rank mask (bit ``1 << slot`` per rank), or ``default``."""
+    def add(self, hashes) -> list:
+        """One more reference per hash (a hash listed twice gets two); returns the
+        hashes this gave their first reference."""
+        cdef object seq = PySequence_Fast(hashes, "hashes must be iterable")
+        cdef PyObject **items = PySequence_Fast_ITEMS(seq)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), k, i
         cdef uint64_t key
         cdef PyObject *obj
-        cdef Py_ssize_t i = self.locate(h, &key, &obj)
-        return default if i < 0 else self.sets.as_int(self.entries[i].set)
+        cdef list fresh = []
+        for k in range(n):
+            i = self.locate(<object>items[k], &key, &obj)
+            if i >= 0:
+                self.entries[i].val += 1
+            else:
+                self.insert(-1 - i, key, obj, 1)
+                fresh.append(<object>items[k])
+        return fresh
 
-    def __getitem__(self, h):
-        found = self.get(h)
-        if found is None:
-            raise KeyError(h)
-        return found
-
-    def __contains__(self, h) -> bool:
+    def drop(self, hashes) -> tuple:
+        """One reference fewer per hash, never below zero: a hash leaves with its last.
+        Returns the removals of hashes not held, and the hashes that left."""
+        cdef object seq = PySequence_Fast(hashes, "hashes must be iterable")
+        cdef PyObject **items = PySequence_Fast_ITEMS(seq)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), k, i, unknown = 0
         cdef uint64_t key
         cdef PyObject *obj
-        return self.locate(h, &key, &obj) >= 0
-
-    def __len__(self) -> int:
-        return self.count
-
-    def items(self) -> list:
-        cdef Py_ssize_t i
-        return [
-            (self.key_at(i), self.sets.as_int(self.entries[i].set))
-            for i in range(self.mask + 1)
-            if self.entries[i].set
-        ]
-
-    def keys(self) -> list:
-        return [h for h, _ in self.items()]
-
-    def __iter__(self):
-        return iter(self.keys())
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, HolderTable):
-            other = dict(other.items())
-        return isinstance(other, dict) and dict(self.items()) == other
-
-    def __repr__(self) -> str:
-        return f"HolderTable({dict(self.items())!r})"
-
-    def bytes_used(self) -> int:
-        """What the table itself allocated (entries and side list), for the bench."""
-        return (self.mask + 1) * sizeof(Entry)
+        cdef list gone = []
+        for k in range(n):
+            i = self.locate(<object>items[k], &key, &obj)
+            if i < 0:
+                unknown += 1
+            elif self.entries[i].val > 1:
+                self.entries[i].val -= 1
+            else:
+                self.remove(i)
+                gone.append(<object>items[k])
+        return unknown, gone
 
 
 cdef class HolderIndex:
@@ -627,14 +682,14 @@ cdef class HolderIndex:
         cdef Py_ssize_t m = t.mask, j = self.wmix[i] & m
         cdef uint64_t key = self.wkey[i]
         if self.wstate[i] == 1:
-            while e[j].set:
+            while e[j].val:
                 if e[j].key == key and e[j].tag == 0:
-                    return e[j].set
+                    return e[j].val
                 j = (j + 1) & m
             return 0
-        while e[j].set:
+        while e[j].val:
             if t.same(&e[j], key, self.witems[i]):
-                return e[j].set
+                return e[j].val
             j = (j + 1) & m
         return 0
 

@@ -43,21 +43,33 @@ class IndexedResidency(RankResidency):
     _peers_of: int = -1  # len(tables) when _peers was filled
 
     def add(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> None:
-        fresh: list[BlockHash] = []
-        add_references(counts, hashes, fresh)
+        fresh = self.added(counts, hashes)
         if fresh:
             found = self._index_peers(tier)
             if found is not None:
                 self.index.add(tier.medium, self.bit, _alone(fresh, found[1]), found[0])
 
     def drop(self, tier: Tier, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> int:
-        gone: list[BlockHash] = []
-        unknown = drop_references(counts, hashes, gone)
+        unknown, gone = self.dropped(counts, hashes)
         if gone:
             found = self._index_peers(tier)
             if found is not None:
                 self.index.discard(tier.medium, self.bit, _alone(gone, found[1]), found[0])
         return unknown
+
+    def added(self, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """One more reference per hash; the hashes given their first. (The compiled
+        tables count in C: :class:`~indexer.stores.memory.compiled.CompiledResidency`.)"""
+        fresh: list[BlockHash] = []
+        add_references(counts, hashes, fresh)
+        return fresh
+
+    def dropped(
+        self, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]
+    ) -> tuple[int, list[BlockHash]]:
+        """One reference fewer per hash: the removals of hashes not held, the hashes gone."""
+        gone: list[BlockHash] = []
+        return drop_references(counts, hashes, gone), gone
 
     def learn_kind(self, op: TierOp) -> None:
         group = op.tier.group_idx

@@ -27,14 +27,16 @@ from indexer.stores.memory.residency import IndexedResidency
 class MemoryStore:
     """Implements :class:`indexer.stores.Store` with plain dicts.
 
-    ``index`` makes the holder index: by default the compiled one when it built,
-    else the pure-Python reference (:mod:`indexer.stores.memory.compiled`).
+    ``core``: its holder index and its ranks' residency, by default the compiled
+    ones when they built, else the pure-Python reference
+    (:mod:`indexer.stores.memory.compiled`).
     """
 
-    def __init__(self, index: Callable[[], object] = compiled.HolderIndex) -> None:
+    def __init__(self, core: compiled.StoreCore = compiled.CORE) -> None:
         self._ranks: dict[RankId, IndexedResidency] = {}
         self._watermarks: dict[RankId, Watermark] = {}
-        self._holders = index()
+        self._holders = core.index()
+        self._residency = core.residency
         self._hybrids = Hybrids()  # the ranks of hybrid models
         #: ranks, their engines and their bits, in step with ``_ranks``; None when stale
         self._listing: tuple[list[RankId], list[str], list[int]] | None = None
@@ -43,7 +45,7 @@ class MemoryStore:
         state = self._ranks.get(rank)
         if state is None:
             holders = self._holders
-            state = self._ranks[rank] = IndexedResidency(index=holders, bit=holders.take_bit())
+            state = self._ranks[rank] = self._residency(index=holders, bit=holders.take_bit())
             self._listing = None
         return state
 
