@@ -306,3 +306,19 @@ def test_kvindex_serve_with_models_routes_a_chat_end_to_end(tmp_path: Path) -> N
     held = {(e.engine, e.prefix_blocks) for e in match.engines}
     assert held == {("a", full - 1), ("b", full)} and match.num_blocks == full
     assert best_rank(match).engine == "b"
+
+
+def test_the_clients_rows_are_the_servers_fields() -> None:
+    """The client decodes its own structs (it must not import the server); every field
+    it reads is one the server's answer has, of the same type."""
+    from api import schemas
+
+    for ours, theirs in (
+        (EngineMatch, schemas.EngineMatch),
+        (PrefixMatch, schemas.PrefixMatchResponse),
+    ):
+        served_fields = {f.name: f.type for f in msgspec.structs.fields(theirs)}
+        for field in msgspec.structs.fields(ours):
+            assert field.name in served_fields, field.name
+            if field.name != "engines":
+                assert field.type == served_fields[field.name], field.name
