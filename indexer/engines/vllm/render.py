@@ -11,11 +11,12 @@ is; an empty prompt is refused.
 
 Chat (``messages``): ``add_generation_prompt`` defaults to True,
 ``continue_final_message`` to False and ``add_special_tokens`` to False
-(the template writes its own BOS). ``continue_final_message`` is refused unless
-``add_generation_prompt`` is false (set or defaulted true, transformers
-refuses the pair);
-the request's flags override the same keys in ``chat_template_kwargs``,
-and ``chat_template``/``tokenize`` there are refused. Each message becomes
+(the template writes its own BOS). ``continue_final_message`` is refused
+unless ``add_generation_prompt`` is false (set or defaulted true,
+transformers refuses the pair). The request's flags override the same keys
+in ``chat_template_kwargs``, and ``chat_template``/``tokenize`` there are
+refused; kwargs neither the template nor ``apply_chat_template`` names are
+dropped. Each message becomes
 a conversation entry: string content is one text part, null content none;
 for a template that reads content as a string the text parts are joined
 with ``"\\n"``, for one that loops over content items they stay a list of
