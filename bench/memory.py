@@ -25,7 +25,7 @@ from bench.fleet import Fleet, rank_of
 from bench.query import entries, load
 from bench.report import Figure, Report
 from indexer.core.events import BlockStored, EventBatch, RankId
-from indexer.stores import MemoryStore
+from indexer.stores import MemoryStore, apply_events
 
 SECTION = "7"
 #: Full-run sizes; quick runs measure the first only.
@@ -75,7 +75,7 @@ def synthetic(engines: int, blocks: int, seed: int = 1) -> Callable[[MemoryStore
 
     async def go(store: MemoryStore) -> None:
         for batch in synthetic_batches(engines, blocks, seed):
-            await store.apply_batch(*batch)
+            await apply_events(store, *batch)
 
     return lambda store: asyncio.run(go(store))
 

@@ -18,7 +18,7 @@ from bench.fleet import CHUNK_BLOCKS, Fleet
 from bench.measure import latency_ms
 from bench.report import Figure, Goal, Report
 from indexer.engines.vllm.wire import decode_batch
-from indexer.stores import MemoryStore
+from indexer.stores import MemoryStore, apply_events
 
 SECTION = "4"
 LENGTHS = (64, 512, 2048)
@@ -26,7 +26,7 @@ LENGTHS = (64, 512, 2048)
 
 async def load(store: MemoryStore, stream: Sequence) -> None:
     for rank, seq, payload in stream:
-        await store.apply_batch(rank, seq, decode_batch(payload, tokens=False))
+        await apply_events(store, rank, seq, decode_batch(payload, tokens=False))
 
 
 def entries(store: MemoryStore) -> int:

@@ -210,6 +210,8 @@ async def test_answer_reports_tiers_score_and_sorts_best_first(api: Api) -> None
         "score": 21.6,
         "degraded": False,
         "gpu_blocks_full_attention": 12,
+        "routed_blocks": 12,  # nothing routed: the exact GPU run
+        "approximate": False,
     }
     assert [(e["engine"], e["score"]) for e in answer["engines"]] == [
         ("vllm-b", 30.0),
@@ -269,7 +271,7 @@ async def test_bytes_hashes_are_queried_in_hex(api: Api) -> None:
 
 async def test_no_engines_answers_an_empty_list(api: Api) -> None:
     answer = (await api.client.post("/prefix-match", json={"tokens": list(range(40))})).json()
-    assert answer == {"block_size": None, "num_blocks": None, "engines": []}
+    assert answer == {"block_size": None, "num_blocks": None, "engines": [], "routed_to": None}
 
 
 # --- operator REST ---------------------------------------------------------------
