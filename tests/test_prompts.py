@@ -218,6 +218,7 @@ async def test_a_flag_that_changes_the_tokens_changes_the_answer() -> None:
             "messages[0].content[1].type",
         ),
         ({"model": "chatmlish", "messages": [{"content": "no role"}]}, 422, "role"),
+        ({"model": "chatmlish", "messages": [], "tools": [{"type": "function"}]}, 422, "tools"),
     ],
 )
 async def test_bad_prompt_fields_are_4xx_naming_the_field(
