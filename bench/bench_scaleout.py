@@ -35,7 +35,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from indexer.cluster.leases import Leases, live_workers, owners_key
+from indexer.cluster.leases import Leases, live_workers
 from indexer.cluster.registry import RedisRegistry
 from indexer.core.events import EventBatch, RankId
 from indexer.engines.vllm.wire import encode_batch
@@ -136,7 +136,7 @@ async def caught_up(store: RedisStore, targets: dict[RankId, int]) -> bool:
 
 
 async def claims(store: RedisStore) -> list[tuple[float, dict[str, str]]]:
-    (entries,) = await store.execute([("XRANGE", owners_key(store), "-", "+")])
+    (entries,) = await store.client.execute([("XRANGE", store.layout.owners_key, "-", "+")])
     return [
         (int(i.split(b"-")[0]) / 1000, {k.decode(): v.decode() for k, v in f.items()})
         for i, f in entries
@@ -170,7 +170,7 @@ async def ingest(bench: Bench, engines: int, batches: int, count: int) -> dict:
     workers = bench.workers(config, count)
     try:
         await until(lambda: _live(store, count), 30)
-        registry = RedisRegistry(store)
+        registry = RedisRegistry(store.client)
         redis_cpu, worker_cpu = await bench.redis_cpu(), sum(map(cpu_seconds, workers))
         for engine in fleet:
             await registry.add(engine.spec())
@@ -200,7 +200,7 @@ async def ingest(bench: Bench, engines: int, batches: int, count: int) -> dict:
 
 
 async def _live(store: RedisStore, count: int) -> bool:
-    return len(await live_workers(store)) == count
+    return len(await live_workers(store.client)) == count
 
 
 def publish_live(fleet: list[Engine], rate: float, done: threading.Event) -> None:
@@ -221,15 +221,15 @@ async def hand_over(bench: Bench, engines: int, rate: float) -> dict:
     publisher.start()
     try:
         await until(lambda: _live(store, 2), 30)
-        registry = RedisRegistry(store)
+        registry = RedisRegistry(store.client)
         for engine in fleet:
             await registry.add(engine.spec())
         ranks = {RankId(e.name, 0): e for e in fleet}
         await until(lambda: _owners_settled(store, ranks), 30)
         await asyncio.sleep(2.0)
         orphans = [r for r, w in (await _owners(store)).items() if w == "w0"]
-        leases = Leases(store, "bench", LEASE_TTL)
-        ttls = await store.execute([("PTTL", leases.key(r)) for r in orphans])
+        leases = Leases(store.client, "bench", LEASE_TTL)
+        ttls = await store.client.execute([("PTTL", leases.key(r)) for r in orphans])
         workers[0].kill()
         killed = time.time()
         workers[0].wait()

@@ -6,7 +6,7 @@ store's own watermark check. Candidates run in turn, repeated, and each
 figure is a median:
 
 - kvindex: :func:`~indexer.engines.vllm.wire.decode_batch` then
-  :meth:`MemoryStore.apply_batch <indexer.stores.MemoryStore.apply_batch>`;
+  :func:`~indexer.stores.apply_events` into a :class:`~indexer.stores.MemoryStore`;
 - naive consumer: untyped ``msgspec.msgpack.decode`` and a dict of counts,
   what one writes first (goal: kvindex >= 1.5x it);
 - decode floor: msgspec's typed decoding of the payloads into every field
@@ -31,7 +31,7 @@ from bench.measure import interleaved
 from bench.report import Figure, Goal, Report
 from indexer.core.events import EventBatch, RankId
 from indexer.engines.vllm.wire import IndexedBatch, decode_batch
-from indexer.stores import MemoryStore
+from indexer.stores import MemoryStore, apply_events
 
 Stream = Sequence[tuple[RankId, int, bytes]]
 SECTION = "1"
@@ -40,7 +40,7 @@ SECTION = "1"
 async def _apply_all(store: MemoryStore, stream: Stream) -> int:
     ops = 0
     for rank, seq, payload in stream:
-        ops += (await store.apply_batch(rank, seq, decode_batch(payload, tokens=False))).block_ops
+        ops += (await apply_events(store, rank, seq, decode_batch(payload, tokens=False))).block_ops
     return ops
 
 

@@ -40,7 +40,7 @@ from indexer.engines.base import Prompt
 from indexer.engines.vllm.render import ChatMessage
 from indexer.prompts import ModelTokenizer, Tokenizers
 from indexer.registry import EngineRegistry, EngineSpec, RankStatus
-from indexer.stores import MemoryStore
+from indexer.stores import MemoryStore, apply_events
 
 SECTION = "11"
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared/fixtures/vllm-0.33.0/tokenize/llama3ish"
@@ -87,7 +87,7 @@ async def _fleet(messages: list[dict[str, str]], pool: Tokenizers) -> tuple[Any,
         await registry.add(EngineSpec(name, "tcp://127.0.0.1:1", MODEL, hash_algo="sha256"))
         held = len(chain) * (e + 1) // ENGINES  # engine e holds the first (e+1)/ENGINES
         event = BlockStored(chain[:held], None, tokens[: held * 16], 16)
-        await store.apply_batch(RankId(name, 0), 1, EventBatch(1.0, [event], 0))
+        await apply_events(store, RankId(name, 0), 1, EventBatch(1.0, [event], 0))
     settings = ApiSettings(models={MODEL: ModelTokenizer(str(TOKENIZER))})
     app = create_app(store, registry, AllConnected(), settings, tokenizers=pool)
     return app, tokens

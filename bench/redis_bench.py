@@ -40,7 +40,7 @@ from bench.query import LENGTHS, entries
 from bench.report import Figure, Goal, Report
 from indexer.core.events import BlockStored, EventBatch, RankId
 from indexer.engines.vllm.wire import decode_batch
-from indexer.stores import MemoryStore
+from indexer.stores import MemoryStore, apply_events
 from indexer.stores.redis import RedisConfig, RedisStore
 from tests.servers import RedisServer, free_port
 
@@ -96,7 +96,7 @@ async def _in_order(
     async def one(rank: RankId, batches: list) -> int:
         ops = 0
         for seq, item in batches:
-            ops += (await store.apply_batch(rank, seq, batch_of(item))).block_ops
+            ops += (await apply_events(store, rank, seq, batch_of(item))).block_ops
         return ops
 
     started = time.perf_counter()
@@ -129,7 +129,7 @@ async def query(store: RedisStore, url: str, fleet: Fleet, queries: int) -> dict
                 ours.append(time.perf_counter() - started)
                 pipe = client.pipeline(transaction=False)
                 for h in chain:
-                    pipe.hgetall(store.block_key(h))
+                    pipe.hgetall(store.layout.block_key(h))
                 started = time.perf_counter()
                 await pipe.execute()
                 baseline.append(time.perf_counter() - started)

@@ -61,7 +61,7 @@ async def run_indexer(
     native.warn_if_unavailable("indexer")
     config.check_binds(engines)
     store = RedisStore(redis)
-    registry = RedisRegistry(store)
+    registry = RedisRegistry(store.client)
     pool = RankPool(config.subscriber)
     routed = RedisRouted(redis)  # confirmed and cleared by the batches this worker applies
     pool.add_observer(routed.observe)
@@ -113,10 +113,10 @@ async def run_api(
     native.warn_if_unavailable("api")
     settings = settings or config.api_settings()
     store = RedisStore(redis)
-    registry = RedisRegistry(store)
+    registry = RedisRegistry(store.client)
     registry.declare(config.engines)  # registered again should the registry be lost
     polls = config.indexer
-    board = StatusBoard(store, registry, stale_after=3 * polls.status_interval)
+    board = StatusBoard(store.client, registry, stale_after=3 * polls.status_interval)
     routed = RedisRouted(redis)
     app = create_app(store, registry, board, settings, routed=routed)
     tasks: list[asyncio.Task] = []

@@ -13,7 +13,7 @@ from indexer.engines.vllm.wire import decode_batch
 from indexer.ingest.subscriber import Subscriber
 from indexer.ingest.trace import Trace
 from indexer.registry import EngineRegistry, EngineSpec, RankStatus
-from indexer.stores import MemoryStore
+from indexer.stores import MemoryStore, apply_events
 from indexer.stores.base import Store
 from producer.publisher import Publisher
 
@@ -46,7 +46,7 @@ class FakeConsumers:
         self.observers.append(observer)
 
     async def apply(self, rank: RankId, seq: int, batch: EventBatch) -> None:
-        if (await self.store.apply_batch(rank, seq, batch)).applied:
+        if (await apply_events(self.store, rank, seq, batch)).applied:
             for observer in self.observers:
                 observer(rank, batch)
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from indexer.core.events import CPU, GPU, MEDIA, AllBlocksCleared, EventBatch, RankId
 from indexer.core.hybrid import HeldUnits
 from indexer.core.residency import RankResidency, plan_batch
-from indexer.stores import MemoryStore, Store, Watermark
+from indexer.stores import MemoryStore, Store, Watermark, apply_events
 from indexer.stores.memory.hybrids import HeldSlices
 from indexer.stores.redis import RedisStore
 
@@ -149,7 +149,7 @@ async def run_stream(make: Callable[[], Store], steps: list[tuple], declared: in
                 seqs[rank] = max(0, seqs[rank] + step)
                 ts += 1.0
                 batch = EventBatch(ts, events, 0)
-                applied = (await store.apply_batch(rank, seqs[rank], batch)).applied
+                applied = (await apply_events(store, rank, seqs[rank], batch)).applied
                 assert applied == ref.apply(rank, seqs[rank], batch), at
             elif what == "clear":
                 await store.clear(rank, args[0])

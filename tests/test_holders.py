@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from indexer.core.events import CPU, GPU, MEDIA, AllBlocksCleared, BlockStored, EventBatch, RankId
 from indexer.core.hybrid import is_scored, is_windowed
-from indexer.stores import MemoryStore
+from indexer.stores import MemoryStore, apply_events
 
 from .events import removed, stored
 
@@ -79,7 +79,7 @@ def test_index_and_matches_follow_the_model(steps, declared) -> None:
         for what, rank, arg in steps:
             if what == "batch":
                 seqs[rank] += 1
-                await store.apply_batch(rank, seqs[rank], EventBatch(1.0, arg, 0))
+                await apply_events(store, rank, seqs[rank], EventBatch(1.0, arg, 0))
             elif what == "clear":
                 await store.clear(rank, arg)
             else:
@@ -102,11 +102,11 @@ def test_a_forgotten_ranks_bit_is_reused_clean() -> None:
 
     async def run() -> None:
         first, second = RankId("x", 0), RankId("y", 0)
-        await store.apply_batch(first, 0, EventBatch(1.0, [BlockStored([1, 2], medium="GPU")]))
+        await apply_events(store, first, 0, EventBatch(1.0, [BlockStored([1, 2], medium="GPU")]))
         bit = store._ranks[first].bit
         await store.forget(first)
         assert store._holders.media[GPU] == {}
-        await store.apply_batch(second, 0, EventBatch(1.0, [BlockStored([2], medium="GPU")]))
+        await apply_events(store, second, 0, EventBatch(1.0, [BlockStored([2], medium="GPU")]))
         assert store._ranks[second].bit == bit
         found = await store.prefix_match([1, 2], {"y": None})
         assert found[second].gpu_blocks == 0
@@ -122,8 +122,8 @@ def test_more_answer_classes_than_one_byte_counts() -> None:
     async def run() -> dict:
         for i in range(len(chain)):
             batch = EventBatch(0.0, [BlockStored(chain[: i + 1])])
-            await store.apply_batch(RankId(f"e{i}", 0), 1, batch)
-        await store.apply_batch(RankId("cold", 0), 1, EventBatch(0.0, [BlockStored([999])]))
+            await apply_events(store, RankId(f"e{i}", 0), 1, batch)
+        await apply_events(store, RankId("cold", 0), 1, EventBatch(0.0, [BlockStored([999])]))
         engines = {f"e{i}": None for i in range(len(chain))} | {"cold": None}
         return await store.prefix_match(chain, engines)
 

@@ -20,7 +20,7 @@ from indexer.core.events import CPU, GPU, LOWER_TIERS, STORAGE, AllBlocksCleared
 from indexer.core.matching import PrefixMatch
 from indexer.core.residency import RankResidency, plan_batch
 from indexer.registry import EngineSpec, KVGroup
-from indexer.stores import Store
+from indexer.stores import Store, apply_events
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
 
@@ -219,7 +219,7 @@ async def test_every_store_answers_like_the_reference_on_random_hybrid_streams(
     chains = [CHAIN, CHAIN[:13], CHAIN[3:]]
     for rank in ranks:
         for seq, batch in enumerate(hybrid_stream(rng, 30, kind, window)):
-            await store.apply_batch(rank, seq, batch)
+            await apply_events(store, rank, seq, batch)
             reference[rank].apply(plan_batch(batch))
     for declared in (None, 1, 4, 6):
         for chain in chains:

@@ -112,7 +112,7 @@ async def test_every_endpoint_agrees_on_each_rank(
     await fleet.engine("lost", buffer_steps=1)  # replay answers its last batch only
     for name in ("up", "lost"):
         await wait_until(lambda n=name: fleet.status(n).applied_seq == last, what=name)
-    await fleet.store.execute([("FLUSHALL",)])  # the store forgets everything
+    await fleet.store.client.execute([("FLUSHALL",)])  # the store forgets everything
     await wait_until(
         lambda: "could not apply" in (fleet.status("lost").store_loss or ""),
         what="the lost rank to give up its rebuild",

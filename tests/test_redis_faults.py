@@ -25,9 +25,10 @@ from redis.asyncio import Redis
 from indexer.core.events import AllBlocksCleared, EventBatch, RankId
 from indexer.engines.vllm.wire import decode_batch
 from indexer.ingest.trace import apply_trace, load_trace
-from indexer.stores import StoreUnavailable
+from indexer.stores import StoreUnavailable, apply_events
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.stores.redis import store as redis_store
+from indexer.stores.redis import plan as redis_plan
+from indexer.stores.redis.scripts import APPLY_OPS, COMPARE_AND_SET
 
 from .conftest import trace_path
 from .servers import RedisServer, free_port
@@ -70,7 +71,7 @@ async def crash_before_commit(config: RedisConfig, seq: int, crashed: EventBatch
     """Apply ``crashed`` with a store that dies after its block writes, before its commit."""
     store = crashing_before_commit(RedisStore(config))
     with pytest.raises(Crash):
-        await store.apply_batch(RANK, seq, crashed)
+        await apply_events(store, RANK, seq, crashed)
     await store.close()
 
 
@@ -80,10 +81,9 @@ def crashing_before_commit(store: RedisStore) -> RedisStore:
 
     async def until_commit(commands):
         nonlocal wrote
-        script = store._shas["compare_and_set"]
-        if wrote and commands[0][:2] == ("EVALSHA", script):
+        if wrote and commands[0][:2] == ("EVALSHA", COMPARE_AND_SET.sha):
             raise Crash
-        wrote = wrote or commands[0][1] == store._shas["apply_ops"]
+        wrote = wrote or commands[0][1] == APPLY_OPS.sha
         return await run(commands)
 
     store._run = until_commit
@@ -93,7 +93,7 @@ def crashing_before_commit(store: RedisStore) -> RedisStore:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "ops_per_call", "most_commands"),
-    [("redis", 16, 60), ("cluster", redis_store.OPS_PER_CALL, 300)],
+    [("redis", 16, 60), ("cluster", redis_plan.OPS_PER_CALL, 300)],
 )
 async def test_crashes_at_random_points_then_redelivery_apply_each_op_once(
     request: pytest.FixtureRequest,
@@ -105,7 +105,7 @@ async def test_crashes_at_random_points_then_redelivery_apply_each_op_once(
     """Batches span many script calls: one per bucket on a cluster and, with few
     operations per call, several on one server (a call holding a whole batch
     applies it atomically there, which leaves no partial state to test)."""
-    monkeypatch.setattr(redis_store, "OPS_PER_CALL", ops_per_call)
+    monkeypatch.setattr(redis_plan, "OPS_PER_CALL", ops_per_call)
     server, trace = server_for(request, kind), load_trace(TRACE_FILE)
     config = redis_config(server.url, cluster=kind == "cluster")
     rng, crashes = random.Random(11), 0
@@ -159,7 +159,7 @@ async def test_racing_indexers_apply_each_batch_once(
     async def indexer(store: RedisStore) -> int:
         applied = 0
         for seq, payload in trace:
-            applied += (await store.apply_batch(RANK, seq, decode_batch(payload))).applied
+            applied += (await apply_events(store, RANK, seq, decode_batch(payload))).applied
             if rng.random() < 0.3:
                 await asyncio.sleep(0)
         return applied
@@ -177,6 +177,7 @@ async def test_racing_indexers_apply_each_batch_once(
 WORKER = """
 import asyncio, sys
 from indexer.core.events import RankId
+from indexer.stores import apply_events
 from indexer.stores.redis import RedisConfig, RedisStore
 from indexer.ingest.trace import load_trace
 from indexer.engines.vllm.wire import decode_batch
@@ -185,7 +186,7 @@ async def main():
     store = RedisStore(RedisConfig(sys.argv[1], prefix=sys.argv[2], sweep_interval=None))
     rank = RankId(sys.argv[4], int(sys.argv[5]))
     for seq, payload in load_trace(sys.argv[3]):
-        await store.apply_batch(rank, seq, decode_batch(payload))
+        await apply_events(store, rank, seq, decode_batch(payload))
         print(seq, flush=True)
 
 asyncio.run(main())
@@ -231,7 +232,7 @@ async def test_redis_restart_mid_stream_loses_and_doubles_nothing(
                 )
             while True:
                 try:
-                    await store.apply_batch(RANK, seq, decode_batch(payload))
+                    await apply_events(store, RANK, seq, decode_batch(payload))
                     break
                 except StoreUnavailable:
                     outages += 1
@@ -255,7 +256,7 @@ async def test_more_concurrent_batches_than_connections_wait_for_one(request, ki
     ranks = [RankId(f"e{i}", 0) for i in range(24)]
     try:
         results = await asyncio.gather(
-            *(store.apply_batch(rank, 0, batch(stored([i + 1]))) for i, rank in enumerate(ranks))
+            *(apply_events(store, rank, 0, batch(stored([i + 1]))) for i, rank in enumerate(ranks))
         )
         assert all(result.applied for result in results)
         assert [(await store.block_counts(rank))["GPU"] for rank in ranks] == [1] * len(ranks)
@@ -271,7 +272,7 @@ async def test_pooled_connections_redis_closed_are_replaced_on_first_use(
     config = redis_config(durable_redis.url)
     ranks = [RankId(f"e{i}", 0) for i in range(config.max_connections)]
     async with reopened(config) as store:
-        assert (await store.apply_batch(RANK, 0, batch(stored([1])))).applied
+        assert (await apply_events(store, RANK, 0, batch(stored([1])))).applied
         await asyncio.gather(*(store.anomalies(rank) for rank in ranks))  # a pool of them
         await asyncio.to_thread(durable_redis.restart)
         replies = await asyncio.gather(*(store.anomalies(rank) for rank in [RANK, *ranks]))
@@ -287,7 +288,7 @@ async def test_unreachable_redis_raises_store_unavailable() -> None:
         with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port}"):
             await store.ping()
         with pytest.raises(StoreUnavailable):
-            await store.apply_batch(RANK, 0, batch(stored([1])))
+            await apply_events(store, RANK, 0, batch(stored([1])))
         with pytest.raises(StoreUnavailable):
             await store.prefix_match([1], {RANK.engine: None})
         await store.close()
@@ -296,18 +297,18 @@ async def test_unreachable_redis_raises_store_unavailable() -> None:
 async def test_a_hung_redis_times_out_then_recovers(durable_redis: RedisServer) -> None:
     config = dataclasses.replace(redis_config(durable_redis.url), retries=0, socket_timeout=0.3)
     async with reopened(config) as store:
-        assert (await store.apply_batch(RANK, 0, batch(stored([1])))).applied
+        assert (await apply_events(store, RANK, 0, batch(stored([1])))).applied
         durable_redis.proc.send_signal(signal.SIGSTOP)
         try:
             started = time.monotonic()
             with pytest.raises(StoreUnavailable, match="unavailable"):
-                await store.apply_batch(RANK, 1, batch(stored([2])))
+                await apply_events(store, RANK, 1, batch(stored([2])))
             assert time.monotonic() - started < 3
         finally:
             durable_redis.proc.send_signal(signal.SIGCONT)
         # The timed-out batch may have run once Redis woke up: then it is not run again.
-        await store.apply_batch(RANK, 1, batch(stored([2])))
-        assert (await store.apply_batch(RANK, 2, batch(stored([2])))).applied
+        await apply_events(store, RANK, 1, batch(stored([2])))
+        assert (await apply_events(store, RANK, 2, batch(stored([2])))).applied
         assert (await store.watermark(RANK)).seq == 2
         assert await counts(store, 2) == {"GPU": 2}
 
@@ -320,7 +321,7 @@ async def test_sweep_removes_every_dead_field_and_nothing_else(redis_server: Red
     async with reopened(config) as store:
         await apply_trace(store, RANK, load_trace(TRACE_FILE))  # a cleared GPU generation
         gone = RankId("gone", 0)
-        await store.apply_batch(gone, 0, batch(stored(range(50)), stored([7], "CPU")))
+        await apply_events(store, gone, 0, batch(stored(range(50)), stored([7], "CPU")))
         await store.forget(gone)
         assert await store.sweep() > 0
         await check_trace_state(store, TRACE)
@@ -332,16 +333,16 @@ async def test_sweep_removes_every_dead_field_and_nothing_else(redis_server: Red
 async def test_sweep_between_a_crash_and_redelivery_keeps_reserved_ids(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(redis_store, "OPS_PER_CALL", 1)  # commit apart from the writes
+    monkeypatch.setattr(redis_plan, "OPS_PER_CALL", 1)  # commit apart from the writes
     config = redis_config(redis_server.url)
     async with reopened(config) as store:
-        await store.apply_batch(RANK, 0, batch(stored([1, 2]), stored([3], "CPU")))
+        await apply_events(store, RANK, 0, batch(stored([1, 2]), stored([3], "CPU")))
     cleared = batch(stored([4]), AllBlocksCleared(), stored([2, 5]), stored([6], "CPU"))
     await crash_before_commit(config, 1, cleared)
     async with reopened(config) as store:
         assert await counts(store, 6) == {"CPU": 1}  # the crash came after the block writes
         await store.sweep()
-        assert (await store.apply_batch(RANK, 1, cleared)).applied
+        assert (await apply_events(store, RANK, 1, cleared)).applied
         assert await store.block_counts(RANK) == {"GPU": 2, "CPU": 2, "STORAGE": 0}
         assert [r.count for r in await store.block_residency(2)] == [1]
         assert await store.anomalies(RANK) == {"unknown_removals": 0}
@@ -351,16 +352,16 @@ async def test_a_clear_between_a_crash_and_redelivery_counts_once(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The crashed batch brought a new tier into the medium that is then cleared."""
-    monkeypatch.setattr(redis_store, "OPS_PER_CALL", 1)  # commit apart from the writes
+    monkeypatch.setattr(redis_plan, "OPS_PER_CALL", 1)  # commit apart from the writes
     config = redis_config(redis_server.url)
     async with reopened(config) as store:
-        await store.apply_batch(RANK, 0, batch(stored([1]), stored([9], "CPU")))
+        await apply_events(store, RANK, 0, batch(stored([1]), stored([9], "CPU")))
     new_tier = batch(stored([2, 3], group=1), stored([4], "CPU"))
     await crash_before_commit(config, 1, new_tier)
     async with reopened(config) as store:
         assert await counts(store, 4) == {"CPU": 1}  # the crash came after the block writes
         await store.clear(RANK, ["GPU"])
-        assert (await store.apply_batch(RANK, 1, new_tier)).applied
+        assert (await apply_events(store, RANK, 1, new_tier)).applied
         assert await counts(store, 2) == {"GPU": 1}
         assert await counts(store, 4) == {"CPU": 1}
         assert await store.block_counts(RANK) == {"GPU": 2, "CPU": 2, "STORAGE": 0}

@@ -30,7 +30,7 @@ from indexer.core.events import GPU, BlockStored
 from indexer.ingest.subscriber import RankPool
 from indexer.ingest.trace import apply_trace, load_trace
 from indexer.registry import EngineSpec
-from indexer.stores import StoreUnavailable
+from indexer.stores import StoreUnavailable, apply_events
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
 
@@ -111,7 +111,7 @@ async def test_restart_from_an_older_snapshot_reapplies_the_lost_batches(
     half, most = len(batches) // 2, len(batches) * 9 // 10
     rank = await rank_over(volatile_redis.url)
     await rank.publish(batches[:half])
-    await rank.store.execute([("SAVE",)])
+    await rank.store.client.execute([("SAVE",)])
     await rank.publish(batches[half:most])
     await asyncio.to_thread(volatile_redis.restart, signal.SIGKILL)  # back to the snapshot
     await wait_until(lambda: rank.store.last_loss() is not None, what="the loss to be noticed")
@@ -191,9 +191,10 @@ class ScaledOut:
         self.spec = EngineSpec(
             RANK.engine, f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}"
         )
-        self.replica = RedisRegistry(self.replica_store)
+        self.replica = RedisRegistry(self.replica_store.client)
         settings = WorkerSettings(lease_ttl=1.0)
-        self.worker = Worker(self.store, RedisRegistry(self.store), RankPool(), settings, "w")
+        registry = RedisRegistry(self.store.client)
+        self.worker = Worker(self.store, registry, RankPool(), settings, "w")
         self.publisher = Publisher(
             self.spec.endpoint, self.spec.replay_endpoint, bind=True, buffer_steps=buffer_steps
         )
@@ -296,7 +297,7 @@ async def test_a_store_that_lost_nothing_says_so(store) -> None:
     """Every store (memory, Redis, cluster): no loss on record, no listener called."""
     heard = []
     store.on_loss(heard.append)
-    assert (await store.apply_batch(RANK, 0, trace_batches(TRACE)[0])).applied
+    assert (await apply_events(store, RANK, 0, trace_batches(TRACE)[0])).applied
     assert store.last_loss() is None and heard == []
 
 
@@ -313,7 +314,7 @@ async def test_a_cluster_master_losing_the_metadata_is_a_fresh_store_with_no_sta
     config = redis_config(redis_cluster.url, cluster=True)
     async with opened(config) as store:
         await apply_trace(store, RANK, load_trace(trace_path(TRACE)))
-        await wipe_node_of(redis_cluster.url, config.prefix, store.meta_key)
+        await wipe_node_of(redis_cluster.url, config.prefix, store.layout.meta_key)
         await store.check()
         assert store.last_loss().wiped and "P:meta lost" in store.last_loss().reason
         assert await store.watermark(RANK) is None
@@ -327,11 +328,12 @@ async def test_a_cluster_bucket_coming_back_older_starts_every_rank_again(redis_
     config = redis_config(redis_cluster.url, cluster=True)
     trace = load_trace(trace_path(TRACE))
     async with opened(config) as store:
-        bucket = next(k for k in store._bucket_keys if key_slot(k.encode()) != meta_slot(store))
+        buckets = store.layout.bucket_keys
+        bucket = next(k for k in buckets if key_slot(k.encode()) != meta_slot(store))
         await apply_trace(store, RANK, trace[: len(trace) // 2])
-        (older,) = await store.execute([("DUMP", bucket)])
+        (older,) = await store.client.execute([("DUMP", bucket)])
         await apply_trace(store, RANK, trace)
-        await store.execute([("RESTORE", bucket, 0, older, "REPLACE")])
+        await store.client.execute([("RESTORE", bucket, 0, older, "REPLACE")])
         await store.check()
         assert store.last_loss().wiped and "older buckets" in store.last_loss().reason
         assert await store.watermark(RANK) is None
@@ -340,7 +342,7 @@ async def test_a_cluster_bucket_coming_back_older_starts_every_rank_again(redis_
 
 
 def meta_slot(store: RedisStore) -> int:
-    return key_slot(store.meta_key.encode())
+    return key_slot(store.layout.meta_key.encode())
 
 
 @contextlib.asynccontextmanager

@@ -11,10 +11,11 @@ import sys
 
 import pytest
 
+from indexer.cluster.leases import Leases
 from indexer.core.events import CPU, GPU, STORAGE
 from indexer.stores import StoreUnavailable
 from indexer.stores.conformance import RANK, apply, counts
-from indexer.stores.redis import RedisConfig, RedisStore
+from indexer.stores.redis import RedisClient, RedisConfig, RedisStore
 
 from .conftest import expected_path, redis_config, server_for, trace_path
 from .events import stored
@@ -70,7 +71,7 @@ async def test_buckets_spread_evenly_over_the_cluster(redis_cluster: LocalCluste
     store = RedisStore(redis_config(redis_cluster.url, cluster=True))
     try:
         await store.ping()  # learns the slot map
-        owners = [store._client.get_node_from_key(key).name for key in store._bucket_keys]
+        owners = [store.client.redis.get_node_from_key(k).name for k in store.layout.bucket_keys]
     finally:
         await store.close()
     shares = sorted(owners.count(node) for node in set(owners))
@@ -100,3 +101,34 @@ async def test_urls_with_an_acl_user_or_a_unix_socket(tmp_path, via: str) -> Non
         for store in stores:
             await store.close()
         server.stop()
+
+
+async def test_the_gateway_loads_scripts_again_when_redis_lost_them(
+    redis_server: RedisServer,
+) -> None:
+    """One gateway serves the store and the cluster layer: after ``SCRIPT FLUSH`` (what
+    a Redis restart does) the next store write and lease renewal still go through."""
+    store = RedisStore(redis_config(redis_server.url))
+    leases = Leases(store.client, "w", ttl=30.0)
+    try:
+        assert await apply(store, 0, stored([1]))
+        assert await leases.acquire([RANK]) == [RANK]
+        await store.client.execute([("SCRIPT", "FLUSH")])
+        assert await apply(store, 1, stored([2]))
+        await store.client.execute([("SCRIPT", "FLUSH")])
+        assert await leases.renew() == ([RANK], [])
+        assert await counts(store, 2) == {GPU: 1}
+    finally:
+        await store.close()
+
+
+async def test_the_gateway_turns_an_unreachable_redis_into_store_unavailable() -> None:
+    """Whoever asks (the store's reads, a lease): one error, naming where, not how to log in."""
+    client = RedisClient(RedisConfig(f"redis://user:secret@127.0.0.1:{free_port()}/0", retries=0))
+    try:
+        for call in (client.execute([("PING",)]), Leases(client, "w", 1.0).acquire([RANK])):
+            with pytest.raises(StoreUnavailable, match="unavailable") as raised:
+                await call
+            assert "secret" not in str(raised.value)
+    finally:
+        await client.close()

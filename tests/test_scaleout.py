@@ -25,7 +25,7 @@ import httpx
 import msgspec
 import pytest
 
-from indexer.cluster.leases import Leases, live_workers, owners_key
+from indexer.cluster.leases import Leases, live_workers
 from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.workers import Worker, WorkerSettings
 from indexer.core.events import RankId
@@ -33,8 +33,8 @@ from indexer.engines.vllm.wire import decode_batch
 from indexer.ingest.subscriber import RankPool
 from indexer.ingest.trace import load_trace
 from indexer.registry import EngineSpec, UnknownEngine
-from indexer.stores.base import Fenced
-from indexer.stores.redis import OwnedRank, RedisConfig, RedisStore
+from indexer.stores.base import Fenced, apply_events
+from indexer.stores.redis import RedisConfig, RedisStore
 from producer.publisher import Publisher
 from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
@@ -50,7 +50,7 @@ ENGINE = EngineSpec(RANK.engine, "tcp://127.0.0.1:1")
 
 async def registered(store: RedisStore, spec: EngineSpec = ENGINE) -> bytes:
     """Register ``spec`` in the store's registry; its entry, as a claim presents it."""
-    registry = RedisRegistry(store)
+    registry = RedisRegistry(store.client)
     await registry.add(spec)
     return registry.entries()[spec.name][1]
 
@@ -65,19 +65,19 @@ async def test_a_new_owner_fences_the_old_one(request: pytest.FixtureRequest, ki
     old_store, new_store = RedisStore(config), RedisStore(config)
     try:
         entry = await registered(old_store)
-        old = OwnedRank(old_store, await old_store.claim(RANK, entry))
+        old = await old_store.claim(RANK, entry)
         for seq, batch in batches[:half]:
-            assert (await old.apply_batch(RANK, seq, batch)).applied
-        new = OwnedRank(new_store, await new_store.claim(RANK, entry))
-        assert new.token > old.token
+            assert (await apply_events(old_store, RANK, seq, batch, fence=old)).applied
+        new = await new_store.claim(RANK, entry)
+        assert new > old
         seq, batch = batches[half]
         with pytest.raises(Fenced):
-            await old.apply_batch(RANK, seq, batch)
+            await apply_events(old_store, RANK, seq, batch, fence=old)
         with pytest.raises(Fenced):
-            await old.clear(RANK, ["GPU"])
-        assert (await new.watermark(RANK)).seq == batches[half - 1][0]
+            await old_store.clear(RANK, ["GPU"], fence=old)
+        assert (await new_store.watermark(RANK)).seq == batches[half - 1][0]
         for seq, batch in batches[half:]:
-            assert (await new.apply_batch(RANK, seq, batch)).applied
+            assert (await apply_events(new_store, RANK, seq, batch, fence=new)).applied
         await check_trace_state(new_store, TRACE)
     finally:
         await old_store.close()
@@ -89,16 +89,16 @@ async def test_claims_need_the_engine_registered_and_removal_fences_its_owner(
 ) -> None:
     store = RedisStore(redis_config(redis_cluster.url, cluster=True))
     try:
-        registry = RedisRegistry(store)
+        registry = RedisRegistry(store.client)
         assert await store.claim(RANK, msgspec.json.encode(ENGINE)) is None  # not registered
         entry = await registered(store)
         assert await store.claim(RANK, entry.replace(b"tcp", b"ipc")) is None  # not that spec
-        owner = OwnedRank(store, await store.claim(RANK, entry))
+        token = await store.claim(RANK, entry)
         (seq, payload), *_ = load_trace(trace_path(TRACE))
-        assert (await owner.apply_batch(RANK, seq, decode_batch(payload))).applied
+        assert (await apply_events(store, RANK, seq, decode_batch(payload), fence=token)).applied
         await registry.remove(RANK.engine)
         with pytest.raises(Fenced):
-            await owner.apply_batch(RANK, seq + 1, decode_batch(payload))
+            await apply_events(store, RANK, seq + 1, decode_batch(payload), fence=token)
         assert await store.ranks() == []
         with pytest.raises(UnknownEngine):
             registry.get(RANK.engine)
@@ -109,13 +109,13 @@ async def test_claims_need_the_engine_registered_and_removal_fences_its_owner(
 @pytest.mark.slow
 async def test_leases_are_exclusive_renewable_and_expire(redis_cluster) -> None:
     store = RedisStore(redis_config(redis_cluster.url, cluster=True))
-    a, b = Leases(store, "a", ttl=0.3), Leases(store, "b", ttl=0.3)
+    a, b = Leases(store.client, "a", ttl=0.3), Leases(store.client, "b", ttl=0.3)
     ranks = [RankId(f"e{i}", 0) for i in range(4)]
     try:
         assert await a.acquire(ranks[:2]) == ranks[:2]
         assert await b.acquire(ranks) == ranks[2:]
         assert await a.free(ranks) == []
-        assert sorted(await live_workers(store)) == []
+        assert sorted(await live_workers(store.client)) == []
         assert await a.heartbeat() == ["a"]
         await a.release(ranks[0])
         assert await b.acquire(ranks[:1]) == ranks[:1]
@@ -126,7 +126,7 @@ async def test_leases_are_exclusive_renewable_and_expire(redis_cluster) -> None:
         assert renewed == [] and set(lost) == {ranks[0], *ranks[2:]}
         assert set(await a.free(ranks)) == {ranks[0], *ranks[2:]}
         await asyncio.sleep(0.35)
-        assert await live_workers(store) == []  # a's heartbeat expired too
+        assert await live_workers(store.client) == []  # a's heartbeat expired too
     finally:
         await store.close()
 
@@ -140,7 +140,7 @@ async def test_a_worker_stops_within_half_a_lease_when_redis_freezes(durable_red
     store = RedisStore(config)
     pub, replay = free_ports(), free_ports()
     spec = EngineSpec("e", f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}")
-    registry = RedisRegistry(store)
+    registry = RedisRegistry(store.client)
     pool = RankPool()
     worker = Worker(store, registry, pool, WorkerSettings(lease_ttl=ttl), "w")
     with Publisher(spec.endpoint, spec.replay_endpoint, bind=True):
@@ -169,7 +169,7 @@ async def _consumes(pool: RankPool, running: bool) -> bool:
 
 async def _claim_tokens(store: RedisStore) -> list[str]:
     """The fencing tokens of the claims in the ownership stream, oldest first."""
-    (entries,) = await store.execute([("XRANGE", owners_key(store), "-", "+")])
+    (entries,) = await store.client.execute([("XRANGE", store.layout.owners_key, "-", "+")])
     return [fields[b"token"].decode() for _, fields in entries if fields[b"event"] == b"claimed"]
 
 
@@ -225,8 +225,8 @@ class Topology:
     async def kill_worker(self, name: str) -> None:
         """SIGKILL, then mark the moment in the ownership stream (where it ends its ranks)."""
         self.workers.pop(name).kill()
-        await self.store.execute([("XADD", owners_key(self.store), "*", "event", "killed",
-                                   "worker", name)])  # fmt: skip
+        owners = self.store.layout.owners_key
+        await self.store.client.execute([("XADD", owners, "*", "event", "killed", "worker", name)])
 
     def start_api(self) -> None:
         port = free_ports()
@@ -234,7 +234,8 @@ class Topology:
         self.apis.append((process, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}")))
 
     async def owners(self) -> list[dict[str, str]]:
-        (entries,) = await self.store.execute([("XRANGE", owners_key(self.store), "-", "+")])
+        owners = self.store.layout.owners_key
+        (entries,) = await self.store.client.execute([("XRANGE", owners, "-", "+")])
         return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in entries]
 
     async def owned_by(self) -> dict[RankId, str]:
@@ -367,7 +368,7 @@ async def test_workers_hand_over_without_loss_and_replicas_agree(redis_cluster, 
         await until(lambda: replicas_show_owners(top), 10, "statuses of the new owners")
         for process in [*top.workers.values(), *(p for p, _ in top.apis)]:
             process.stop()
-        assert await live_workers(top.store) == []  # they left, not just expired
+        assert await live_workers(top.store.client) == []  # they left, not just expired
     finally:
         stop.set()
         if traffic is not None:

@@ -15,7 +15,7 @@ from indexer.core.events import BlockRemoved, BlockStored, EventBatch, RankId
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
 from indexer.engines.vllm.wire import decode_batch, encode_batch
 from indexer.registry import EngineSpec
-from indexer.stores import MemoryStore
+from indexer.stores import MemoryStore, apply_events
 from producer.sim import SimConfig, SimEngine
 from producer.simcli import Layout, engine_spec
 from producer.workload import Workload, WorkloadConfig
@@ -60,7 +60,7 @@ async def replay(batches: list[EventBatch]) -> MemoryStore:
     """What kvindex learns from the engine's batches, through the real wire encoding."""
     store = MemoryStore()
     for seq, batch in enumerate(batches):
-        await store.apply_batch(RANK, seq, decode_batch(encode_batch(batch)))
+        await apply_events(store, RANK, seq, decode_batch(encode_batch(batch)))
     return store
 
 

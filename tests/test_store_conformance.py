@@ -1,6 +1,6 @@
 """One suite, every store: memory, a standalone redis-server, a 3-master Redis Cluster.
 
-Every residency rule is a check of :mod:`indexer.stores.conformance`, run here
+Every residency and fencing rule is a check of :mod:`indexer.stores.conformance`, run here
 once per backend (one test id per check and backend); a backend is done when
 these pass unchanged. vLLM's fixture traces must also end in vLLM's own state
 and answers. Redis-only tests are in ``test_redis_store.py``; random streams
@@ -9,17 +9,18 @@ against the reference in ``test_differential.py``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 
-import msgspec
 import pytest
 
-from indexer.core.events import CPU, GPU, STORAGE, BlockRemoved, EventBatch, RankId
+from indexer.cluster.scripts import REGISTER
+from indexer.core.events import CPU, GPU, STORAGE, RankId
+from indexer.core.residency import Op, TierOp
 from indexer.engines.vllm.wire import decode_batch
 from indexer.ingest.trace import answer_probes, apply_trace, load_expected, load_trace
-from indexer.stores import ApplyResult, MemoryStore, Store, Watermark, conformance
-from indexer.stores.conformance import RANK, batch, counts
+from indexer.stores import ApplyResult, MemoryStore, Store, Watermark, apply_events, conformance
+from indexer.stores.conformance import OWNER, RANK, batch, counts
 from indexer.stores.redis import RedisStore
 
 from .conftest import (
@@ -46,14 +47,27 @@ async def test_memory_store(check: str) -> None:
     await conformance.run_check(MemoryStore, check)
 
 
+@asynccontextmanager
+async def registered_redis(url: str, cluster: bool = False) -> AsyncIterator[RedisStore]:
+    """A Redis store whose registry holds the suite's engine as its claims present it
+    (the Redis store grants a claim only to an engine registered so)."""
+    store = RedisStore(redis_config(url, cluster))
+    try:
+        register = store.client.script(REGISTER, [store.layout.registry_key], [RANK.engine, OWNER])
+        await store.client.execute([register])
+        yield store
+    finally:
+        await store.close()
+
+
 @CHECKS
 async def test_redis_store(redis_server: RedisServer, check: str) -> None:
-    await conformance.run_check(lambda: RedisStore(redis_config(redis_server.url)), check)
+    await conformance.run_check(lambda: registered_redis(redis_server.url), check)
 
 
 @CHECKS
 async def test_redis_cluster_store(redis_cluster: LocalCluster, check: str) -> None:
-    await conformance.run_check(lambda: RedisStore(redis_config(redis_cluster.url, True)), check)
+    await conformance.run_check(lambda: registered_redis(redis_cluster.url, True), check)
 
 
 # --- the suite has teeth ----------------------------------------------------------
@@ -62,16 +76,34 @@ async def test_redis_cluster_store(redis_cluster: LocalCluster, check: str) -> N
 class DropsRemovals(MemoryStore):
     """A store that never lets go of a block."""
 
-    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
-        kept = [e for e in batch.events if not isinstance(e, BlockRemoved)]
-        return await super().apply_batch(rank, seq, msgspec.structs.replace(batch, events=kept))
+    async def apply(
+        self, rank: RankId, seq: int, ts: float, ops: Sequence[Op], *, fence: int | None = None
+    ) -> ApplyResult:
+        kept = [op for op in ops if not (isinstance(op, TierOp) and op.delta < 0)]
+        return await super().apply(rank, seq, ts, kept, fence=fence)
 
 
 class KeepsWatermarks(MemoryStore):
     """A store that ignores an engine restart: its new seq 0.. would be dropped."""
 
-    async def clear(self, rank: RankId, media: Collection[str], *, reset_seq: bool = False) -> None:
-        await super().clear(rank, media)
+    async def clear(
+        self,
+        rank: RankId,
+        media: Collection[str],
+        *,
+        reset_seq: bool = False,
+        fence: int | None = None,
+    ) -> None:
+        await super().clear(rank, media, fence=fence)
+
+
+class IgnoresFences(MemoryStore):
+    """A store that lets a stale owner write on after a newer claim."""
+
+    async def apply(
+        self, rank: RankId, seq: int, ts: float, ops: Sequence[Op], *, fence: int | None = None
+    ) -> ApplyResult:
+        return await super().apply(rank, seq, ts, ops)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +111,7 @@ class KeepsWatermarks(MemoryStore):
     [
         (DropsRemovals, "watermark_admits_each_seq_once_and_allows_holes"),
         (KeepsWatermarks, "reset_seq_takes_a_restarted_engines_stream_from_zero"),
+        (IgnoresFences, "a_newer_claim_fences_writes_under_older_tokens"),
     ],
 )
 async def test_the_suite_fails_a_broken_store_naming_the_check(
@@ -133,6 +166,6 @@ async def test_trace_ends_in_vllms_state_and_answers(store: Store, name: str) ->
 async def test_replaying_a_trace_twice_changes_nothing(store: Store) -> None:
     trace = load_trace(trace_path("chat-clear"))
     await apply_trace(store, RANK, trace)
-    again = [await store.apply_batch(RANK, seq, decode_batch(p)) for seq, p in trace]
+    again = [await apply_events(store, RANK, seq, decode_batch(p)) for seq, p in trace]
     assert not any(result.applied for result in again)
     await check_trace_state(store, "chat-clear")

@@ -31,7 +31,7 @@ from indexer.engines.zmq_framing import split_replay
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.ingest.trace import load_trace
 from indexer.registry import EngineRegistry, EngineSpec, UnknownEngine
-from indexer.stores import ApplyResult, MemoryStore, StoreUnavailable
+from indexer.stores import ApplyResult, MemoryStore, StoreUnavailable, apply_events
 from producer.publisher import Publisher
 
 from .conftest import (
@@ -58,9 +58,9 @@ class RecordingStore(MemoryStore):
         super().__init__()
         self.asked: dict[RankId, list[int]] = {}
 
-    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
+    async def apply(self, rank: RankId, seq: int, ts: float, ops, *, fence=None) -> ApplyResult:
         self.asked.setdefault(rank, []).append(seq)
-        return await super().apply_batch(rank, seq, batch)
+        return await super().apply(rank, seq, ts, ops, fence=fence)
 
 
 class Engine:
@@ -148,7 +148,7 @@ async def reference(rank: RankId, steps: Sequence) -> MemoryStore:
         if step == CLEAR:
             await store.clear(rank, (GPU, CPU))
         else:
-            await store.apply_batch(rank, *step)
+            await apply_events(store, rank, *step)
     return store
 
 
@@ -376,11 +376,11 @@ class FlakyStore(RecordingStore):
         super().__init__()
         self.calls = 0
 
-    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
+    async def apply(self, rank: RankId, seq: int, ts: float, ops, *, fence=None) -> ApplyResult:
         self.calls += 1
         if self.calls % 3 == 0:
             raise StoreUnavailable("down")
-        return await super().apply_batch(rank, seq, batch)
+        return await super().apply(rank, seq, ts, ops, fence=fence)
 
     async def watermark(self, rank: RankId):
         self.calls += 1
@@ -406,9 +406,9 @@ async def test_store_errors_are_retried_without_loss(engine) -> None:
 
 
 class SlowStore(MemoryStore):
-    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
+    async def apply(self, rank: RankId, seq: int, ts: float, ops, *, fence=None) -> ApplyResult:
         await asyncio.sleep(0.002)
-        return await super().apply_batch(rank, seq, batch)
+        return await super().apply(rank, seq, ts, ops, fence=fence)
 
 
 async def test_lag_is_measured_while_behind(engine) -> None:
@@ -626,7 +626,7 @@ async def test_a_garbage_replay_answer_is_no_restart(engine, answer: str) -> Non
     items = retimed(trace_batches("chat-gpu-only")[:20])
     store = MemoryStore()
     for seq, batch in enumerate(items[:10]):
-        await store.apply_batch(RANK, seq, batch)
+        await apply_events(store, RANK, seq, batch)
     before = await store.block_counts(RANK)
     e = engine()
     ctx = zmq.asyncio.Context()

@@ -2,11 +2,11 @@
 
 ``POST /engines`` on any replica writes the engine into the hash
 ``{P:meta}:engines`` (the Redis store's metadata slot, see
-:mod:`indexer.stores.redis`), so workers see it and a worker's claim on one of
-its ranks can check, atomically, that it is still registered. ``DELETE``
-removes the engine and forgets its ranks in one script that also bumps their
-fence tokens: the worker consuming them has its next write refused, even
-before it notices the change.
+:mod:`indexer.stores.redis.layout`), through the Redis gateway, so workers
+see it and a worker's claim on one of its ranks can check, atomically, that
+it is still registered. ``DELETE`` removes the engine and forgets its ranks
+in one script that also bumps their fence tokens: the worker consuming them
+has its next write refused, even before it notices the change.
 
 :meth:`RedisRegistry.get` and :meth:`RedisRegistry.all` answer from a local
 copy, because the API calls them synchronously; the copy is reloaded when the
@@ -30,9 +30,10 @@ from collections.abc import Iterable
 
 import msgspec
 
+from indexer.cluster.scripts import DEREGISTER, REGISTER
 from indexer.periodic import repeat
 from indexer.registry import EngineExists, EngineSpec, UnknownEngine
-from indexer.stores.redis import RedisStore
+from indexer.stores.redis.client import RedisClient
 
 log = logging.getLogger("kvindex.registry")
 _VERSION = b"#version"
@@ -43,17 +44,17 @@ class RedisRegistry:
     """Implements :class:`~indexer.registry.Registry` over Redis (no change listeners:
     workers compare what they consume with :meth:`entries` instead)."""
 
-    def __init__(self, store: RedisStore) -> None:
-        self._store = store
-        self._key = store.registry_key
+    def __init__(self, client: RedisClient) -> None:
+        self._client = client
+        self._key = client.layout.registry_key
         self._version: bytes | None = None
         self._entries: dict[str, tuple[EngineSpec, bytes]] = {}
         self._declared: dict[str, EngineSpec] = {}  # by flags and config files
 
     async def add(self, spec: EngineSpec) -> EngineSpec:
         """Register an engine (raises :class:`EngineExists` if the name is taken)."""
-        script = self._store.script("register", [self._key], [spec.name, msgspec.json.encode(spec)])
-        (added,) = await self._store.execute([script])
+        script = self._client.script(REGISTER, [self._key], [spec.name, msgspec.json.encode(spec)])
+        (added,) = await self._client.execute([script])
         if not added:
             raise EngineExists(spec.name)
         await self.refresh()
@@ -61,8 +62,8 @@ class RedisRegistry:
 
     async def remove(self, name: str) -> EngineSpec:
         """Deregister an engine and forget its ranks' residency (raises :class:`UnknownEngine`)."""
-        keys = [self._key, self._store.meta_key]
-        (removed,) = await self._store.execute([self._store.script("deregister", keys, [name])])
+        keys = [self._key, self._client.layout.meta_key]
+        (removed,) = await self._client.execute([self._client.script(DEREGISTER, keys, [name])])
         if removed is None:
             raise UnknownEngine(name)
         await self.refresh()
@@ -83,12 +84,12 @@ class RedisRegistry:
 
     async def refresh(self) -> None:
         """Reload the local copy if the registry changed since the last look."""
-        (version,) = await self._store.execute([("HGET", self._key, _VERSION)])
+        (version,) = await self._client.execute([("HGET", self._key, _VERSION)])
         if version is not None and version == self._version:
             return
         if self._version is not None and int(version or 0) < int(self._version):
             await self._reseed()
-        (fields,) = await self._store.execute([("HGETALL", self._key)])
+        (fields,) = await self._client.execute([("HGETALL", self._key)])
         entries = {}
         for name, raw in fields.items():
             if name != _VERSION:
@@ -100,8 +101,8 @@ class RedisRegistry:
         known = {name: raw for name, (_, raw) in self._entries.items()}
         for name, spec in self._declared.items():
             known.setdefault(name, msgspec.json.encode(spec))
-        scripts = [self._store.script("register", [self._key], [n, r]) for n, r in known.items()]
-        added = sum(await self._store.execute(scripts)) if scripts else 0
+        scripts = [self._client.script(REGISTER, [self._key], [n, r]) for n, r in known.items()]
+        added = sum(await self._client.execute(scripts)) if scripts else 0
         log.warning("engine registry lost: registered again", extra={"engines": added})
 
     def declare(self, specs: Iterable[EngineSpec]) -> None:

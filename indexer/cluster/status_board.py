@@ -19,7 +19,7 @@ import msgspec
 from indexer.cluster.leases import live_workers
 from indexer.periodic import repeat
 from indexer.registry import RankStatus, Registry
-from indexer.stores.redis import RedisStore
+from indexer.stores.redis.client import RedisClient
 
 log = logging.getLogger("kvindex.status")
 
@@ -36,16 +36,12 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(list[Published]).decode
 
 
-def status_key(store: RedisStore, worker: str) -> str:
-    return f"{store.config.prefix}:status:{worker}"
-
-
 async def publish(
-    store: RedisStore, worker: str, statuses: Sequence[Published], ttl: float
+    client: RedisClient, worker: str, statuses: Sequence[Published], ttl: float
 ) -> None:
     """Replace the worker's published statuses; they expire after ``ttl`` seconds."""
-    value = _encode(list(statuses))
-    await store.execute([("SET", status_key(store, worker), value, "PX", round(ttl * 1000))])
+    value, key = _encode(list(statuses)), client.layout.status_key(worker)
+    await client.execute([("SET", key, value, "PX", round(ttl * 1000))])
 
 
 class StatusBoard:
@@ -58,8 +54,8 @@ class StatusBoard:
     board says consumption is not known to run (``/readyz`` answers 503).
     """
 
-    def __init__(self, store: RedisStore, registry: Registry, stale_after: float) -> None:
-        self._store = store
+    def __init__(self, client: RedisClient, registry: Registry, stale_after: float) -> None:
+        self._client = client
         self._registry = registry
         self._stale_after = stale_after
         self._ranks: dict[tuple[str, int], Published] = {}
@@ -67,10 +63,9 @@ class StatusBoard:
         self._refreshed = float("-inf")
 
     async def refresh(self) -> None:
-        workers = await live_workers(self._store)
-        blobs = await self._store.execute(
-            [("GET", status_key(self._store, worker)) for worker in workers]
-        )
+        workers = await live_workers(self._client)
+        status_key = self._client.layout.status_key
+        blobs = await self._client.execute([("GET", status_key(worker)) for worker in workers])
         ranks: dict[tuple[str, int], Published] = {}
         for blob in filter(None, blobs):
             for entry in _decode(blob):

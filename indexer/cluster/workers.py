@@ -15,7 +15,7 @@ Three loops, so that slow work never delays a renewal:
 
 Hand-over, in order: the old owner stops applying (it finishes the batch in
 hand), then its lease goes, by release or by expiry; the new owner takes the
-lease, claims the rank (:meth:`~indexer.stores.redis.RedisStore.claim`: a
+lease, claims the rank (:meth:`~indexer.stores.base.Store.claim`: a
 new fence token, so any write the old owner still has in flight is refused),
 and resumes from the Redis watermark with a replay from the engine. Nothing
 is lost and nothing is counted twice; the store's exactly-once marks make
@@ -27,7 +27,7 @@ the token and the watermark it resumes from), then one of ``released``
 (rebalancing or shutdown), ``lost``, ``fenced``, ``unregistered``,
 ``failed`` or ``store_lost``, with the last applied seq.
 
-When Redis loses data (:mod:`indexer.stores.redis`, "Losing data"), the
+When Redis loses data (:mod:`indexer.stores.redis.losses`), the
 leases, the fence tokens and the registry may have gone with it. A worker
 then stops every rank it owns (its writes are refused from the moment its
 store notices) and claims them again like any free rank, which the engine
@@ -59,7 +59,7 @@ from indexer.ingest.settings import Seconds
 from indexer.ingest.subscriber import RankPool
 from indexer.periodic import repeat
 from indexer.registry import EngineSpec, RankStatus
-from indexer.stores.redis import OwnedRank, RedisStore
+from indexer.stores.redis import RedisStore
 
 log = logging.getLogger("kvindex.worker")
 
@@ -105,6 +105,8 @@ class Worker:
 
     Implements the status side of :class:`~indexer.registry.ConsumerView`
     (``running``) and the metrics' status source through its :class:`RankPool`.
+    Its consumers write to ``store`` under their claim's token; its leases,
+    records and statuses go through the store's Redis gateway (``store.client``).
     """
 
     def __init__(
@@ -121,7 +123,8 @@ class Worker:
         self._pool = pool
         self._settings = settings
         self._ttl = settings.lease_ttl
-        self._leases = Leases(store, self.id, self._ttl)
+        self._redis = store.client
+        self._leases = Leases(self._redis, self.id, self._ttl)
         self._owned: dict[RankId, _Owned] = {}
         self._tasks: list[asyncio.Task] = []
         self._dropping: set[asyncio.Task] = set()
@@ -230,13 +233,12 @@ class Worker:
                 continue
             mark = await self._store.watermark(rank)
             seq = None if mark is None else mark.seq
-            await record(self._store, "claimed", rank, worker=self.id, token=token, seq=seq)
+            await record(self._redis, "claimed", rank, worker=self.id, token=token, seq=seq)
             try:
-                owned_rank = OwnedRank(self._store, token, losses)
-                consumer = self._pool.start(spec, rank.dp_rank, owned_rank)
+                consumer = self._pool.start(spec, rank.dp_rank, self._store, fence=token)
             except Exception as e:
                 log.warning("cannot consume rank", extra={"engine": rank.engine, "error": repr(e)})
-                await record(self._store, "failed", rank, worker=self.id, token=token, seq=seq)
+                await record(self._redis, "failed", rank, worker=self.id, token=token, seq=seq)
                 await self._leases.release(rank)
                 continue
             self._follow_loss(rank, consumer)
@@ -261,7 +263,7 @@ class Worker:
         self._remember(rank, seq, owned.losses)
         log.info("rank dropped", extra={**owned.consumer.ids(), "why": why, "applied_seq": seq})
         try:
-            await record(self._store, why, rank, worker=self.id, token=owned.token, seq=seq)
+            await record(self._redis, why, rank, worker=self.id, token=owned.token, seq=seq)
             await self._leases.release(rank)
         except Exception as e:  # Redis is down: the lease expires by itself
             log.warning("could not record a dropped rank", extra={"error": repr(e)})
@@ -291,7 +293,7 @@ class Worker:
             for rank, owned in list(self._owned.items())
         ]
         ttl = max(3 * self._settings.status_interval, self._ttl)
-        await publish(self._store, self.id, entries, ttl)
+        await publish(self._redis, self.id, entries, ttl)
 
     def _status(self, consumer: RankConsumer) -> RankStatus:
         return msgspec.structs.replace(consumer.snapshot(), owner=self.id)

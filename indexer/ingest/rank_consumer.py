@@ -37,8 +37,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Collection
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import tenacity
@@ -57,7 +56,7 @@ from indexer.ingest.settings import Shared
 from indexer.ingest.sockets import YIELD_EVERY
 from indexer.periodic import until_done
 from indexer.registry import EngineSpec, Gap, RankStatus
-from indexer.stores.base import ApplyResult, Fenced, Loss, StoreLost, Watermark
+from indexer.stores.base import Fenced, Store, StoreLost, Watermark, apply_events
 
 log = logging.getLogger("kvindex.subscriber")
 
@@ -86,36 +85,28 @@ def _retried(error: BaseException) -> bool:
     return not isinstance(error, (Fenced, StoreLost))
 
 
-class RankStore(Protocol):
-    """What a consumer needs of a store: a whole :class:`~indexer.stores.base.Store`,
-    or a leaseholder's view of one (:class:`~indexer.stores.redis.OwnedRank`)."""
-
-    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult: ...
-
-    async def watermark(self, rank: RankId) -> Watermark | None: ...
-
-    async def clear(
-        self, rank: RankId, media: Collection[str], *, reset_seq: bool = False
-    ) -> None: ...
-
-    def last_loss(self) -> Loss | None: ...
-
-
 class RankConsumer:
     """Sockets, tasks and in-order application for one (engine, dp rank).
 
-    ``store`` is where its batches go: the process's store, or a view of it
-    that writes under the rank's lease token (:class:`~indexer.stores.redis.OwnedRank`).
+    ``store`` is where its batches go; ``fence``: the claim token a worker's
+    consumer writes under (None: the rank's only writer).
     """
 
-    def __init__(self, spec: EngineSpec, dp_rank: int, store: RankStore, shared: Shared) -> None:
+    def __init__(
+        self,
+        spec: EngineSpec,
+        dp_rank: int,
+        store: Store,
+        shared: Shared,
+        fence: int | None = None,
+    ) -> None:
         self.rank = RankId(spec.name, dp_rank)
         self.status = RankStatus(dp_rank)
         self.metrics = metrics.RankMetrics(spec.name, dp_rank)
         self._spec = spec
         self._shared = shared
         self._settings = settings = shared.settings
-        self._store = store
+        self._store, self._fence = store, fence
         #: the declared KV groups, told to the store with the first batch applied
         self._groups = _declaration(spec)
         self._groups_told = self._groups is None
@@ -353,7 +344,11 @@ class RankConsumer:
                 await self._apply(action.seq, action.batch, action.ts)
             elif type(action) is seq_rules.Clear:
                 await self._store_call(
-                    self._store.clear, self.rank, action.media, reset_seq=action.reset_seq
+                    self._store.clear,
+                    self.rank,
+                    action.media,
+                    reset_seq=action.reset_seq,
+                    fence=self._fence,
                 )
                 if GPU in action.media:  # observers (routed entries) hear of it as a clear
                     self._shared.notify(self.rank, GPU_CLEARED)
@@ -379,7 +374,9 @@ class RankConsumer:
             if not self._groups_told:
                 applied = self._groups.prepended(batch)
         started = time.perf_counter()
-        result = await self._store_call(self._store.apply_batch, self.rank, seq, applied)
+        result = await self._store_call(
+            apply_events, self._store, self.rank, seq, applied, self._fence
+        )
         metrics.APPLY_SECONDS.observe(time.perf_counter() - started)
         self._seq.applied(seq, ts, result.applied)
         if not result.applied:  # the store had it already (another writer)
@@ -409,8 +406,9 @@ class RankConsumer:
         self._perform_now(self._seq.rebuilding(last, reason))
 
     async def _follow_store(self) -> None:
-        """Resynchronise after a loss the store noticed and this rank has not seen yet."""
-        loss = self._store.last_loss()
+        """Resynchronise after a loss the store noticed and this rank has not seen yet
+        (not under a claim: the loss voids it, and the worker claims the rank anew)."""
+        loss = self._store.last_loss() if self._fence is None else None
         if loss is not None and loss.number != self._seq.losses_seen:
             stored = await self._store_call(self._store.watermark, self.rank)
             await self._perform(

@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from indexer import metrics
 from indexer.core.events import EventBatch, RankId
-from indexer.ingest.rank_consumer import RankConsumer, RankStore
+from indexer.ingest.rank_consumer import RankConsumer
 from indexer.ingest.settings import Observer, Shared, SubscriberSettings
 from indexer.registry import Change, EngineRegistry, EngineSpec, RankStatus
 from indexer.stores.base import Loss, Store
@@ -128,10 +128,13 @@ class RankPool:
     def is_open(self) -> bool:
         return self._shared is not None
 
-    def start(self, spec: EngineSpec, dp_rank: int, store: RankStore) -> RankConsumer:
-        """Start consuming one rank into ``store`` (raises if its sockets cannot open)."""
+    def start(
+        self, spec: EngineSpec, dp_rank: int, store: Store, fence: int | None = None
+    ) -> RankConsumer:
+        """Start consuming one rank into ``store``, under claim token ``fence`` if given
+        (raises if its sockets cannot open)."""
         assert self._shared is not None, "start() on a closed pool"
-        consumer = RankConsumer(spec, dp_rank, store, self._shared)
+        consumer = RankConsumer(spec, dp_rank, store, self._shared, fence)
         consumer.start()
         self._ranks[consumer.rank] = consumer
         return consumer

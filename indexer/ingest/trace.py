@@ -17,7 +17,7 @@ import msgspec
 from indexer.core.events import MEDIA, RankId
 from indexer.core.matching import PrefixMatch
 from indexer.engines import catalog
-from indexer.stores.base import Store
+from indexer.stores.base import Store, apply_events
 
 Trace = list[tuple[int, bytes]]
 _NO_MATCH = PrefixMatch()
@@ -80,7 +80,7 @@ async def apply_trace(store: Store, rank: RankId, trace: Trace) -> ReplayStats:
     decode = catalog.adapter(catalog.DEFAULT).decode  # traces are recorded on its wire
     for seq, payload in trace:
         batch = decode(payload, tokens=False)
-        block_ops += (await store.apply_batch(rank, seq, batch)).block_ops
+        block_ops += (await apply_events(store, rank, seq, batch)).block_ops
     return ReplayStats(len(trace), block_ops, time.perf_counter() - started)
 
 

@@ -2,17 +2,20 @@
 
 from indexer.stores.base import (
     ApplyResult,
+    Fenced,
     Loss,
     Residency,
     Store,
     StoreLost,
     StoreUnavailable,
     Watermark,
+    apply_events,
 )
 from indexer.stores.memory import MemoryStore
 
 __all__ = [
     "ApplyResult",
+    "Fenced",
     "Loss",
     "MemoryStore",
     "Residency",
@@ -20,4 +23,5 @@ __all__ = [
     "StoreLost",
     "StoreUnavailable",
     "Watermark",
+    "apply_events",
 ]

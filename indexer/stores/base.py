@@ -1,8 +1,13 @@
 """The one protocol every store implements, and the values it speaks in.
 
-The conformance suite (:mod:`indexer.stores.conformance`) runs the same
-checks against every implementation (``await run(factory)``); a new backend is
-done when it passes.
+A store is given planned, engine-neutral operations (what
+:func:`indexer.core.residency.plan_batch` makes of a batch), never an
+engine's wire batch: the caller plans once, and every store applies the same
+operations by the same rules. Fencing is part of the protocol, so a writer
+that shares a rank with others (indexer workers handing ranks over) writes to
+any store the same way. The conformance suite (:mod:`indexer.stores.conformance`)
+runs the same checks against every implementation (``await run(factory)``);
+a new backend is done when it passes.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Protocol
 
 from indexer.core.events import BlockHash, EventBatch, RankId
 from indexer.core.matching import PrefixMatch
+from indexer.core.residency import Op, plan_batch
 from indexer.errors import StoreUnavailable
 
 __all__ = [
@@ -24,14 +30,17 @@ __all__ = [
     "StoreLost",
     "StoreUnavailable",
     "Watermark",
+    "apply_events",
 ]
 
 
 class Fenced(RuntimeError):
     """A newer owner of the rank has claimed it: this writer must stop applying it.
 
-    Raised by stores shared by several indexer processes (Redis) for writes
-    made under a lease token older than the rank's newest; never retried.
+    Raised by every store for a write made under a claim token (``fence=``)
+    that is not the rank's newest, and by a store that lost data since the
+    token was claimed from it (the tokens may have gone with the data); never
+    retried.
     """
 
 
@@ -91,18 +100,45 @@ class Residency:
 
 
 class Store(Protocol):
-    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
-        """Apply a batch once: a seq at or below the rank's watermark is a no-op."""
+    async def apply(
+        self, rank: RankId, seq: int, ts: float, ops: Sequence[Op], *, fence: int | None = None
+    ) -> ApplyResult:
+        """Apply one batch's planned operations once: a seq at or below the rank's
+        watermark is a no-op; the watermark becomes ``(seq, ts)``.
+
+        ``fence``: the writer's claim token (:meth:`claim`); a write under one
+        that is not the rank's newest raises :class:`Fenced` and changes
+        nothing. None: an unfenced writer (the only one of its ranks).
+        """
 
     async def watermark(self, rank: RankId) -> Watermark | None:
         """The last applied batch of the rank; None for a rank never seen."""
 
-    async def clear(self, rank: RankId, media: Collection[str], *, reset_seq: bool = False) -> None:
+    async def clear(
+        self,
+        rank: RankId,
+        media: Collection[str],
+        *,
+        reset_seq: bool = False,
+        fence: int | None = None,
+    ) -> None:
         """Drop a rank's counts on these media; ``reset_seq`` forgets its watermark
-        too (the engine restarted and numbers batches from 0 again)."""
+        too (the engine restarted and numbers batches from 0 again). ``fence`` as
+        for :meth:`apply`."""
 
     async def forget(self, rank: RankId) -> None:
-        """Drop everything about the rank (the engine was deregistered)."""
+        """Drop everything about the rank (the engine was deregistered); its claim
+        tokens keep rising."""
+
+    async def claim(self, rank: RankId, owner: bytes) -> int | None:
+        """Become the rank's only fenced writer: a token above every earlier claim's.
+
+        The newest claim wins: writes under any older token raise
+        :class:`Fenced` from here on. ``owner``: the rank's engine as the
+        claimant has it registered; a store that keeps the engine registry
+        beside the index (Redis) refuses, with None, a claim whose engine is
+        no longer registered so, and a store without one never refuses.
+        """
 
     async def block_residency(self, block_hash: BlockHash) -> list[Residency]:
         """Every residency of one block hash, across engines, media and groups."""
@@ -140,3 +176,11 @@ class Store(Protocol):
         """Call ``listener(loss)`` whenever a loss is noticed (it must not block)."""
 
     async def close(self) -> None: ...
+
+
+async def apply_events(
+    store: Store, rank: RankId, seq: int, batch: EventBatch, fence: int | None = None
+) -> ApplyResult:
+    """Plan a decoded batch and apply it: for callers holding events (consumers,
+    trace replay, tests, benchmarks) rather than operations."""
+    return await store.apply(rank, seq, batch.ts, plan_batch(batch), fence=fence)

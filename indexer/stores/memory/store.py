@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from indexer.core.events import MEDIA, BlockHash, EventBatch, RankId
+from indexer.core.events import MEDIA, BlockHash, RankId
 from indexer.core.matching import PrefixMatch
-from indexer.core.residency import plan_batch
-from indexer.stores.base import ApplyResult, Loss, Residency, Watermark
+from indexer.core.residency import Op
+from indexer.stores.base import ApplyResult, Fenced, Loss, Residency, Watermark
 from indexer.stores.memory import compiled
 from indexer.stores.memory.hybrids import Hybrids
 from indexer.stores.memory.residency import IndexedResidency
@@ -35,6 +35,7 @@ class MemoryStore:
     def __init__(self, core: compiled.StoreCore = compiled.CORE) -> None:
         self._ranks: dict[RankId, IndexedResidency] = {}
         self._watermarks: dict[RankId, Watermark] = {}
+        self._fences: dict[RankId, int] = {}  # the newest claim's token, kept by forget
         self._holders = core.index()
         self._residency = core.residency
         self._hybrids = Hybrids()  # the ranks of hybrid models
@@ -49,21 +50,42 @@ class MemoryStore:
             self._listing = None
         return state
 
-    async def apply_batch(self, rank: RankId, seq: int, batch: EventBatch) -> ApplyResult:
+    def _check_fence(self, rank: RankId, fence: int | None) -> None:
+        newest = self._fences.get(rank, 0)
+        if fence is not None and fence != newest:
+            raise Fenced(f"{rank.engine}/{rank.dp_rank}: token {fence}, rank at {newest}")
+
+    async def apply(
+        self, rank: RankId, seq: int, ts: float, ops: Sequence[Op], *, fence: int | None = None
+    ) -> ApplyResult:
+        self._check_fence(rank, fence)
         mark = self._watermarks.get(rank)
         if mark is not None and seq <= mark.seq:
             return ApplyResult(applied=False)
-        ops = plan_batch(batch)
         state = self._rank(rank)
         block_ops = state.apply(ops)
         self._hybrids.update(state, state.bit)
-        self._watermarks[rank] = Watermark(seq, batch.ts)
+        self._watermarks[rank] = Watermark(seq, ts)
         return ApplyResult(applied=True, block_ops=block_ops)
 
     async def watermark(self, rank: RankId) -> Watermark | None:
         return self._watermarks.get(rank)
 
-    async def clear(self, rank: RankId, media: Collection[str], *, reset_seq: bool = False) -> None:
+    async def claim(self, rank: RankId, owner: bytes) -> int:
+        """Always granted: this store keeps no engine registry to check ``owner`` against."""
+        token = self._fences.get(rank, 0) + 1
+        self._fences[rank] = token
+        return token
+
+    async def clear(
+        self,
+        rank: RankId,
+        media: Collection[str],
+        *,
+        reset_seq: bool = False,
+        fence: int | None = None,
+    ) -> None:
+        self._check_fence(rank, fence)
         if rank in self._ranks:
             self._ranks[rank].clear(media)
         if reset_seq:

@@ -3,7 +3,9 @@
 Each script touches keys of one hash slot only when the store runs against a
 Redis Cluster (the caller groups keys by bucket, and a bucket is one slot), so
 atomicity never needs a cross-slot transaction. The key layout and the
-exactly-once argument are in :mod:`indexer.stores.redis`.
+exactly-once argument are in :mod:`indexer.stores.redis.layout` and
+:mod:`indexer.stores.redis.store`. The cluster layer's scripts (leases,
+heartbeats, the engine registry) are :mod:`indexer.cluster.scripts`.
 
 The writes of the index (block operations, metadata changes) go through
 scripts that first check the written hash's *anchor* fields: ``#store`` must
@@ -15,13 +17,16 @@ nothing and answers -3, and the writer finds out what was lost.
 
 from __future__ import annotations
 
+from indexer.stores.redis.client import Script
+
 #: Apply one batch's block operations to one or more buckets, exactly once per
 #: (bucket, generation): a bucket records the last batch each generation applied
 #: there, and a re-delivered batch skips the generations that already ran.
 #: Block keys are not passed as KEYS (one argument per block made the client the
 #: bottleneck): each is its bucket key plus ":" and the hash, so it carries the
 #: bucket's hash tag and always lives in the declared key's slot.
-APPLY_OPS = """
+APPLY_OPS = Script(
+    """
 -- KEYS: one bucket hash per section
 -- ARGV[1]: the batch mark "epoch:seq"; ARGV[2]: the rank id (bucket field "u<rid>" counts
 --   its unknown removals)
@@ -150,10 +155,12 @@ local counters = {applied}
 for i = 1, #KEYS do counters[i + 1] = floors[i] >= 0 and call('HINCRBY', KEYS[i], '#w', 1) or 0 end
 return counters
 """
+)
 
 #: Compare-and-set fields of one hash: the rank metadata's only writer, so that
 #: concurrent indexers, clears and id allocations never overwrite each other.
-COMPARE_AND_SET = """
+COMPARE_AND_SET = Script(
+    """
 -- KEYS[1]: the hash
 -- ARGV[1], ARGV[2]: the store identity the writer knows and the lowest "#w" the hash may
 --   hold (else -3: the store lost data, nothing is written)
@@ -176,11 +183,13 @@ for i = 2 * n + 4, #ARGV, 2 do
 end
 return redis.call('HINCRBY', KEYS[1], '#w', 1)
 """
+)
 
 #: Allocate ids for one rank and record them under the rank until its metadata
 #: takes them, so that the sweeper, reading the hash atomically, sees every id
 #: in use or about to be.
-RESERVE_IDS = """
+RESERVE_IDS = Script(
+    """
 -- KEYS[1]: the metadata hash ("#ids" holds the last id allocated)
 -- ARGV[1]: the rank's field for ids not yet in its metadata; ARGV[2]: how many ids
 -- Sets ARGV[1] to "first:last" and returns the last new id.
@@ -188,10 +197,12 @@ local last = redis.call('HINCRBY', KEYS[1], '#ids', ARGV[2])
 redis.call('HSET', KEYS[1], ARGV[1], (last - tonumber(ARGV[2]) + 1) .. ':' .. last)
 return last
 """
+)
 
 #: A new owner's claim on a rank: the next fence token, if the engine is still
 #: registered as the owner read it (the registry shares the metadata's slot).
-CLAIM = """
+CLAIM = Script(
+    """
 -- KEYS[1]: the engine registry hash; KEYS[2]: the metadata hash
 -- ARGV[1]: the engine's name; ARGV[2]: its spec as the claimant read it; ARGV[3]: the rank's
 --   fence field
@@ -199,9 +210,11 @@ CLAIM = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 return redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
 """
+)
 
 #: Write a claim's token into buckets, so that they refuse older owners' writes.
-RAISE_FENCE = """
+RAISE_FENCE = Script(
+    """
 -- KEYS: bucket hashes; ARGV[1]: the rank's fence field; ARGV[2]: the new token
 -- Each bucket's field becomes the larger of its value and the token.
 local token = tonumber(ARGV[2])
@@ -211,17 +224,21 @@ for i = 1, #KEYS do
 end
 return 1
 """
+)
 
 #: Give a store its identity at first use: kept if one is there already.
-ESTABLISH_IDENTITY = """
+ESTABLISH_IDENTITY = Script(
+    """
 -- KEYS[1]: the metadata hash; ARGV[1]: a new random identity. Returns the identity it holds.
 redis.call('HSETNX', KEYS[1], '#store', ARGV[1])
 return redis.call('HGET', KEYS[1], '#store')
 """
+)
 
 #: Replace a store's identity after a loss: the metadata forgets every rank, so that
 #: each starts again empty (its counts in the surviving buckets become garbage).
-SWAP_IDENTITY = """
+SWAP_IDENTITY = Script(
+    """
 -- KEYS[1]: the metadata hash; ARGV[1]: the identity the caller saw ("" none); ARGV[2]: the
 --   new identity; ARGV[3]: the lowest id the new identity may allocate (every surviving
 --   bucket's "#top" is below it)
@@ -243,10 +260,12 @@ redis.call('HSET', KEYS[1], '#store', ARGV[2])
 redis.call('HINCRBY', KEYS[1], '#w', 1)
 return ARGV[2]
 """
+)
 
 #: Put a store's identity into one bucket, dropping its fence tokens: they may belong
 #: to an older identity whose tokens restart below them.
-MARK_BUCKET = """
+MARK_BUCKET = Script(
+    """
 -- KEYS[1]: a bucket hash; ARGV[1]: the identity. A bucket holding it already is left alone.
 if redis.call('HGET', KEYS[1], '#store') == ARGV[1] then return 0 end
 local drop = {}
@@ -257,73 +276,4 @@ for i = 1, #drop, 1000 do redis.call('HDEL', KEYS[1], unpack(drop, i, math.min(i
 redis.call('HSET', KEYS[1], '#store', ARGV[1])
 return 1
 """
-
-#: Register an engine (``indexer.cluster.registry``); readers poll "#version".
-REGISTER = """
--- KEYS[1]: the engine registry hash; ARGV[1]: the engine's name; ARGV[2]: its spec (JSON)
--- Returns 1 when registered, 0 when the name is taken.
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[1], '#version', 1)
-return 1
-"""
-
-#: Deregister an engine and forget its ranks in one step, bumping each rank's
-#: fence so that whoever still consumes it has its next write refused.
-DEREGISTER = """
--- KEYS[1]: the engine registry hash; KEYS[2]: the metadata hash; ARGV[1]: the engine's name
--- Rank fields as in indexer.stores.redis: "r:<dp>:<engine>" (metadata), "a:..." (ids held),
--- "f:..." (fence). Returns the spec it removed, or nil when none was registered.
-local spec = redis.call('HGET', KEYS[1], ARGV[1])
-if not spec then return nil end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('HINCRBY', KEYS[1], '#version', 1)
-for dp = 0, (cjson.decode(spec)['dp_ranks'] or 1) - 1 do
-  local rank = dp .. ':' .. ARGV[1]
-  redis.call('HDEL', KEYS[2], 'r:' .. rank, 'a:' .. rank)
-  redis.call('HINCRBY', KEYS[2], 'f:' .. rank, 1)
-end
-return spec
-"""
-
-#: Keep a lease (``indexer.cluster.leases``) only while it is still the caller's.
-RENEW_LEASE = """
--- KEYS[1]: the lease; ARGV[1]: the holder's value; ARGV[2]: the new time to live, ms
--- Returns 1 when the lease held that value (its time to live restarts), else 0.
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-"""
-
-#: Give a lease back, unless it is someone else's by now.
-RELEASE_LEASE = """
--- KEYS[1]: the lease; ARGV[1]: the holder's value. Returns 1 when it was deleted.
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('DEL', KEYS[1])
-"""
-
-#: The live indexer workers, by Redis's clock (workers' clocks may disagree).
-HEARTBEAT = """
--- KEYS[1]: sorted set of worker ids, scored by the time (ms) their heartbeat expires
--- ARGV[1]: the caller's worker id ("" to only look); ARGV[2]: its time to live, ms
--- Drops expired members and returns the live ones.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) end
-return redis.call('ZRANGE', KEYS[1], 0, -1)
-"""
-
-SCRIPTS = {
-    "apply_ops": APPLY_OPS,
-    "compare_and_set": COMPARE_AND_SET,
-    "reserve_ids": RESERVE_IDS,
-    "claim": CLAIM,
-    "raise_fence": RAISE_FENCE,
-    "establish_identity": ESTABLISH_IDENTITY,
-    "swap_identity": SWAP_IDENTITY,
-    "mark_bucket": MARK_BUCKET,
-    "register": REGISTER,
-    "deregister": DEREGISTER,
-    "renew_lease": RENEW_LEASE,
-    "release_lease": RELEASE_LEASE,
-    "heartbeat": HEARTBEAT,
-}
+)

@@ -1,165 +1,30 @@
-"""The store conformance suite: every residency rule, checked on any :class:`Store`.
-
-A new backend (or a decorator around one) is done when ``await run(factory)``
-passes: each check gets a fresh, empty store from ``factory`` and raises
-:class:`AssertionError` naming the check and what differed. The checks are
-plain async functions of a store (:data:`CHECKS`), so a test suite can run
-them one test id each with :func:`run_check`. They build their events here,
-engine-neutral: no payloads, no fixtures, no server.
-
-``factory`` is a callable giving a store, an awaitable of one, or an async
-context manager yielding one; a store the suite made itself it also closes.
-"""
+"""The residency rules every store keeps: watermarks, clears, counts, prefix matches."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from inspect import isawaitable
-from typing import Any
 
-from indexer.core.events import (
-    CPU,
-    GPU,
-    STORAGE,
-    AllBlocksCleared,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    RankId,
-)
+from indexer.core.events import CPU, GPU, STORAGE, AllBlocksCleared, RankId
 from indexer.core.matching import PrefixMatch
 from indexer.stores.base import Store, Watermark
-
-RANK = RankId("engine-a", 0)
-ENGINE = {"engine-a": None}
-
-Check = Callable[[Store], Awaitable[None]]
-StoreFactory = Callable[[], Store | Awaitable[Store] | AbstractAsyncContextManager[Store]]
-
-#: name -> check, in the order they are written (and run)
-CHECKS: dict[str, Check] = {}
-
-
-def _check(fn: Check) -> Check:
-    CHECKS[fn.__name__] = fn
-    return fn
-
-
-async def run(factory: StoreFactory) -> None:
-    """Run every check, each on a fresh store; the first failure raises."""
-    for name in CHECKS:
-        await run_check(factory, name)
-
-
-async def run_check(factory: StoreFactory, name: str) -> None:
-    """Run one check on a fresh store; an AssertionError names the check."""
-    async with _fresh(factory) as store:
-        try:
-            await CHECKS[name](store)
-        except AssertionError as failed:
-            raise AssertionError(f"conformance check {name!r} failed: {failed}") from failed
-
-
-@asynccontextmanager
-async def _fresh(factory: StoreFactory) -> AsyncIterator[Store]:
-    made: Any = factory()
-    if hasattr(made, "__aenter__"):
-        async with made as store:
-            yield store
-        return
-    store = await made if isawaitable(made) else made
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
-def expect(got: object, want: object, what: str) -> None:
-    """Fail with both values (checks run outside pytest's assertion rewriting)."""
-    if got != want:
-        raise AssertionError(f"{what}: got {got!r}, want {want!r}")
-
-
-# --- events and reads ---------------------------------------------------------
-
-
-def stored(
-    hashes: Iterable[BlockHash],
-    medium: str = GPU,
-    group: int = 0,
-    kind: str | None = "full_attention",
-    owner: str | None = None,
-    locality: str | None = None,
-    block_size: int = 16,
-    window: int | None = None,
-) -> BlockStored:
-    """A store of ``hashes``; ``block_size=0`` makes it a chunk-end placeholder.
-
-    ``window``: a sliding-window group's window in tokens.
-    """
-    hashes = list(hashes)
-    return BlockStored(
-        hashes,
-        None,
-        [0] * block_size * len(hashes),
-        block_size,
-        medium=medium,
-        group_idx=group,
-        kv_cache_spec_kind=kind,
-        kv_cache_spec_sliding_window=window,
-        ownership=owner,
-        locality=locality,
-    )
-
-
-def removed(
-    hashes: Iterable[BlockHash], medium: str = GPU, group: int = 0, owner: str | None = None
-) -> BlockRemoved:
-    return BlockRemoved(list(hashes), medium, group, ownership=owner)
-
-
-def batch(*events: object, ts: float = 1.0) -> EventBatch:
-    return EventBatch(ts, list(events), 0)
-
-
-async def apply(
-    store: Store, seq: int, *events: object, rank: RankId = RANK, ts: float = 1.0
-) -> bool:
-    return (await store.apply_batch(rank, seq, batch(*events, ts=ts))).applied
-
-
-async def where(store: Store, h: BlockHash) -> set[tuple]:
-    """A block's residencies as comparable tuples."""
-    return {
-        (r.engine, r.dp_rank, r.medium, r.ownership, r.group_idx, r.locality, r.count)
-        for r in await store.block_residency(h)
-    }
-
-
-async def counts(store: Store, h: BlockHash, rank: RankId = RANK) -> dict[str, int]:
-    """Reference count of one hash per medium for one rank (all groups and owners)."""
-    found: dict[str, int] = {}
-    for r in await store.block_residency(h):
-        if (r.engine, r.dp_rank) == rank:
-            found[r.medium] = found.get(r.medium, 0) + r.count
-    return found
-
-
-async def _hit(store: Store, chain: list, chunk: int | None = None) -> PrefixMatch:
-    return (await store.prefix_match(chain, {RANK.engine: chunk}))[RANK]
-
-
-def _blocks(gpu: int = 0, cpu: int = 0, storage: int = 0) -> dict[str, int]:
-    return {GPU: gpu, CPU: cpu, STORAGE: storage}
-
+from indexer.stores.conformance.kit import (
+    ENGINE,
+    RANK,
+    apply,
+    blocks,
+    check,
+    counts,
+    expect,
+    hit,
+    removed,
+    stored,
+    where,
+)
 
 # --- watermark, clear, forget -------------------------------------------------
 
 
-@_check
+@check
 async def watermark_admits_each_seq_once_and_allows_holes(store: Store) -> None:
     expect(await store.watermark(RANK), None, "watermark of an unseen rank")
     expect(await apply(store, 5, stored([1]), ts=10.0), True, "first batch applied")
@@ -172,25 +37,25 @@ async def watermark_admits_each_seq_once_and_allows_holes(store: Store) -> None:
     expect(await counts(store, 1), {}, "counts after the removal")
 
 
-@_check
+@check
 async def empty_batch_advances_the_watermark(store: Store) -> None:
     expect(await apply(store, 0), True, "empty batch applied")
     expect(await store.watermark(RANK), Watermark(0, 1.0), "watermark")
     expect(await store.ranks(), [RANK], "ranks")
 
 
-@_check
+@check
 async def clear_drops_only_the_given_media(store: Store) -> None:
     await apply(store, 0, stored([1, 2]), stored([2], CPU), stored([3], STORAGE))
     await store.clear(RANK, [GPU, CPU])
-    expect(await store.block_counts(RANK), _blocks(storage=1), "block counts after clear")
+    expect(await store.block_counts(RANK), blocks(storage=1), "block counts after clear")
     expect(await store.watermark(RANK), Watermark(0, 1.0), "watermark kept by clear")
     expect(await apply(store, 0, stored([1])), False, "seq 0 again after clear applied")
     expect(await apply(store, 1, stored([2])), True, "seq 1 after clear applied")
     expect(await counts(store, 2), {GPU: 1}, "a fresh count, nothing resurrected")
 
 
-@_check
+@check
 async def reset_seq_takes_a_restarted_engines_stream_from_zero(store: Store) -> None:
     for seq in range(3):
         await apply(store, seq, stored([10 + seq]), stored([20 + seq], STORAGE))
@@ -200,10 +65,10 @@ async def reset_seq_takes_a_restarted_engines_stream_from_zero(store: Store) -> 
     expect(await store.watermark(RANK), Watermark(0, 5.0), "watermark after restart")
     expect(await counts(store, 10), {GPU: 1}, "GPU count after restart")
     expect(await counts(store, 20), {STORAGE: 2}, "STORAGE kept through the restart, then +1")
-    expect(await store.block_counts(RANK), _blocks(1, 0, 3), "block counts")
+    expect(await store.block_counts(RANK), blocks(1, 0, 3), "block counts")
 
 
-@_check
+@check
 async def forget_drops_everything_about_the_rank(store: Store) -> None:
     other = RankId("engine-b", 0)
     await apply(store, 4, stored([1, 2]), stored([2], CPU), removed([9]))
@@ -212,7 +77,7 @@ async def forget_drops_everything_about_the_rank(store: Store) -> None:
     expect(await store.ranks(), [other], "ranks after forget")
     expect(await store.watermark(RANK), None, "watermark after forget")
     expect(await where(store, 1), {("engine-b", 0, GPU, None, 0, None, 1)}, "residency of 1")
-    expect(await store.block_counts(RANK), _blocks(), "block counts after forget")
+    expect(await store.block_counts(RANK), blocks(), "block counts after forget")
     expect(await store.anomalies(RANK), {"unknown_removals": 0}, "anomalies after forget")
     expect(set(await store.prefix_match([1, 2], ENGINE)), set(), "ranks matched after forget")
     expect(await apply(store, 0, stored([2])), True, "seq 0 of a rank registered again")
@@ -222,19 +87,19 @@ async def forget_drops_everything_about_the_rank(store: Store) -> None:
 # --- residency rules ----------------------------------------------------------
 
 
-@_check
+@check
 async def all_blocks_cleared_mid_batch_clears_gpu_only(store: Store) -> None:
     await apply(store, 0, stored([1, 2]), stored([7], CPU))
     events = [stored([3]), stored([8], CPU), AllBlocksCleared(), stored([2]), removed([1])]
     expect(await apply(store, 1, *events), True, "batch applied")
-    expect(await store.block_counts(RANK), _blocks(1, 2), "block counts")
+    expect(await store.block_counts(RANK), blocks(1, 2), "block counts")
     expect(await counts(store, 2), {GPU: 1}, "counts of 2, stored after the clear")
     expect(await counts(store, 3), {}, "counts of 3, stored before the clear")
     expect(await counts(store, 7), {CPU: 1}, "counts of 7 on CPU")
     expect(await store.anomalies(RANK), {"unknown_removals": 1}, "1 was cleared first")
 
 
-@_check
+@check
 async def unknown_removals_are_counted_and_counts_never_go_negative(store: Store) -> None:
     await apply(store, 0, removed([5]), stored([1]), removed([1, 1]), removed([6], CPU))
     expect(await store.anomalies(RANK), {"unknown_removals": 3}, "anomalies")
@@ -243,15 +108,15 @@ async def unknown_removals_are_counted_and_counts_never_go_negative(store: Store
     expect(await counts(store, 1), {GPU: 1}, "counts of 1 stored again")
 
 
-@_check
+@check
 async def repeated_stores_are_reference_counted(store: Store) -> None:
     await apply(store, 0, stored([1, 2]), stored([1]), stored([1], CPU), stored([1], CPU))
     await apply(store, 1, removed([1]), removed([1], CPU))
     expect(await counts(store, 1), {GPU: 1, CPU: 1}, "counts of 1")
-    expect(await store.block_counts(RANK), _blocks(2, 1), "block counts")
+    expect(await store.block_counts(RANK), blocks(2, 1), "block counts")
 
 
-@_check
+@check
 async def storage_tiers_with_ownership_are_separate_residencies(store: Store) -> None:
     await apply(
         store,
@@ -266,23 +131,23 @@ async def storage_tiers_with_ownership_are_separate_residencies(store: Store) ->
         ("engine-a", 0, CPU, None, 0, None, 1),
     }
     expect(await where(store, 21), want, "residencies of 21")
-    expect(await store.block_counts(RANK), _blocks(0, 1, 2), "distinct hashes per medium")
+    expect(await store.block_counts(RANK), blocks(0, 1, 2), "distinct hashes per medium")
     await apply(store, 1, removed([21, 22], STORAGE, owner="kvcr"))
     expect(await where(store, 22), set(), "residencies of 22 after its removal")
-    expect(await store.block_counts(RANK), _blocks(0, 1, 1), "block counts after the removal")
+    expect(await store.block_counts(RANK), blocks(0, 1, 1), "block counts after the removal")
 
 
-@_check
+@check
 async def distinct_counts_span_groups_of_a_medium(store: Store) -> None:
     await apply(store, 0, stored([1, 2], group=0), stored([1, 3], group=1, kind="sliding_window"))
-    expect(await store.block_counts(RANK), _blocks(3), "block counts")
+    expect(await store.block_counts(RANK), blocks(3), "block counts")
     await apply(store, 1, removed([1], group=0))
-    expect(await store.block_counts(RANK), _blocks(3), "1 still held by group 1")
+    expect(await store.block_counts(RANK), blocks(3), "1 still held by group 1")
     await apply(store, 2, removed([1, 3], group=1))
-    expect(await store.block_counts(RANK), _blocks(1), "block counts after group 1 let go")
+    expect(await store.block_counts(RANK), blocks(1), "block counts after group 1 let go")
 
 
-@_check
+@check
 async def locality_is_forgotten_with_a_cleared_tier(store: Store) -> None:
     await apply(store, 0, stored([1], CPU, locality="LOCAL"))
     await apply(store, 1, stored([2], CPU))
@@ -292,7 +157,7 @@ async def locality_is_forgotten_with_a_cleared_tier(store: Store) -> None:
     expect(await where(store, 2), {("engine-a", 0, CPU, None, 0, None, 1)}, "after the clear")
 
 
-@_check
+@check
 async def a_sliding_window_group_limits_the_hit_to_what_its_window_holds(store: Store) -> None:
     window = stored([31], group=1, kind="sliding_window", window=128)
     await apply(store, 0, window)
@@ -302,33 +167,33 @@ async def a_sliding_window_group_limits_the_hit_to_what_its_window_holds(store: 
     # a window of 128 tokens needs cdiv(127, 16) = 8 blocks: none end at or below 11,
     # so the hit is the run held from block 0
     want = PrefixMatch(3, prefix_blocks=3, full_attention_blocks=11)
-    expect(await _hit(store, chain), want, "hit, window not held")
+    expect(await hit(store, chain), want, "hit, window not held")
     await apply(store, 2, stored(chain[3:10], group=1, kind="sliding_window"))
-    expect((await _hit(store, chain)).gpu_blocks, 10, "blocks 2..9 end the rightmost window")
+    expect((await hit(store, chain)).gpu_blocks, 10, "blocks 2..9 end the rightmost window")
     await apply(store, 3, removed([chain[5]], group=1))  # a removal carries no kind
     want = PrefixMatch(5, prefix_blocks=5, full_attention_blocks=11)
-    expect(await _hit(store, chain), want, "hit after a removal in the window")
-    expect(await _hit(store, chain[:5]), PrefixMatch(5, prefix_blocks=5), "hit of 5 blocks")
+    expect(await hit(store, chain), want, "hit after a removal in the window")
+    expect(await hit(store, chain[:5]), PrefixMatch(5, prefix_blocks=5), "hit of 5 blocks")
 
 
-@_check
+@check
 async def a_mamba_group_hits_at_its_rightmost_state(store: Store) -> None:
     chain = list(range(1, 12))
     await apply(store, 0, stored(chain[:9]), stored([chain[3], chain[7]], group=1, kind="mamba"))
     want = PrefixMatch(8, prefix_blocks=8, full_attention_blocks=9)
-    expect(await _hit(store, chain), want, "hit at the rightmost state")
-    expect((await _hit(store, chain[:7])).gpu_blocks, 4, "hit of 7 blocks")
+    expect(await hit(store, chain), want, "hit at the rightmost state")
+    expect((await hit(store, chain[:7])).gpu_blocks, 4, "hit of 7 blocks")
     await apply(store, 1, removed([chain[3]], group=1), removed([chain[7]], group=1))
-    expect(await _hit(store, chain), PrefixMatch(full_attention_blocks=9), "no state held")
+    expect(await hit(store, chain), PrefixMatch(full_attention_blocks=9), "no state held")
 
 
-@_check
+@check
 async def an_unclassified_group_counts_for_matching(store: Store) -> None:
     await apply(store, 0, stored([1, 2], kind=None))
-    expect((await _hit(store, [1, 2, 3])).gpu_blocks, 2, "hit of an unclassified group")
+    expect((await hit(store, [1, 2, 3])).gpu_blocks, 2, "hit of an unclassified group")
 
 
-@_check
+@check
 async def ranks_are_independent(store: Store) -> None:
     ranks = [RankId("engine-a", 0), RankId("engine-a", 1), RankId("engine-b", 0)]
     for i, rank in enumerate(ranks):
@@ -342,7 +207,7 @@ async def ranks_are_independent(store: Store) -> None:
     expect(await counts(store, 1, ranks[2]), {GPU: 1}, "counts of engine-b")
 
 
-@_check
+@check
 async def bytes_hashes_are_their_own_keys(store: Store) -> None:
     first, second = bytes(range(32)), bytes(range(32, 64))
     await apply(store, 0, stored([first, second], group=1, block_size=4))
@@ -350,13 +215,13 @@ async def bytes_hashes_are_their_own_keys(store: Store) -> None:
     await apply(store, 1, stored([number], group=1))
     expect(await where(store, first), {("engine-a", 0, GPU, None, 1, None, 1)}, "bytes hash")
     expect(await counts(store, number), {GPU: 1}, "the int of the same bytes")
-    expect((await _hit(store, [first, second])).gpu_blocks, 2, "hit of bytes hashes")
+    expect((await hit(store, [first, second])).gpu_blocks, 2, "hit of bytes hashes")
 
 
 # --- prefix matching ----------------------------------------------------------
 
 
-@_check
+@check
 async def prefix_combines_gpu_blocks_with_lower_tier_chunks(store: Store) -> None:
     chain = list(range(100, 116))  # 4 chunks of 4
     await apply(
@@ -367,19 +232,19 @@ async def prefix_combines_gpu_blocks_with_lower_tier_chunks(store: Store) -> Non
         stored(chain[4:8], CPU),
         stored([chain[11]], STORAGE, block_size=0),  # placeholder: chunk 2's end hash
     )
-    expect(await _hit(store, chain), PrefixMatch(6, 8, 0, 12, 2, 4), "learned chunk size")
-    expect(await _hit(store, chain, 2), PrefixMatch(6, 8, 0, 8, 2, 0), "declared size wins")
+    expect(await hit(store, chain), PrefixMatch(6, 8, 0, 12, 2, 4), "learned chunk size")
+    expect(await hit(store, chain, 2), PrefixMatch(6, 8, 0, 8, 2, 0), "declared size wins")
     expect(await store.prefix_match(chain, {"engine-b": None}), {}, "another engine")
 
 
-@_check
+@check
 async def prefix_extends_past_the_gpu_run_when_lower_runs_end_inside_it(store: Store) -> None:
     chain = list(range(200, 216))  # 4 chunks of 4; chunks 0-1 on GPU only
     await apply(store, 0, stored(chain[:8]), stored(chain[8:12], STORAGE), stored(chain[12:], CPU))
-    expect(await _hit(store, chain, 4), PrefixMatch(8, 0, 0, 16, 4, 4), "hit")
+    expect(await hit(store, chain, 4), PrefixMatch(8, 0, 0, 16, 4, 4), "hit")
 
 
-@_check
+@check
 async def long_chains_match_to_their_end(store: Store) -> None:
     rng = random.Random(3)
     chain = [rng.getrandbits(64) for _ in range(600)]
