@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 from fastapi import FastAPI
 
-from api import health, operators, prefix
+from api import announce, health, operators, prefix
 from api import routed as routed_api
 from api.chains import learned
 from api.context import ApiContext
@@ -26,6 +26,7 @@ from api.settings import ApiSettings
 from api.ui import install_ui
 from indexer import metrics
 from indexer.core.events import EventBatch, RankId
+from indexer.leases import Leases
 from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry, UnknownEngine
 from indexer.routed import MemoryRouted, RoutedEntries
@@ -88,7 +89,8 @@ def create_app(
     metrics.watch_routed(routed)
     if isinstance(consumers, Observable):
         consumers.add_observer(routed.observe)
-    ctx = dataclasses.replace(ctx, routed=routed)
+    leases = Leases(registry, settings.announce, on_removed=routed.forget)
+    ctx = dataclasses.replace(ctx, routed=routed, leases=leases)
 
     # FastAPI's own /docs and /redoc load their assets from a CDN: install_docs serves them.
     app = FastAPI(
@@ -103,6 +105,7 @@ def create_app(
     app.include_router(prefix.router(ctx))
     app.include_router(routed_api.router(ctx))
     app.include_router(operators.router(ctx))
+    app.include_router(announce.router(ctx))
     app.include_router(health.router(ctx))
     install_openapi(app)
     install_docs(app)

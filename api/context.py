@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from api.settings import ApiSettings
+from indexer.leases import Leases
 from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry
 from indexer.routed import MemoryRouted, RoutedEntries
@@ -25,3 +26,5 @@ class ApiContext:
     tokenizers: Tokenizers
     #: the routed entries beside the store (in process unless given Redis's)
     routed: RoutedEntries = field(default_factory=MemoryRouted)
+    #: the self-registered engines' leases over ``registry`` (set by create_app)
+    leases: Leases | None = None

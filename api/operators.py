@@ -71,6 +71,7 @@ class Operators:
         self.consumers = ctx.consumers
         self.token_index = ctx.token_index
         self.routed = ctx.routed
+        self.leases = ctx.leases
 
     def spec(self, name: str) -> EngineSpec:
         try:
@@ -102,7 +103,8 @@ class Operators:
         ranks = await asyncio.gather(
             *(self.rank_state(spec, status) for status in self.statuses(spec, held))
         )
-        return EngineState(**msgspec.structs.asdict(spec), ranks=list(ranks))
+        lease = self.leases.lease(spec.name) if self.leases else None
+        return EngineState(**msgspec.structs.asdict(spec), ranks=list(ranks), lease=lease)
 
     async def summaries(self) -> list[EngineSummary]:
         held = await self.stored_ranks()

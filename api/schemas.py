@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from indexer.engines.vllm.render import ChatMessage
+from indexer.leases import Lease
 from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.stores.base import Residency
 
@@ -229,6 +230,10 @@ class EngineState(EngineSpec):
     """An engine's declaration and the state of each of its dp ranks."""
 
     ranks: list[RankState] = []
+    #: a self-registered engine's lease (null: registered by hand, never expires)
+    lease: Lease | None = None
+    #: where its events contradict what it declared (then it is not matched by tokens)
+    misdeclared: list[str] = []
 
 
 class BlockResidencies(msgspec.Struct):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from indexer.core.matching import TierWeights
 from indexer.core.routed import RoutedRules
+from indexer.leases import LeaseRules
 from indexer.prompts import ModelTokenizer
 from indexer.registry import BindPolicy
 
@@ -52,6 +53,8 @@ class ApiSettings:
     max_connections: int = 1024
     engine_binds: BindPolicy = field(default_factory=BindPolicy)
     models: Mapping[str, ModelTokenizer] = field(default_factory=dict)
+    #: the leases of self-registered engines (``POST /engines/announce``): bounds, sweep
+    announce: LeaseRules = field(default_factory=LeaseRules)
 
     def __post_init__(self) -> None:
         if self.header_timeout <= 0 or self.max_connections < 1:

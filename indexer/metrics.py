@@ -70,6 +70,16 @@ KV_GROUP_MISMATCHES = Counter(
     "KV groups whose events contradict the engine's declared kv_groups (each seen once).",
     _RANK,
 )
+LEASES_EXPIRED = Counter(
+    "kvindex_engine_leases_expired_total",
+    "Self-registered engines dropped because their lease passed without a renewal.",
+)
+MISDECLARED = Counter(
+    "kvindex_engine_misdeclared_total",
+    "Announced or registered engines whose events contradict their declared config,"
+    " by what disagrees (each engine and reason counted once per registration).",
+    ["engine", "reason"],
+)
 # No rank label: a histogram is a dozen series, times every rank would be thousands.
 APPLY_SECONDS = Histogram(
     "kvindex_ingest_store_apply_seconds",

@@ -29,6 +29,20 @@ sim_flags = apply(
     option("--host", default="127.0.0.1", show_default=True, help="address to bind"),
     option("--model", default="sim", show_default=True, help="model name in --print-specs"),
     option("--print-specs", is_flag=True, help="print each engine's POST /engines body, exit"),
+    option(
+        "--announce",
+        metavar="URL",
+        help="register each engine with the kvindex at URL (POST /engines/announce), renew"
+        " its lease, deregister on exit",
+    ),
+    option("--announce-token", metavar="TOKEN", help="kvindex's bearer token for --announce"),
+    option(
+        "--lease",
+        type=float,
+        default=30.0,
+        show_default=True,
+        help="seconds of the lease --announce asks for",
+    ),
     option("--samples", metavar="FILE", help="keep each rank's recently served prompts in FILE"),
     option("--tick", type=float, default=0.05, show_default=True, help="seconds per engine step"),
     option("--rate", type=float, default=_LOAD.rate, show_default=True, help="requests/s per rank"),

@@ -22,7 +22,8 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import zmq
@@ -158,9 +159,14 @@ def run(
     tick: float = 0.05,
     samples: str | None = None,
     events: bool = True,
+    announce: Callable[[list[dict]], ExitStack] | None = None,
+    model: str = "sim",
 ) -> None:
-    """Run every rank one step per ``tick`` seconds until interrupted."""
+    """Run every rank one step per ``tick`` seconds until interrupted; ``announce``
+    registers the engines' specs once they publish, until the run ends."""
     ranks = _start(layout, config, workload, events)
+    specs = [engine_spec(layout, e, config, model, events) for e in range(layout.engines)]
+    announced = announce(specs) if announce is not None else ExitStack()
     for r in ranks:
         p = r.publisher
         print(
@@ -182,6 +188,7 @@ def run(
     except KeyboardInterrupt:
         pass
     finally:
+        announced.close()  # deregistered before the ports close
         _close(ranks)
         sys.stderr.write("\n")
 
@@ -198,6 +205,34 @@ def _progress(ranks: list[_Rank]) -> None:
         f"\r{len(ranks)} ranks  requests {done}  batches {batches}  prompt cache hits: {rates}   "
     )
     sys.stderr.flush()
+
+
+class AnnounceFailed(Exception):
+    """kvindex refused or could not be reached for ``--announce``."""
+
+
+def _announcer(args: argparse.Namespace) -> Callable[[list[dict]], ExitStack]:
+    """Announce specs to ``--announce`` as the plugin does from inside vLLM."""
+    import httpx
+
+    from producer.announce import Announcer, AnnounceRefused  # httpx: only for --announce
+
+    def announce(specs: list[dict]) -> ExitStack:
+        stack = ExitStack()
+        try:
+            for spec in specs:
+                announcer = Announcer(args.announce, spec, args.announce_token, args.lease)
+                outcome = stack.enter_context(announcer).outcome
+                print(f"{spec['name']}: {outcome} at {args.announce} ({announcer.instance})")
+        except (AnnounceRefused, httpx.HTTPError) as e:
+            stack.close()
+            raise AnnounceFailed(str(e) or repr(e)) from e
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+
+    return announce
 
 
 def main(args: argparse.Namespace) -> int:
@@ -238,7 +273,11 @@ def main(args: argparse.Namespace) -> int:
             tick=args.tick,
             samples=args.samples,
             events=not args.no_events,
+            announce=_announcer(args) if args.announce else None,
+            model=args.model,
         )
+    except AnnounceFailed as e:
+        sys.exit(f"kvindex sim: --announce {args.announce}: {e}")
     except zmq.ZMQError as e:  # binding a port: pyzmq's message names the address
         in_use = e.errno == errno.EADDRINUSE
         sys.exit(f"kvindex sim: {e}" + (": choose another --base-port" if in_use else ""))

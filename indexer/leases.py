@@ -1,0 +1,266 @@
+"""Engines that register themselves, kept by lease.
+
+An engine that announces itself says who it is (its spec) and which start of
+it is talking (an ``instance`` id drawn anew each start). Announcing again
+renews the lease; a new instance means the process restarted, so what kvindex
+held of the old one is dropped and rebuilt from the new one's events; an engine
+that stops announcing is dropped when its lease passes, since no clean
+shutdown told kvindex it went. Engines registered by hand (config, flags,
+``POST /engines``) are not leased and never expire: announcements cannot take
+them over.
+
+:class:`Leases` sits over any :class:`~indexer.registry.Registry`, so the
+registry's listeners (the subscriber) start and stop consuming exactly as for
+hand registrations. The leases themselves live in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Literal
+
+import msgspec
+
+from indexer import metrics
+from indexer.periodic import repeat
+from indexer.registry import EngineSpec, Registry, UnknownEngine
+
+log = logging.getLogger("kvindex.leases")
+
+Instance = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Outcome = Literal["registered", "renewed", "restarted", "updated", "deregistered"]
+
+
+class LeaseRules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Bounds of the leases engines may ask for, and how often expiry is checked.
+
+    The lower bound keeps a misconfigured engine from making kvindex re-register
+    it many times a second; the upper one bounds how long a dead engine's
+    residency is offered to routers.
+    """
+
+    min_lease_seconds: float = 1.0
+    max_lease_seconds: float = 300.0
+    default_lease_seconds: float = 30.0
+    sweep_seconds: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_lease_seconds <= self.default_lease_seconds <= self.max_lease_seconds:
+            raise ValueError(
+                "leases: expected 0 < min_lease_seconds <= default_lease_seconds"
+                " <= max_lease_seconds"
+            )
+        if self.sweep_seconds <= 0:
+            raise ValueError("leases: sweep_seconds must be above 0")
+
+    def grant(self, asked: float | None) -> float:
+        """The lease given for one asked (clamped to the bounds; None: the default)."""
+        if asked is None:
+            return self.default_lease_seconds
+        return min(max(asked, self.min_lease_seconds), self.max_lease_seconds)
+
+
+class Announcement(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What an engine sends: its spec, its start's id, the lease it asks for, and
+    whether a hash seed is in force (default: whether the spec carries one)."""
+
+    spec: EngineSpec
+    instance: Instance
+    lease_seconds: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    seeded: bool | None = None
+
+    def registered_spec(self) -> EngineSpec:
+        """The spec kvindex follows: a seed in force but not given leaves the
+        hashes unreproducible here, so they are matched as learned (no algo)."""
+        if self.seeded and self.spec.hash_seed is None and self.spec.hash_algo is not None:
+            return msgspec.structs.replace(self.spec, hash_algo=None)
+        return self.spec
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """One leased registration, as ``/engines/{name}`` shows it."""
+
+    instance: str
+    lease_seconds: float
+    expires_in: float
+
+
+class Granted(msgspec.Struct, frozen=True):
+    """The answer to an announcement or a deregistration."""
+
+    name: str
+    instance: str
+    lease_seconds: float | None
+    outcome: Outcome
+
+
+class HandRegistered(Exception):
+    """The engine was registered by hand: it has no lease to renew or end."""
+
+
+class StaleInstance(Exception):
+    """The caller is not the instance holding the lease (a predecessor, or a stranger)."""
+
+
+class _Held(msgspec.Struct):
+    announcement: Announcement
+    lease_seconds: float
+    expires_at: float
+
+
+class Leases:
+    """The leased registrations over a registry, with their expiry.
+
+    One lock orders announcements, deregistrations and expiry, so a renewal
+    racing the sweep either extends the lease or finds the engine gone and
+    registers it again, never both. ``on_removed(name)`` runs after each
+    removal this class makes (the API drops the engine's routed entries).
+    The sweep starts with the first announcement: until then there is
+    nothing to expire.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        rules: LeaseRules | None = None,
+        *,
+        on_removed: Callable[[str], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.rules = rules or LeaseRules()
+        self._on_removed = on_removed
+        self._clock = clock
+        self._held: dict[str, _Held] = {}
+        self._lock = asyncio.Lock()
+        self._sweeper: asyncio.Task | None = None
+
+    def lease(self, name: str) -> Lease | None:
+        """The engine's lease (None: hand-registered, or not registered)."""
+        held = self._held.get(name)
+        if held is None:
+            return None
+        remaining = max(0.0, held.expires_at - self._clock())
+        return Lease(held.announcement.instance, held.lease_seconds, round(remaining, 3))
+
+    async def announce(self, announcement: Announcement) -> Granted:
+        """Register, renew, re-register (restart, update) an announced engine.
+
+        Raises :class:`HandRegistered`, or whatever the registry raises when its
+        listeners cannot take the spec (the previous registration then stays).
+        """
+        self._start_sweeping()
+        name = announcement.spec.name
+        granted = self.rules.grant(announcement.lease_seconds)
+        async with self._lock:
+            held = self._held.get(name)
+            if held is not None and not self._registered(name):
+                held = self._held.pop(name)  # removed by hand (DELETE /engines) meanwhile
+                held = None
+            if held is None:
+                if self._registered(name):
+                    raise HandRegistered(name)
+                await self.registry.add(announcement.registered_spec())
+                outcome: Outcome = "registered"
+            elif held.announcement == msgspec.structs.replace(
+                announcement, lease_seconds=held.announcement.lease_seconds
+            ):
+                outcome = "renewed"
+            else:
+                outcome = (
+                    "updated"
+                    if held.announcement.instance == announcement.instance
+                    else "restarted"
+                )
+                await self._replace(held.announcement.registered_spec(), announcement)
+            self._held[name] = _Held(announcement, granted, self._clock() + granted)
+        if outcome != "renewed":
+            log.info(
+                f"engine {outcome} by announcement",
+                extra={"engine": name, "instance": announcement.instance, "lease": granted},
+            )
+        return Granted(name, announcement.instance, granted, outcome)
+
+    async def deregister(self, name: str, instance: str) -> Granted:
+        """End a lease at once (a clean shutdown). Raises :class:`UnknownEngine`,
+        :class:`HandRegistered` or :class:`StaleInstance`."""
+        async with self._lock:
+            held = self._held.get(name)
+            if held is None:
+                if self._registered(name):
+                    raise HandRegistered(name)
+                raise UnknownEngine(name)
+            if held.announcement.instance != instance:
+                raise StaleInstance(held.announcement.instance)
+            await self._remove(name)
+        log.info("engine deregistered", extra={"engine": name, "instance": instance})
+        return Granted(name, instance, None, "deregistered")
+
+    async def expire(self) -> list[str]:
+        """Drop every registration whose lease has passed; their names."""
+        now = self._clock()
+        gone = []
+        async with self._lock:
+            for name, held in list(self._held.items()):
+                if held.expires_at > now:
+                    continue
+                await self._remove(name)
+                gone.append(name)
+                metrics.LEASES_EXPIRED.inc()
+                log.warning(
+                    "engine lease expired: deregistered, residency dropped",
+                    extra={
+                        "engine": name,
+                        "instance": held.announcement.instance,
+                        "lease": held.lease_seconds,
+                    },
+                )
+        return gone
+
+    async def close(self) -> None:
+        """Stop the sweep (the registrations stay)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+
+    def _start_sweeping(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+
+            async def sweep() -> None:
+                await self.expire()
+
+            self._sweeper = asyncio.create_task(
+                repeat(self.rules.sweep_seconds, sweep, "engine leases")
+            )
+
+    def _registered(self, name: str) -> bool:
+        try:
+            self.registry.get(name)
+        except UnknownEngine:
+            return False
+        return True
+
+    async def _replace(self, old: EngineSpec, announcement: Announcement) -> None:
+        """Swap a registration for a new one; if the new one is refused, put the
+        old one back so a bad update leaves the engine followed as before."""
+        await self._remove(old.name, forget=False)
+        try:
+            await self.registry.add(announcement.registered_spec())
+        except BaseException:
+            await self.registry.add(old)
+            raise
+        if self._on_removed is not None:
+            await self._on_removed(old.name)
+
+    async def _remove(self, name: str, *, forget: bool = True) -> None:
+        with contextlib.suppress(UnknownEngine):  # removed by hand meanwhile: nothing to drop
+            await self.registry.remove(name)
+        if forget:
+            self._held.pop(name, None)
+            if self._on_removed is not None:
+                await self._on_removed(name)
