@@ -75,7 +75,15 @@ async def _serve(args: argparse.Namespace, config: ServeConfig, redis: RedisConf
     from kvindex.serve import serve
 
     settings = _http_settings(args, config)
-    await serve(config, args.engine, host=args.host, port=args.port, redis=redis, settings=settings)
+    await serve(
+        config,
+        args.engine,
+        host=args.host,
+        port=args.port,
+        redis=redis,
+        settings=settings,
+        discover=args.discover,
+    )
 
 
 def _needs_redis(args: argparse.Namespace, redis: RedisConfig | None) -> RedisConfig:
@@ -244,6 +252,13 @@ def replay(**_: object) -> argparse.Namespace:
 @_redis_flags("use the Redis store at this URL (default: embedded)", prefix=None)
 @_config_flag()
 @_engine_flag("an engine to follow")
+@option(
+    "--discover",
+    multiple=True,
+    metavar="URL",
+    help="find engines: dns://NAME:PORT?replay_port=..&block_size=.. (A/AAAA/SRV) or"
+    " k8s://NAMESPACE?selector=app%3Dvllm (pods); repeatable, fields as in the config file",
+)
 @_log_level()
 def serve(**_: object) -> argparse.Namespace:
     """One process: consume engines' KV events and serve the HTTP API

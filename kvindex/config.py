@@ -9,6 +9,8 @@ Each command reads the sections it needs (:mod:`kvindex.serve`,
         replay_endpoint: tcp://10.0.0.5:5558
         dp_ranks: 2
         blocks_per_chunk: 16
+    discover:                     # engines found by DNS or Kubernetes, see indexer.discovery
+      - dns://vllm.default.svc.cluster.local:5557?replay_port=5558&block_size=16
     subscriber:                   # SubscriberSettings, see indexer.ingest.subscriber
       replay_timeout: 2.0
       gap_clear_threshold: 1000
@@ -52,6 +54,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from api.settings import ApiSettings
 from indexer.cluster.workers import WorkerSettings
+from indexer.discovery import Source, open_source
 from indexer.ingest.subscriber import SubscriberSettings
 from indexer.metrics import MetricsSettings
 from indexer.prompts import ModelTokenizer
@@ -76,6 +79,8 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The ``--config`` file."""
 
     engines: list[EngineSpec] = []
+    #: ``--discover`` URLs (dns://NAME:PORT?..., k8s://NAMESPACE?...), see indexer.discovery
+    discover: list[str] = []
     subscriber: SubscriberSettings = SubscriberSettings()
     api: dict[str, Any] = {}
     redis: dict[str, Any] | None = None
@@ -100,6 +105,14 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 self.subscriber.bind.check(spec)
             except BindRefused as e:
                 raise ConfigError(str(e)) from None
+
+    def discovery_sources(self, urls: Sequence[str] = ()) -> list[Source]:
+        """The file's ``discover`` sources, then ``urls`` (the flags'); a bad URL is a
+        ConfigError naming it."""
+        try:
+            return [open_source(url) for url in [*self.discover, *urls]]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def redis_config(
         self, url: str | None, *, cluster: bool = False, prefix: str | None = None

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from api.app import create_app
 from api.settings import ApiSettings
-from indexer import metrics
+from indexer import discovery, metrics
 from indexer.engines.vllm import native
 from indexer.ingest.subscriber import Subscriber
 from indexer.registry import EngineRegistry, EngineSpec
@@ -50,30 +50,36 @@ async def serve(
     port: int = 8000,
     redis: RedisConfig | None = None,
     settings: ApiSettings | None = None,
+    discover: Sequence[str] = (),
 ) -> None:
     """Run until SIGTERM or SIGINT, then stop cleanly; ``redis``: the store (default
-    embedded); ``settings``: the API's (default the config file's)."""
+    embedded); ``settings``: the API's (default the config file's); ``discover``:
+    ``--discover`` URLs, after the config file's."""
     native.warn_if_unavailable("serve")
     compiled.warn_if_unavailable("serve")
     config.check_binds(engines)
+    sources = config.discovery_sources(discover)
     settings = settings or config.api_settings()
     store = open_store(redis)
     registry = EngineRegistry()
     subscriber = Subscriber(store, registry, config.subscriber)
     routed = open_routed(redis)
     app = create_app(store, registry, subscriber, settings, routed=routed)
-    sampler = None
+    sampler = found = None
     try:
         with stop_signals() as stop, listen(host, port) as sock:
             await subscriber.start()
             sampler = asyncio.create_task(metrics.sample_residency(store, config.metrics))
             for spec in [*config.engines, *engines]:
                 await registry.add(spec)
+            found = discovery.Discovery(sources, registry)
             about = {"engines": [s.name for s in registry.all()], "store": type(store).__name__}
             await serve_http(app, settings, sock, stop, **about)
     finally:
         if sampler is not None:
             sampler.cancel()
+        if found is not None:
+            await found.stop()
         await subscriber.stop()
         await routed.close()
         await store.close()

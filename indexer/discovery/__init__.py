@@ -1,0 +1,48 @@
+"""Engines found rather than typed in: DNS names and Kubernetes pods.
+
+Each ``--discover`` URL (or ``discover:`` entry of the config file) is one
+source, run as a task beside the subscriber: ``dns://``
+(:mod:`indexer.discovery.dns`) or ``k8s://`` (:mod:`indexer.discovery.watch`).
+Sources register and deregister through the same registry as the operator
+API (:mod:`indexer.discovery.sync`), so a discovered engine is consumed, shown
+and removed like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+
+from indexer.discovery.dns import DnsSource
+from indexer.discovery.watch import PodWatch
+from indexer.registry import Registry
+
+Source = DnsSource | PodWatch
+SCHEMES = {"dns": DnsSource, "k8s": PodWatch}
+
+
+def open_source(url: str) -> Source:
+    """The source a URL names (raises ValueError saying what is wrong with it)."""
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise ValueError(f"--discover {url!r}: expected dns://NAME:PORT?... or k8s://NAMESPACE?...")
+    return SCHEMES[scheme](url)
+
+
+class Discovery:
+    """The running sources; :meth:`stop` ends them (their engines stay registered:
+    a stopping kvindex stops consuming them anyway, and a Redis registry keeps
+    them for the workers)."""
+
+    def __init__(self, sources: Sequence[Source], registry: Registry) -> None:
+        self._tasks = [
+            asyncio.create_task(s.run(registry), name=f"discover {s.url.label}") for s in sources
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
