@@ -99,6 +99,14 @@ echo "Why CPU can trail GPU: offload moves whole chunks of $CHUNK blocks, so CPU
 ask "The last prompt sim-2 served" last-sim-2 "$("${VIEW[@]}" tokens "$work/served.json" sim-2)"
 ask "A prompt no engine has seen" unseen "$("${VIEW[@]}" random 300)"
 
+say "an engine that publishes no events (kvindex sim --no-events), routed by history alone"
+"$BIN/kvindex" sim "${SIM[@]}" --engines 5 --no-events --print-specs | tail -n 1 >"$work/silent.json"
+run "curl -s -w '\n' -X POST $API/engines -H 'content-type: application/json' -d @$work/silent.json"
+unseen=$("${VIEW[@]}" random 300)
+printf '{"tokens": [%s], "engines": ["sim-4"], "route": "best", "ttl_ms": 600000}\n' "$unseen" >"$work/route.json"
+run "curl -s -o /dev/null -w 'route=best: %{http_code}\n' -X POST $API/prefix-match -H 'content-type: application/json' -d @$work/route.json"
+ask "The same prompt, now routed to sim-4 (its rows: approximate)" routed "$unseen"
+
 say "the fleet, as an operator sees it"
 run "$BIN/kvindex status --url $API"
 

@@ -31,7 +31,7 @@ def tokens(served: str, engine: str, extend: int) -> list[int]:
 
 
 def table(answer: dict) -> str:
-    rows = [("engine", "dp", "GPU", "CPU", "STORAGE", "prefix tokens", "score", "degraded")]
+    rows = [("engine", "dp", "GPU", "CPU", "STORAGE", "routed", "prefix tokens", "score", "")]
     rows += [
         (
             e["engine"],
@@ -39,16 +39,18 @@ def table(answer: dict) -> str:
             e["gpu_blocks"],
             e["cpu_blocks"],
             e["storage_blocks"],
+            e["routed_blocks"],
             e["prefix_tokens"],
             e["score"],
-            "yes" if e["degraded"] else "",
+            "approximate" if e["approximate"] else "degraded" if e["degraded"] else "",
         )
         for e in answer["engines"]
     ]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(v).rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
     blocks = f"prompt: {answer['num_blocks']} full blocks of {answer['block_size']} tokens"
-    return "\n".join([blocks, *lines, "(blocks per tier; best score first)"])
+    legend = "(blocks per tier; routed: GPU or routed there, not yet confirmed; best score first)"
+    return "\n".join([blocks, *lines, legend])
 
 
 def _get(url: str) -> bytes:
