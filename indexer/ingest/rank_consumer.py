@@ -260,7 +260,7 @@ class RankConsumer:
             stored = await self._store_call(self._store.watermark, self.rank)
             await self._perform(self._seq.loaded(_mark(stored)))
             log.info("rank consuming", extra=self.ids(next_seq=self._seq.next))
-            n = 0
+            pause = self._shared.slices.pause_if_spent
             while not self._stopping:
                 try:
                     await self._follow_store()
@@ -270,9 +270,7 @@ class RankConsumer:
                         await self._handle(*item)
                 except StoreLost:
                     continue  # resynchronised next turn; the batch in hand comes back by replay
-                n += 1
-                if n % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
+                await pause()
         except tenacity.RetryError:
             pass  # stopping while the store is failing
         except Fenced as e:

@@ -12,6 +12,7 @@ import zmq.asyncio
 
 from indexer.core.events import EventBatch, RankId
 from indexer.core.sequencer import Rules
+from indexer.ingest.slices import Slices
 from indexer.registry import BindPolicy
 
 #: the settings a rank's sequencer reads, by name (each a field here and in Rules)
@@ -63,6 +64,9 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
       has never connected is reported (one warning, ``never_connected``).
     - ``store_retry_max``: cap of the store retry backoff, seconds.
     - ``stop_grace``: seconds to finish the batch in hand at shutdown.
+    - ``apply_slice``: seconds of applying batches, across all ranks, before
+      the loop is yielded to the API's queries (a burst otherwise holds a
+      router's query for the whole run of batches between yields).
     - ``max_missing``: unfilled ranges kept per rank for operators.
     - ``bind``: where engines with ``bind: true`` may make kvindex listen
       (:class:`~indexer.registry.BindPolicy`; default: loopback tcp only).
@@ -85,6 +89,7 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     no_publisher_after: Seconds = 10.0
     store_retry_max: Seconds = 5.0
     stop_grace: Seconds = 5.0
+    apply_slice: Seconds = 0.001
     max_missing: Count = 100
     bind: BindPolicy = BindPolicy()
 
@@ -105,3 +110,5 @@ class Shared:
     notify: Observer
     #: Whether an observer reads an engine's token ids (else batches are decoded without them).
     reads_tokens: Callable[[str], bool]
+    #: The loop-turn budget every consumer applies under.
+    slices: Slices

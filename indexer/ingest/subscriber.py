@@ -23,6 +23,7 @@ from indexer import metrics
 from indexer.core.events import EventBatch, RankId
 from indexer.ingest.rank_consumer import RankConsumer
 from indexer.ingest.settings import Observer, Shared, SubscriberSettings
+from indexer.ingest.slices import Slices
 from indexer.registry import Change, EngineRegistry, EngineSpec, RankStatus
 from indexer.stores.base import Loss, Store
 
@@ -112,6 +113,7 @@ class RankPool:
             asyncio.Semaphore(self.settings.max_concurrent_replays),
             self._notify,
             self._reads_tokens,
+            Slices(self.settings.apply_slice),
         )
         metrics.watch(self)
 
