@@ -118,7 +118,10 @@ def parse_hash(item: int | str, where: str = "hash") -> BlockHash:
 def parse_hashes(items: list[int | str], limit: int) -> list[BlockHash]:
     """Block hashes of a query; 413 past ``limit`` blocks."""
     check_size(len(items), "blocks", limit)
-    if items and set(map(type, items)) == {str}:  # GET: try the all-decimal case
+    kinds = set(map(type, items))
+    if kinds == {int} and max(items) <= MAX_UINT64:  # JSON numbers, checked >= 0 already
+        return list(items)
+    if kinds == {str}:  # GET: try the all-decimal case
         values = _json_ints(",".join(items), _HASH_LIST) or _decimals(items, 20)
         if values is not None and max(values) <= MAX_UINT64:
             return values

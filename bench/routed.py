@@ -13,6 +13,9 @@ the prefix-match cost with 10k live routed entries against none.
   of the ranks whose routed prompts share its system prompt), and other
   prompts of the fleet (what most queries are).
   Interleaved, query by query, so a noisy moment hits both.
+- In Redis (scale-out): a private ``redis-server`` holding the fleet's final
+  residency and the same ~10k routed entries; the routed lookup of a query
+  (one script) against the store's own prefix match of it, query by query.
 """
 
 from __future__ import annotations
@@ -21,31 +24,39 @@ import asyncio
 import json
 import multiprocessing
 import random
+import shutil
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import uvicorn
 
 from api import ApiSettings, create_app
 from api.context import ApiContext
 from api.matching import PrefixMatcher, Query
+from bench import redis_bench
 from bench.fleet import BLOCK_SIZE, CHUNK_BLOCKS, Fleet, rank_of
 from bench.http import AllConnected, scenario
 from bench.measure import latency_ms
 from bench.query import timed_calls
+from bench.redis_bench import bulk_load, residency_batches
 from bench.report import Figure, Goal, Report
 from indexer.engines.vllm.hashing import block_hashes
 from indexer.prompts import Tokenizers
 from indexer.registry import EngineRegistry, EngineSpec
-from indexer.routed import MemoryRouted
+from indexer.routed import MemoryRouted, RedisRouted
 from indexer.stores import MemoryStore
+from indexer.stores.redis import RedisConfig, RedisStore
 from indexer.token_index import TokenIndex
-from tests.servers import free_port
+from tests.servers import RedisServer, free_port
 
 SECTION = "12"
 BLOCKS = 256  # a 4k-token prompt in blocks of 16
 LIVE = 10_000
 RECORD_GOAL = Goal(0.5)
 MATCH_GOAL = Goal(1.2, at_least=False)
+REDIS_GOAL = Goal(1.0, at_least=False)
 
 
 def _specs(fleet: Fleet) -> list[EngineSpec]:
@@ -177,6 +188,47 @@ def match_cost(fleet: Fleet, store: MemoryStore, queries: int, rounds: int) -> d
     return out
 
 
+async def _redis_cost(url: str, fleet: Fleet, reference: MemoryStore, queries: int) -> dict:
+    config = RedisConfig(url, prefix="bench-routed", sweep_interval=None)
+    store, routed = RedisStore(config), RedisRouted(config)
+    try:
+        await bulk_load(store, await residency_batches(reference))
+        chains = fleet.chains(BLOCKS, queries)
+        engines = {rank_of(e).engine: CHUNK_BLOCKS for e in range(fleet.config.engines)}
+        for i, chain in enumerate(chains):
+            await routed.record(rank_of(i % len(engines)), chain, 3600.0, 100_000)
+        for i, chain in enumerate(_random_chains(fleet, LIVE // BLOCKS - queries + 1, 11)):
+            await routed.record(rank_of((i + queries) % len(engines)), chain, 3600.0, 100_000)
+        samples: dict[str, list[float]] = {"store": [], "routed": []}
+        for _ in range(5):
+            for chain in chains:
+                started = time.perf_counter()
+                found = await store.prefix_match(chain, engines)
+                middle = time.perf_counter()
+                starts = {rank: m.gpu_blocks for rank, m in found.items() if m.gpu_blocks}
+                await routed.lookup(chain, starts, engines.keys())
+                samples["store"].append(middle - started)
+                samples["routed"].append(time.perf_counter() - middle)
+        live = (await routed.counts())["live"]
+        return {"live_entries": live, **{name: latency_ms(s) for name, s in samples.items()}}
+    finally:
+        await routed.close()
+        await store.close()
+
+
+def redis_cost(fleet: Fleet, reference: MemoryStore, queries: int) -> dict | None:
+    """The Redis figures, or None without a redis-server to run."""
+    if not redis_bench.available():
+        return None
+    workdir = Path(tempfile.mkdtemp(prefix="bench-routed-"))
+    server = RedisServer(workdir, free_port()).start()
+    try:
+        return asyncio.run(_redis_cost(server.url, fleet, reference, queries))
+    finally:
+        server.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def run(report: Report, fleet: Fleet, store: MemoryStore, quick: bool) -> dict:
     concurrency, requests = 8, (300 if quick else 2000)
     rates = record_rate(fleet, concurrency, requests)
@@ -198,4 +250,20 @@ def run(report: Report, fleet: Fleet, store: MemoryStore, quick: bool) -> dict:
             Figure(SECTION, f"{name}: p99", held["p99_ms"], "ms", "no routed entries p99",
                    none["p99_ms"]),
         )  # fmt: skip
-    return {"concurrency": concurrency, "requests": requests, "http": rates, "match": cost}
+    in_redis = redis_cost(fleet, store, 20)
+    if in_redis is None:
+        report.notes.append("item 12 in Redis skipped: redis-server not found")
+    else:
+        report.add(
+            Figure(SECTION, f"Redis: routed lookup, {BLOCKS}-block chain, "
+                   f"{in_redis['live_entries']:,} entries: p50", in_redis["routed"]["p50_ms"], "ms",
+                   "the Redis store's prefix match p50", in_redis["store"]["p50_ms"], REDIS_GOAL,
+                   "goal: within a prefix match's budget"),
+        )  # fmt: skip
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "http": rates,
+        "match": cost,
+        "redis": in_redis,
+    }
