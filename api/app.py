@@ -27,6 +27,7 @@ from api.ui import install_ui
 from indexer import metrics
 from indexer.core.events import EventBatch, RankId
 from indexer.leases import Leases
+from indexer.misdeclared import Misdeclared
 from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry, UnknownEngine
 from indexer.routed import MemoryRouted, RoutedEntries
@@ -90,7 +91,10 @@ def create_app(
     if isinstance(consumers, Observable):
         consumers.add_observer(routed.observe)
     leases = Leases(registry, settings.announce, on_removed=routed.forget)
-    ctx = dataclasses.replace(ctx, routed=routed, leases=leases)
+    misdeclared = Misdeclared(registry)
+    if isinstance(consumers, Observable):
+        consumers.add_observer(misdeclared.observe, misdeclared.reads_tokens)
+    ctx = dataclasses.replace(ctx, routed=routed, leases=leases, misdeclared=misdeclared)
 
     # FastAPI's own /docs and /redoc load their assets from a CDN: install_docs serves them.
     app = FastAPI(

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from api.settings import ApiSettings
 from indexer.leases import Leases
+from indexer.misdeclared import Misdeclared
 from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry
 from indexer.routed import MemoryRouted, RoutedEntries
@@ -28,3 +29,5 @@ class ApiContext:
     routed: RoutedEntries = field(default_factory=MemoryRouted)
     #: the self-registered engines' leases over ``registry`` (set by create_app)
     leases: Leases | None = None
+    #: engines whose events contradict their declaration (fed by the subscriber)
+    misdeclared: Misdeclared | None = None

@@ -56,6 +56,7 @@ class PrefixMatcher:
     def __init__(self, ctx: ApiContext) -> None:
         self._store = ctx.store
         self._registry = ctx.registry
+        self._misdeclared = ctx.misdeclared
         self._consumers = ctx.consumers
         self._token_index = ctx.token_index
         self._weights = ctx.settings.weights
@@ -170,6 +171,8 @@ class PrefixMatcher:
         shared: dict[tuple, _Lookup] = {}
         lookups: list[_Lookup] = []
         for spec in specs:
+            if self._misdeclared is not None and self._misdeclared.excluded(spec.name):
+                continue  # its events contradict its block size or hashing: it answers zeros
             hashing = overrides.hashing_of(spec)
             if hashing is None:
                 lookups.extend(self._learned_lookups(prompt, overrides, spec))

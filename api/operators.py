@@ -72,6 +72,7 @@ class Operators:
         self.token_index = ctx.token_index
         self.routed = ctx.routed
         self.leases = ctx.leases
+        self.misdeclared = ctx.misdeclared
 
     def spec(self, name: str) -> EngineSpec:
         try:
@@ -104,7 +105,10 @@ class Operators:
             *(self.rank_state(spec, status) for status in self.statuses(spec, held))
         )
         lease = self.leases.lease(spec.name) if self.leases else None
-        return EngineState(**msgspec.structs.asdict(spec), ranks=list(ranks), lease=lease)
+        wrong = self.misdeclared.reasons(spec.name) if self.misdeclared else []
+        return EngineState(
+            **msgspec.structs.asdict(spec), ranks=list(ranks), lease=lease, misdeclared=wrong
+        )
 
     async def summaries(self) -> list[EngineSummary]:
         held = await self.stored_ranks()
