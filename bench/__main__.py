@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import (
+    burst,
     dynamo,
     e2e,
     http,
@@ -32,6 +33,7 @@ from bench import (
     redis_bench,
     routed,
     scaling,
+    whole_ingest,
 )
 from bench.fleet import FULL, QUICK, Fleet
 from bench.report import Report
@@ -39,7 +41,7 @@ from indexer.log import setup_logging
 from indexer.stores import MemoryStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14")
 
 
 def _section(report: Report, name: str, fn: Callable[[], object]) -> None:
@@ -99,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         _section(report, "11", lambda: prompts.run(report, quick))
     if "12" in only:
         _section(report, "12", lambda: routed.run(report, fleet, store, quick))
+    if "13" in only:
+        _section(report, "13", lambda: burst.run(report, quick))
+    if "14" in only:
+        _section(report, "14", lambda: whole_ingest.run(report, quick, repeats))
     if "9" in only:
         _section(report, "9", lambda: idle.run(report, 5.0 if quick else 20.0))
     if only & {"2", "5"} and redis_bench.available():

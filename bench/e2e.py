@@ -42,7 +42,7 @@ def _stamped(payload: bytes, ts: float) -> bytes:
     return payload[:2] + struct.pack(">d", ts) + payload[10:]
 
 
-def _publish(pool, count, rate, seconds, hwm, pipe, go, done) -> None:
+def publish_child(pool, count, rate, seconds, hwm, pipe, go, done) -> None:
     """Child: publish ``count`` batches at once, or ``rate``/s for ``seconds``."""
     from producer.publisher import Publisher
 
@@ -71,7 +71,7 @@ class Run:
         self._go, self._done = ctx.Event(), ctx.Event()
         self._pipe, child_end = ctx.Pipe(duplex=False)
         args = (pool, count, rate, seconds, hwm, child_end, self._go, self._done)
-        self._child = ctx.Process(target=_publish, args=args)
+        self._child = ctx.Process(target=publish_child, args=args)
         self.settings = SubscriberSettings(sub_hwm=hwm)
         self.drops: int | None = None
         self.first = self.last = 0.0

@@ -28,6 +28,7 @@ import msgspec
 
 from bench import dynamo
 from bench.measure import interleaved
+from bench.naive import naive
 from bench.report import Figure, Goal, Report
 from indexer.core.events import EventBatch, RankId
 from indexer.engines.vllm.wire import IndexedBatch, decode_batch
@@ -53,30 +54,6 @@ def decode_floor(stream: Stream, batch_type: type = EventBatch) -> None:
     decode = msgspec.msgpack.Decoder(batch_type).decode
     for _, _, payload in stream:
         decode(payload)
-
-
-def naive(stream: Stream) -> dict:
-    """Untyped decoding and one dict of counts keyed by (rank, medium, hash)."""
-    counts: dict[tuple, int] = {}
-    decode = msgspec.msgpack.decode
-    for rank, _, payload in stream:
-        for event in decode(payload)[1]:
-            kind = event["type"]
-            if kind == "AllBlocksCleared":
-                for key in [k for k in counts if k[0] == rank and k[1] == "GPU"]:
-                    del counts[key]
-                continue
-            medium = (event.get("medium") or "GPU").upper()
-            for h in event["block_hashes"]:
-                key = (rank, medium, h)
-                n = counts.get(key, 0)
-                if kind == "BlockStored":
-                    counts[key] = n + 1
-                elif n > 1:
-                    counts[key] = n - 1
-                elif n == 1:
-                    del counts[key]
-    return counts
 
 
 def run(report: Report, stream: Stream, repeats: int) -> dict:
