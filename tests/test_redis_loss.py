@@ -25,12 +25,13 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.scripts import REGISTER
 from indexer.cluster.workers import Worker, WorkerSettings
 from indexer.core.events import GPU, BlockStored
 from indexer.ingest.subscriber import RankPool
 from indexer.ingest.trace import apply_trace, load_trace
 from indexer.registry import EngineSpec
-from indexer.stores import StoreUnavailable, apply_events
+from indexer.stores import Fenced, StoreUnavailable, apply_events
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
 
@@ -299,6 +300,28 @@ async def test_a_store_that_lost_nothing_says_so(store) -> None:
     store.on_loss(heard.append)
     assert (await apply_events(store, RANK, 0, trace_batches(TRACE)[0])).applied
     assert store.last_loss() is None and heard == []
+
+
+async def test_a_claim_made_before_a_loss_is_void(volatile_redis: RedisServer) -> None:
+    """Fence tokens can go with the data (the next claims then start below them again):
+    a write under a token claimed before a loss the store noticed is refused; a claim
+    made after it writes, even when it got the same number."""
+    async with opened(redis_config(volatile_redis.url)) as store:
+        register = store.client.script(REGISTER, [store.layout.registry_key], [RANK.engine, b"e"])
+        await store.client.execute([register])
+        token = await store.claim(RANK, b"e")
+        batches = trace_batches(TRACE)
+        assert (await apply_events(store, RANK, 0, batches[0], fence=token)).applied
+        await store.client.execute([("FLUSHALL",)])
+        await store.check()
+        assert store.last_loss().wiped
+        with pytest.raises(Fenced, match="lost data since token"):
+            await apply_events(store, RANK, 0, batches[0], fence=token)
+        await store.client.execute([register])
+        again = await store.claim(RANK, b"e")
+        assert again == token  # the tokens were lost with the data
+        assert await store.watermark(RANK) is None  # where the new owner resumes from
+        assert (await apply_events(store, RANK, 0, batches[0], fence=again)).applied
 
 
 # --- a cluster master losing data on its own ---------------------------------------------
