@@ -27,6 +27,12 @@ sim_flags = apply(
         help="data-parallel ranks per engine (each its own PUB and replay port)",
     ),
     option("--host", default="127.0.0.1", show_default=True, help="address to bind"),
+    option(
+        "--prefix",
+        default="sim",
+        show_default=True,
+        help="engine names: PREFIX-0, PREFIX-1, ... (a second fleet beside the first)",
+    ),
     option("--model", default="sim", show_default=True, help="model name in --print-specs"),
     option("--print-specs", is_flag=True, help="print each engine's POST /engines body, exit"),
     option(

@@ -238,7 +238,7 @@ def _announcer(args: argparse.Namespace) -> Callable[[list[dict]], ExitStack]:
 def main(args: argparse.Namespace) -> int:
     if math.ceil(args.max_context / args.block_size) > args.gpu_blocks:
         sys.exit(f"kvindex sim: --max-context {args.max_context} does not fit --gpu-blocks")
-    layout = Layout(args.engines, args.base_port, args.dp_ranks, args.host)
+    layout = Layout(args.engines, args.base_port, args.dp_ranks, args.host, args.prefix)
     config = SimConfig(
         block_size=args.block_size,
         gpu_blocks=args.gpu_blocks,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's first command (`make demo` sets up the venv, then runs this):
-# kvindex serve with the embedded store, 4 simulated engines registered over
-# the API, a router's view of them through real curl queries, the fleet as
+# kvindex serve with the embedded store, 4 simulated engines that register
+# themselves (POST /engines/announce, renewed by lease), a router's view of them through real curl queries, the fleet as
 # `kvindex status` prints it, then live progress until Ctrl-C.
 # Ports: DEMO_HTTP_PORT (8080), DEMO_ZMQ_PORT (5557..).
 # Every command shown after a "$" is the exact command that ran, with its output
@@ -74,19 +74,16 @@ pids+=($!)
 wait_for "kvindex serve" 20 curl -sf "$API/readyz"
 echo "ready (its log: $work/serve.log)"
 
-say "4 simulated engines publishing vLLM KV events"
-"$BIN/kvindex" sim "${SIM[@]}" --samples "$work/served.json" >"$work/sim.log" 2>"$work/sim-progress.log" &
+say "4 simulated engines publishing vLLM KV events, announcing themselves to kvindex"
+echo "\$ $BIN/kvindex sim ${SIM[*]} --announce $API --lease 15 &"
+"$BIN/kvindex" sim "${SIM[@]}" --announce "$API" --lease 15 --samples "$work/served.json" \
+    >"$work/sim.log" 2>"$work/sim-progress.log" &
 pids+=($!)
-wait_for "the simulated engines" 20 grep -q sim-3 "$work/sim.log"
+wait_for "the simulated engines" 20 grep -q "sim-3: PUB" "$work/sim.log"
 cat "$work/sim.log"
 
-say "register them: POST /engines (the bodies kvindex sim --print-specs prints)"
-n=0
-while read -r spec; do
-    printf '%s\n' "$spec" >"$work/engine-$n.json"
-    run "curl -s -w '\n' -X POST $API/engines -H 'content-type: application/json' -d @$work/engine-$n.json"
-    n=$((n + 1))
-done < <("$BIN/kvindex" sim "${SIM[@]}" --print-specs)
+say "registered by their announcements (no POST /engines): each has a lease it renews"
+run "curl -s $API/engines/sim-0 | $BIN/python -c 'import json, sys; e = json.load(sys.stdin); print(e[\"name\"], e[\"endpoint\"], \"lease:\", e[\"lease\"], \"misdeclared:\", e[\"misdeclared\"])'"
 
 say "let them serve a few seconds of chat traffic"
 wait_for "every engine to serve a request" 30 served_by_all
@@ -100,12 +97,16 @@ ask "The last prompt sim-2 served" last-sim-2 "$("${VIEW[@]}" tokens "$work/serv
 ask "A prompt no engine has seen" unseen "$("${VIEW[@]}" random 300)"
 
 say "an engine that publishes no events (kvindex sim --no-events), routed by history alone"
-"$BIN/kvindex" sim "${SIM[@]}" --engines 5 --no-events --print-specs | tail -n 1 >"$work/silent.json"
-run "curl -s -w '\n' -X POST $API/engines -H 'content-type: application/json' -d @$work/silent.json"
+echo "\$ $BIN/kvindex sim --engines 1 --prefix silent --no-events --announce $API --lease 15 &"
+"$BIN/kvindex" sim --engines 1 --prefix silent --no-events --announce "$API" --lease 15 \
+    >"$work/silent.log" 2>/dev/null &
+pids+=($!)
+wait_for "the event-less engine" 20 grep -q "silent-0: no events" "$work/silent.log"
+cat "$work/silent.log"
 unseen=$("${VIEW[@]}" random 300)
-printf '{"tokens": [%s], "engines": ["sim-4"], "route": "best", "ttl_ms": 600000}\n' "$unseen" >"$work/route.json"
+printf '{"tokens": [%s], "engines": ["silent-0"], "route": "best", "ttl_ms": 600000}\n' "$unseen" >"$work/route.json"
 run "curl -s -o /dev/null -w 'route=best: %{http_code}\n' -X POST $API/prefix-match -H 'content-type: application/json' -d @$work/route.json"
-ask "The same prompt, now routed to sim-4 (its rows: approximate)" routed "$unseen"
+ask "The same prompt, now routed to silent-0 (its rows: approximate)" routed "$unseen"
 
 say "the fleet, as an operator sees it"
 run "$BIN/kvindex status --url $API"
