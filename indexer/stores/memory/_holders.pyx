@@ -39,7 +39,9 @@ cdef extern from "Python.h":
     PyObject *PyErr_Occurred()
     void PyErr_Clear()
     object _PyDict_NewPresized(Py_ssize_t)
-    int PyDict_SetItem(object, object, object) except -1
+    dict PyDict_Copy(object)
+    PyObject *PyDict_GetItemWithError(object, object) except? NULL
+    PyObject *PyList_GET_ITEM(object, Py_ssize_t)
 
 
 cdef extern from *:
@@ -582,8 +584,11 @@ cdef class HolderIndex:
     cdef Py_ssize_t rcap
     cdef Answer *answers
     cdef Py_ssize_t acap, acount
-    # the last ``ranks`` and ``bits`` lists (callers never mutate one), their slots and hashes
+    # the last ``ranks`` and ``bits`` lists (callers never mutate one), their slots and
+    # hashes, and ``{rank: EMPTY}`` for them: each answer starts as a copy of it (a
+    # memcpy), and only the ranks matching something are put in (most match nothing)
     cdef object bits_seen, ranks_seen
+    cdef dict template
     cdef int32_t *slot_of
     cdef Py_hash_t *rank_hash
     cdef Py_ssize_t *rsize  # per rank: its chunk size (0: GPU only)
@@ -807,11 +812,27 @@ cdef class HolderIndex:
         if bits is self.bits_seen and ranks is self.ranks_seen:
             return 0
         cdef Py_ssize_t r
+        self.template = _PyDict_NewPresized(n)
         for r in range(n):
             self.slot_of[r] = bits[r].bit_length() - 1
             self.rank_hash[r] = PyObject_Hash(ranks[r])
+            KV_SET_KNOWN(self.template, ranks[r], EMPTY, self.rank_hash[r])
         self.bits_seen, self.ranks_seen = bits, ranks
         return 0
+
+    def sizes_of(self, chunk_blocks, engines) -> list:
+        """Each engine's chunk size in ``chunk_blocks`` (None if not there), per listed
+        rank, as :meth:`match` takes them: read in C from a dict and a list."""
+        if type(chunk_blocks) is not dict or type(engines) is not list:
+            return list(map(chunk_blocks.get, engines))
+        cdef Py_ssize_t n = len(engines), r
+        cdef list out = [None] * n
+        cdef PyObject *found
+        for r in range(n):
+            found = PyDict_GetItemWithError(chunk_blocks, <object>PyList_GET_ITEM(engines, r))
+            if found != NULL:
+                out[r] = <object>found
+        return out
 
     def match(self, chain, ranks, bits, sizes, hybrids=None) -> dict:
         """The prefix match of each rank, given its bit (from :meth:`take_bit`) and chunk size.
@@ -904,9 +925,11 @@ cdef class HolderIndex:
         if hybrids is not None:
             return self.refined([<object>ans[r] for r in range(nr)], chain, rank_seq, bits, sizes,
                                 hybrids)
-        cdef dict out = _PyDict_NewPresized(nr)
+        cdef dict out = PyDict_Copy(self.template)
+        cdef PyObject *empty = <PyObject *>EMPTY
         for r in range(nr):
-            KV_SET_KNOWN(out, <object>rank_items[r], <object>ans[r], self.rank_hash[r])
+            if ans[r] != empty:
+                KV_SET_KNOWN(out, <object>rank_items[r], <object>ans[r], self.rank_hash[r])
         return out
 
     cdef dict refined(self, list answers, chain, ranks, bits, sizes, hybrids):

@@ -25,7 +25,7 @@ those masks hold what it ends with (:class:`~indexer.stores.memory.hybrids.Hybri
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress, repeat
 from operator import and_, ne, or_
 
@@ -112,6 +112,12 @@ class HolderIndex:
             pool.clear()
         masks = list(masks)
         return map(pool.setdefault, masks, masks)
+
+    def sizes_of(
+        self, chunk_blocks: Mapping[str, int | None], engines: Sequence[str]
+    ) -> list[int | None]:
+        """Each engine's chunk size in ``chunk_blocks`` (None if not there)."""
+        return list(map(chunk_blocks.get, engines))
 
     def match(
         self,

@@ -119,7 +119,7 @@ class MemoryStore:
                 [state.bit for state in self._ranks.values()],
             )
         ranks, engines, bits = listing
-        sizes = list(map(chunk_blocks.get, engines))
+        sizes = self._holders.sizes_of(chunk_blocks, engines)
         if not all(sizes):  # an engine not asked about, or one whose chunk size is learned
             listed = [
                 (rank, state.bit, chunk_blocks[rank.engine] or state.chunk_blocks)
