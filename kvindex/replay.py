@@ -25,10 +25,11 @@ def replay(args: argparse.Namespace) -> int:
     any probe differs), so a script can keep the JSON and still see the result."""
     from indexer.ingest.trace import load_expected, load_trace
     from indexer.stores import StoreUnavailable
-    from indexer.stores.redis import RedisConfig
 
     redis = None
     if args.redis_url:
+        from indexer.stores.redis import RedisConfig  # the redis client: a third of startup
+
         try:
             redis = RedisConfig(
                 args.redis_url, args.redis_prefix, args.redis_cluster, sweep_interval=None
@@ -76,10 +77,11 @@ async def _replay_into_store(
     from indexer.core.events import RankId
     from indexer.ingest.trace import replay_report
     from indexer.stores import MemoryStore
-    from indexer.stores.redis import RedisStore
 
     if redis is None:
         return await replay_report(MemoryStore(), trace, expected, REPLAY_ENGINE)
+    from indexer.stores.redis import RedisStore
+
     store = RedisStore(redis)
     try:
         await store.forget(RankId(REPLAY_ENGINE, 0))
