@@ -1,0 +1,262 @@
+"""The compiled holder index equals the pure-Python reference, and is the one in use.
+
+Differential property tests: random streams (duplicates and holes, clears,
+restarts, forgets, unknown removals, int and bytes hashes, hybrid groups) over
+130 ranks, some batches spread over every rank or every other one, so that
+rank sets run past 64 slots; after every step the store on the compiled index
+must answer as :mod:`indexer.core`'s reference (counts, residency, prefix
+matches) and its tables must equal the pure-Python index's, hash by hash.
+Below that, the tables alone against the reference's under random adds and
+discards of keys chosen to collide (an int equal to a bytes hash's key, the
+ends of the 64-bit range, ints past it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.core.events import CPU, GPU, MEDIA, EventBatch, RankId
+from indexer.stores import MemoryStore, apply_events
+from indexer.stores.memory import compiled, holders
+
+from .apikit import Api
+from .events import stored
+from .servers import free_port
+from .test_differential import CHAINS, POOL, Reference, _event
+
+REPO = Path(__file__).resolve().parents[1]
+#: Run before kvindex is imported: the extension then fails to import, as when it never built.
+WITHOUT_HOLDERS = "import sys; sys.modules['indexer.stores.memory._holders'] = None\n"
+RANKS = [RankId(f"e{i % 4}", i // 4) for i in range(130)]
+#: chunk sizes per engine: declared, learned, and two declared sizes at once
+ENGINES = {"e0": 2, "e1": None, "e2": 3, "e3": 2}
+
+
+def test_the_compiled_holder_index_is_in_use() -> None:
+    assert compiled.AVAILABLE, f"the holder index did not build or load: {compiled.IMPORT_ERROR}"
+    module_file = Path(compiled.core.__file__)
+    assert module_file.parent == REPO / "indexer" / "stores" / "memory"
+    assert any(module_file.name.endswith(suffix) for suffix in EXTENSION_SUFFIXES)
+    assert compiled.CORE.index is compiled.core.HolderIndex
+    assert compiled.CORE.residency is compiled.CompiledResidency
+
+
+def test_the_store_counts_in_the_compiled_tables() -> None:
+    async def run() -> MemoryStore:
+        store = MemoryStore()
+        await apply_events(store, RANKS[0], 0, EventBatch(0.0, [stored([1, 2, 2])], 0))
+        return store
+
+    store = asyncio.run(run())
+    assert type(store._holders) is compiled.core.HolderIndex
+    (table,) = store._ranks[RANKS[0]].tables.values()
+    assert type(table.counts) is compiled.core.CountTable
+    assert table.counts == {1: 1, 2: 2}
+
+
+def test_without_the_extension_the_store_runs_the_reference_and_says_why() -> None:
+    script = (
+        f"{WITHOUT_HOLDERS}import json\n"
+        "from indexer.stores import MemoryStore\n"
+        "from indexer.stores.memory import compiled\n"
+        "print(json.dumps([compiled.status(), type(MemoryStore()._holders).__module__]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    status, module = json.loads(result.stdout)
+    assert status["compiled_core"] is False
+    assert "indexer.stores.memory._holders" in status["compiled_core_error"]
+    assert module == "indexer.stores.memory.holders"
+
+
+async def test_stats_say_when_the_holder_index_is_not_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api = Api()
+    try:
+        assert (await api.client.get("/stats")).json()["compiled_core"] is True
+        monkeypatch.setattr(compiled, "AVAILABLE", False)
+        monkeypatch.setattr(compiled, "IMPORT_ERROR", "ImportError: no _holders")
+        stats = (await api.client.get("/stats")).json()
+        assert stats["compiled_core"] is False
+        assert stats["compiled_core_error"] == "ImportError: no _holders"
+    finally:
+        await api.close()
+
+
+def test_serve_warns_on_start_without_the_holder_index() -> None:
+    script = (
+        f"{WITHOUT_HOLDERS}import sys\n"
+        "from kvindex.cli import main\n"
+        f"sys.exit(main(['serve', '--port', '{free_port()}']))\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    try:
+        line = process.stderr.readline()  # the warning comes first, before serving
+    finally:
+        process.terminate()
+        process.wait(10)
+        process.stderr.close()
+    entry = json.loads(line)
+    assert entry["level"] == "warning"
+    assert entry["event"].startswith("compiled holder index not in use")
+    assert entry["role"] == "serve"
+    assert "indexer.stores.memory._holders" in entry["import_error"]
+
+
+def tables(store: MemoryStore) -> list[dict]:
+    index = store._holders
+    return [dict(media[m].items()) for media in (index.media, index.windows) for m in MEDIA]
+
+
+async def check_equal(fast: MemoryStore, slow: MemoryStore, ref: Reference, at: int) -> None:
+    assert tables(fast) == tables(slow), at
+    for rank in RANKS:
+        state = ref.states.get(rank)
+        want = {m: state.distinct_blocks(m) if state else 0 for m in MEDIA}
+        assert await fast.block_counts(rank) == want, (at, rank)
+        unknown = state.unknown_removals if state else 0
+        assert await fast.anomalies(rank) == {"unknown_removals": unknown}, (at, rank)
+    for h in POOL:
+        rows = await fast.block_residency(h)
+        got = {
+            (r.engine, r.dp_rank, r.medium, r.ownership, r.group_idx, r.locality, r.count)
+            for r in rows
+        }
+        assert got == ref.residency(h), (at, h)
+    for chain in CHAINS:
+        want_match = {
+            rank: state.match(chain, ENGINES[rank.engine] or state.chunk_blocks)
+            for rank, state in ref.states.items()
+        }
+        found = await fast.prefix_match(chain, ENGINES)
+        assert found == want_match, (at, chain)
+        assert found == await slow.prefix_match(chain, ENGINES), (at, chain)
+
+
+_rank = st.integers(0, len(RANKS) - 1)
+#: a batch to one rank, or the same batch to every ``stride``-th rank from ``start``
+_step = st.one_of(
+    st.tuples(st.just("batch"), _rank, st.sampled_from([1, 1, 0, 2]), st.lists(_event, max_size=6)),
+    st.tuples(
+        st.just("spread"), st.integers(0, 3), st.sampled_from([1, 2]), st.lists(_event, max_size=4)
+    ),
+    st.tuples(st.just("clear"), _rank, st.sampled_from([[CPU], [GPU, CPU]])),
+    st.tuples(st.just("restart"), _rank),
+    st.tuples(st.just("forget"), _rank),
+)
+
+
+async def run_stream(steps: list[tuple]) -> None:
+    fast, slow, ref = MemoryStore(), MemoryStore(core=compiled.REFERENCE), Reference()
+    seqs = dict.fromkeys(RANKS, -1)
+    for at, (what, first, *args) in enumerate(steps):
+        if what in ("batch", "spread"):
+            if what == "batch":
+                targets, (step, events) = [RANKS[first]], args
+            else:
+                targets, (step, events) = RANKS[first :: args[0]], (1, args[1])
+            for rank in targets:
+                seqs[rank] = max(0, seqs[rank] + step)
+                batch = EventBatch(float(at), events, 0)
+                applied = (await apply_events(fast, rank, seqs[rank], batch)).applied
+                assert applied == ref.apply(rank, seqs[rank], batch), at
+                await apply_events(slow, rank, seqs[rank], batch)
+            await check_equal(fast, slow, ref, at)
+            continue
+        rank = RANKS[first]
+        if what == "clear":
+            media = args[0]
+            reset = False
+        else:  # a restart clears and numbers from 0 again; a forget drops the rank
+            media, reset = [GPU, CPU], True
+        for store in (fast, slow):
+            if what == "forget":
+                await store.forget(rank)
+            else:
+                await store.clear(rank, media, reset_seq=reset)
+        if what == "forget":
+            ref.forget(rank)
+        else:
+            ref.clear(rank, media, reset_seq=reset)
+        if reset:
+            seqs[rank] = -1
+        await check_equal(fast, slow, ref, at)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_step, min_size=1, max_size=12))
+def test_the_compiled_store_equals_the_reference_after_every_batch(steps) -> None:
+    asyncio.run(run_stream(steps))
+
+
+#: keys that meet in the tables: an int equal to a bytes hash's 64-bit key, the ends of
+#: the 64-bit range, ints past it (kept exactly in the side list), digests
+_BYTES = [b"\x01" * 32, (1).to_bytes(32, "big"), b"z" * 16]
+KEYS = [
+    0,
+    1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    2**70 + 1,
+    hash(_BYTES[0]) % 2**64,
+    *_BYTES,
+    *range(2, 40),
+]
+_op = st.tuples(
+    st.booleans(),
+    st.sampled_from(MEDIA),
+    st.integers(0, 129),
+    st.lists(st.sampled_from(KEYS), max_size=12),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_op, max_size=40))
+def test_the_tables_equal_the_reference_dicts(ops) -> None:
+    fast, slow = compiled.core.HolderIndex(), holders.HolderIndex()
+    bits = [(fast.take_bit(), slow.take_bit()) for _ in range(130)]
+    assert [a for a, _ in bits] == [b for _, b in bits]
+    for adding, medium, slot, hashes in ops:
+        bit = bits[slot][0]
+        for index in (fast, slow):
+            (index.add if adding else index.discard)(medium, bit, hashes)
+        for m in MEDIA:
+            assert dict(fast.media[m].items()) == slow.media[m], (medium, m)
+            for h in KEYS:
+                assert fast.media[m].get(h, 0) == slow.media[m].get(h, 0), h
+                assert (h in fast.media[m]) == (h in slow.media[m]), h
+
+
+def test_a_bytes_hash_never_matches_the_int_of_its_key() -> None:
+    """A bytes hash is keyed by its Python hash: an int of that value is another hash."""
+    digest = b"\x07" * 32
+    twin = hash(digest) % 2**64
+
+    async def run() -> tuple[dict, dict]:
+        store = MemoryStore()
+        # the digest first: its entry comes first where the two keys' probes meet
+        await apply_events(store, RANKS[1], 0, EventBatch(0.0, [stored([digest, 5])], 0))
+        await apply_events(store, RANKS[0], 0, EventBatch(0.0, [stored([twin, 5])], 0))
+        engines = {"e0": None, "e1": None}
+        return await store.prefix_match([digest, 5], engines), await store.prefix_match(
+            [twin, 5], engines
+        )
+
+    by_digest, by_twin = asyncio.run(run())
+    assert {r.engine: m.gpu_blocks for r, m in by_digest.items()} == {"e0": 0, "e1": 2}
+    assert {r.engine: m.gpu_blocks for r, m in by_twin.items()} == {"e0": 2, "e1": 0}
