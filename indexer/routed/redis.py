@@ -19,11 +19,6 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
-
-from redis import exceptions as rex
-from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
 
 from indexer.core.events import BlockHash, EventBatch, RankId
 from indexer.core.matching import TierWeights
@@ -31,7 +26,7 @@ from indexer.core.routed import Candidate, confirmations
 from indexer.errors import StoreUnavailable
 from indexer.routed import scripts
 from indexer.routed.base import COUNTS
-from indexer.stores.redis import RedisConfig
+from indexer.stores.redis import RedisClient, RedisConfig, Script
 
 log = logging.getLogger("kvindex.routed")
 
@@ -57,53 +52,27 @@ def _runs(flat: list) -> dict[RankId, int]:
     return {_rank_of(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
-def connect(config: RedisConfig) -> Redis | RedisCluster:
-    """A client for the routed entries (the store's own settings: timeouts, pool)."""
-    options: dict[str, Any] = {
-        "max_connections": config.max_connections,
-        "socket_timeout": config.socket_timeout,
-        "socket_connect_timeout": config.connect_timeout,
-        "health_check_interval": config.health_check_interval,
-    }
-    cls = RedisCluster if config.cluster else Redis
-    return cls.from_url(config.url, **options)
-
-
 class RedisRouted:
     """:class:`~indexer.routed.base.RoutedEntries` in Redis (``config``: the store's)."""
 
-    def __init__(self, config: RedisConfig, client: Redis | RedisCluster | None = None) -> None:
+    def __init__(self, config: RedisConfig, client: RedisClient | None = None) -> None:
         tag = f"{{{config.prefix}:routed}}"
         self._keys = [f"{tag}:ranks", f"{tag}:counts"]
         self._head = [f"{tag}:z:", int(GRACE * 1000)]
-        self._client = client or connect(config)
+        self._client = client or RedisClient(config)
         self._scripts = {
-            name: self._client.register_script(getattr(scripts, name))
+            name: Script(getattr(scripts, name))
             for name in ("RECORD", "LOOKUP", "ROUTE", "SETTLE", "FORGET", "COUNTS")
         }
         self._local: Counter[str] = Counter()
         self._pending: dict[RankId, tuple[bool, list[BlockHash]]] = {}
         self._flushing: asyncio.Task | None = None
-        self._ready = asyncio.Lock()
-        self._initialized = False
-
-    async def _initialize(self) -> None:
-        """Connect once before the first calls: a cluster client first used by several
-        calls at once initialises for each and races itself."""
-        async with self._ready:
-            if not self._initialized:
-                await self._client.initialize()
-                self._initialized = True
 
     async def _call(self, name: str, args: list) -> list:
-        try:
-            if not self._initialized:
-                await self._initialize()
-            return await self._scripts[name](keys=self._keys, args=[*self._head, *args])
-        except rex.ResponseError:
-            raise
-        except (rex.RedisError, OSError) as e:
-            raise StoreUnavailable(f"routed entries: Redis is unavailable: {e}") from e
+        """One script through the store's gateway (Redis failing: StoreUnavailable)."""
+        command = self._client.script(self._scripts[name], self._keys, [*self._head, *args])
+        (answer,) = await self._client.execute([command])
+        return answer
 
     def _expired(self, answer: list) -> None:
         self._local["expired"] += int(answer[0])
@@ -121,8 +90,9 @@ class RedisRouted:
     ) -> dict[RankId, int]:
         if not chain or not engines:
             return {}
-        pairs = [x for rank, start in starts.items() for x in (_rank_name(rank), start)]
-        args = [len(engines), *engines, len(starts), *pairs, *map(_member, chain)]
+        # A rank's start defaults to 0 in the script: only longer exact runs are sent.
+        pairs = [x for r, start in starts.items() if start for x in (_rank_name(r), start)]
+        args = [len(engines), *engines, len(pairs) // 2, *pairs, *map(_member, chain)]
         await self._observed()
         answer = await self._call("LOOKUP", args)
         self._expired(answer)
@@ -213,9 +183,12 @@ class RedisRouted:
         return {**{name: stored.get(name, 0) for name in COUNTS}, "live": int(answer[1])}
 
     def local_counts(self) -> dict[str, int]:
-        return {name: self._local[name] for name in COUNTS}
+        counts = {name: self._local[name] for name in COUNTS}
+        ended = sum(counts[name] for name in ("confirmed", "expired", "evicted", "cleared"))
+        counts["live"] = max(0, counts["recorded"] - ended)
+        return counts
 
     async def close(self) -> None:
         if self._flushing is not None:
             await asyncio.gather(self._flushing, return_exceptions=True)
-        await self._client.aclose()
+        await self._client.close()
