@@ -75,11 +75,14 @@ def create_app(
     token_index: TokenIndex | None = None,
     routed: RoutedEntries | None = None,
     tokenizers: Tokenizers | None = None,
+    leases: Leases | None = None,
 ) -> FastAPI:
     """The API app. ``token_index`` defaults to a new one fed by ``consumers``
     when it can report applied batches (``add_observer``); ``routed`` (the routed
     entries) to in-process ones, confirmed by the same batches; ``tokenizers``
-    to a pool of ``settings.models`` (apps in one process may share one)."""
+    to a pool of ``settings.models`` (apps in one process may share one);
+    ``leases`` to new ones over ``registry`` (give them to share them with
+    discovery, which announces through them too)."""
     if token_index is None:
         token_index = TokenIndex(settings.token_index_capacity, _learns_from(registry))
         if isinstance(consumers, Observable):
@@ -90,7 +93,7 @@ def create_app(
     metrics.watch_routed(routed)
     if isinstance(consumers, Observable):
         consumers.add_observer(routed.observe)
-    leases = Leases(registry, settings.announce, on_removed=routed.forget)
+    leases = leases or Leases(registry, settings.announce, on_removed=routed.forget)
     misdeclared = Misdeclared(registry)
     if isinstance(consumers, Observable):
         consumers.add_observer(misdeclared.observe, misdeclared.reads_tokens)

@@ -21,6 +21,7 @@ from api.settings import ApiSettings
 from indexer import discovery, metrics
 from indexer.engines.vllm import native
 from indexer.ingest.subscriber import Subscriber
+from indexer.leases import Leases
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import MemoryRouted, RedisRouted, RoutedEntries
 from indexer.stores.base import Store
@@ -37,9 +38,12 @@ def open_store(redis: RedisConfig | None) -> Store:
     return MemoryStore() if redis is None else RedisStore(redis)
 
 
-def open_routed(redis: RedisConfig | None) -> RoutedEntries:
-    """Routed entries beside the store: in Redis with it, else in process."""
-    return MemoryRouted() if redis is None else RedisRouted(redis)
+def open_routed(redis: RedisConfig | None, store: Store) -> RoutedEntries:
+    """Routed entries beside the store: in Redis with it (through its client), else in
+    process."""
+    if redis is None or not isinstance(store, RedisStore):
+        return MemoryRouted()
+    return RedisRouted(redis, store.client)
 
 
 async def serve(
@@ -63,8 +67,9 @@ async def serve(
     store = open_store(redis)
     registry = EngineRegistry()
     subscriber = Subscriber(store, registry, config.subscriber)
-    routed = open_routed(redis)
-    app = create_app(store, registry, subscriber, settings, routed=routed)
+    routed = open_routed(redis, store)
+    leases = Leases(registry, settings.announce, on_removed=routed.forget)
+    app = create_app(store, registry, subscriber, settings, routed=routed, leases=leases)
     sampler = found = None
     try:
         with stop_signals() as stop, listen(host, port) as sock:
@@ -72,7 +77,7 @@ async def serve(
             sampler = asyncio.create_task(metrics.sample_residency(store, config.metrics))
             for spec in [*config.engines, *engines]:
                 await registry.add(spec)
-            found = discovery.Discovery(sources, registry)
+            found = discovery.Discovery(sources, leases)
             about = {"engines": [s.name for s in registry.all()], "store": type(store).__name__}
             await serve_http(app, settings, sock, stop, **about)
     finally:
@@ -80,6 +85,7 @@ async def serve(
             sampler.cancel()
         if found is not None:
             await found.stop()
+        await leases.close()
         await subscriber.stop()
         await routed.close()
         await store.close()

@@ -26,6 +26,7 @@ from indexer.core.events import GPU
 from indexer.discovery import Discovery
 from indexer.discovery.dns import DnsSource, LookupFailed
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
+from indexer.leases import Leases
 from indexer.registry import EngineRegistry
 from indexer.stores.memory import MemoryStore
 from producer.publisher import Publisher
@@ -120,13 +121,16 @@ async def test_addresses_become_engines_gone_ones_leave_after_the_grace_failures
     subscriber = Subscriber(store, registry, SubscriberSettings(replay_timeout=0.5))
     await subscriber.start()
     source = DnsSource(url)
-    found = Discovery([source], registry)
+    leases = Leases(registry)  # discovery announces as self-registering engines do
+    found = Discovery([source], leases)
     try:
         await wait_until(lambda: {s.name for s in registry.all()} == set(names.values()), 5)
         spec = registry.get(names["127.0.0.3"])
         assert spec.endpoint == f"tcp://127.0.0.3:{port}"
         assert spec.replay_endpoint == f"tcp://127.0.0.3:{port + 1}"
         assert (spec.model, spec.block_size, spec.blocks_per_chunk) == ("m", 16, 4)
+        lease = leases.lease(spec.name)
+        assert lease is not None and lease.lease_seconds == 30.0
 
         # consumed: each engine's batches reach the store under its discovered name
         for _ in range(200):
@@ -159,6 +163,7 @@ async def test_addresses_become_engines_gone_ones_leave_after_the_grace_failures
         assert (await store.block_counts((names["127.0.0.2"], 0))).get(GPU)
     finally:
         await found.stop()
+        await leases.close()
         await subscriber.stop()
         await store.close()
         for sim in sims.values():
@@ -222,7 +227,7 @@ def test_kvindex_serve_discovers_from_its_config_file_and_flag(
     flag = f"dns://b.test:7002?block_size=32&interval=0.1&nameserver={ns}"
     with subprocess.Popen([*kvindex, "--config", str(config), "--discover", flag]) as serve:
         try:
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 30
             names: set[str] = set()
             while time.monotonic() < deadline and len(names) < 3:
                 try:

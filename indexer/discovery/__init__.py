@@ -3,9 +3,9 @@
 Each ``--discover`` URL (or ``discover:`` entry of the config file) is one
 source, run as a task beside the subscriber: ``dns://``
 (:mod:`indexer.discovery.dns`) or ``k8s://`` (:mod:`indexer.discovery.watch`).
-Sources register and deregister through the same registry as the operator
-API (:mod:`indexer.discovery.sync`), so a discovered engine is consumed, shown
-and removed like any other.
+Sources register and deregister through the leased upsert engines announce
+themselves by (:class:`~indexer.leases.Leases`, :mod:`indexer.discovery.sync`),
+so a discovered engine is consumed, shown and removed like any other.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from indexer.discovery.dns import DnsSource
 from indexer.discovery.watch import PodWatch
-from indexer.registry import Registry
+from indexer.leases import Leases
 
 Source = DnsSource | PodWatch
 SCHEMES = {"dns": DnsSource, "k8s": PodWatch}
@@ -31,13 +31,12 @@ def open_source(url: str) -> Source:
 
 
 class Discovery:
-    """The running sources; :meth:`stop` ends them (their engines stay registered:
-    a stopping kvindex stops consuming them anyway, and a Redis registry keeps
-    them for the workers)."""
+    """The running sources; :meth:`stop` ends them (their engines stay registered
+    until their leases lapse: a stopping kvindex stops consuming them anyway)."""
 
-    def __init__(self, sources: Sequence[Source], registry: Registry) -> None:
+    def __init__(self, sources: Sequence[Source], leases: Leases) -> None:
         self._tasks = [
-            asyncio.create_task(s.run(registry), name=f"discover {s.url.label}") for s in sources
+            asyncio.create_task(s.run(leases), name=f"discover {s.url.label}") for s in sources
         ]
 
     async def stop(self) -> None:

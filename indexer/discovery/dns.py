@@ -24,7 +24,8 @@ import dns.resolver
 
 from indexer.discovery import source
 from indexer.discovery.sync import Sync
-from indexer.registry import EngineSpec, Registry
+from indexer.leases import Leases
+from indexer.registry import EngineSpec
 
 log = logging.getLogger("kvindex.discovery")
 
@@ -69,9 +70,9 @@ class DnsSource:
             raise LookupFailed(f"{self.name} resolves to no address")
         return found
 
-    async def run(self, registry: Registry) -> None:
+    async def run(self, leases: Leases) -> None:
         """Resolve and apply every ``interval`` seconds until cancelled."""
-        sync = Sync(registry, self.url.label, self.grace)
+        sync = Sync(leases, self.url.label, self.grace, self.interval)
         while True:
             try:
                 found = await self.engines()

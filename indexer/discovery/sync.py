@@ -1,13 +1,17 @@
 """Keeping the registry equal to what a discovery source sees, with a grace period.
 
 A source (DNS answers, Kubernetes pods) says which engines exist now; the
-:class:`Sync` registers the new ones, re-registers an engine whose settings
-changed (a pod with a new IP is a new engine process, so its old residency
-must go), and deregisters an engine only after it has been missing for
-``grace`` seconds: a DNS answer that briefly lacks an address, or a readiness
-probe that flaps, must not throw away a whole engine's residency. It touches
-only the engines it registered itself, so an engine an operator added by hand
-under the same name is left alone (counted as ``name_taken``).
+:class:`Sync` announces them through the same leased upsert as engines that
+register themselves (:class:`~indexer.leases.Leases`): a new engine is
+registered, one whose settings changed is re-registered (a pod with a new IP
+is a new engine process, so its old residency must go), and every engine it
+holds is renewed on each view. One that is no longer seen is deregistered
+only after it has been missing for ``grace`` seconds: a DNS answer that
+briefly lacks an address, or a readiness probe that flaps, must not throw
+away a whole engine's residency. If discovery itself stops renewing (the
+task died), the leases lapse and the engines go as a dead engine's would.
+An engine an operator registered by hand under the same name is left alone
+(counted as ``name_taken``).
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from indexer.registry import EngineExists, EngineSpec, Registry, UnknownEngine
+from indexer.leases import Announcement, HandRegistered, Leases, StaleInstance
+from indexer.registry import EngineSpec, UnknownEngine
 
 log = logging.getLogger("kvindex.discovery")
 
@@ -57,23 +63,29 @@ def diff(old: Mapping[str, EngineSpec], new: Mapping[str, EngineSpec]) -> Diff:
 
 
 class Sync:
-    """Applies a source's successive views of its engines to a registry.
+    """Applies a source's successive views of its engines to the leases.
 
     ``source`` labels the log lines and metrics (the ``--discover`` URL
-    without its query). Calls are serialised, so a watch event and the grace
+    without its query); ``renew_every`` is how often the source calls
+    :meth:`apply` or :meth:`expire` at the least, so each lease outlives three
+    missed renewals. Calls are serialised, so a watch event and the grace
     timer never interleave.
     """
 
     def __init__(
         self,
-        registry: Registry,
+        leases: Leases,
         source: str,
         grace: float,
+        renew_every: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._registry = registry
+        self._leases = leases
         self.source = source
         self.grace = grace
+        self.lease_seconds = max(leases.rules.default_lease_seconds, 3 * renew_every)
+        #: one id for this run of the source: its engines' announcing instance
+        self.instance = f"discovery-{uuid.uuid4().hex}"
         self._clock = clock
         self._lock = asyncio.Lock()
         self.registered: dict[str, EngineSpec] = {}
@@ -82,14 +94,15 @@ class Sync:
         self._desired: dict[str, EngineSpec] = {}
 
     async def apply(self, desired: Mapping[str, EngineSpec]) -> None:
-        """Make the registry hold ``desired``: add and replace now, remove after the grace."""
+        """Make the registry hold ``desired``: add, replace and renew now, remove
+        after the grace."""
         async with self._lock:
             self._desired = dict(desired)
             await self._converge()
 
     async def expire(self) -> None:
-        """Deregister the engines missing for longer than the grace (for sources
-        that report only changes, not a full view on a timer)."""
+        """Renew what is held and deregister what has been missing past the grace,
+        with no new view (a failed lookup, or a quiet watch)."""
         async with self._lock:
             await self._converge()
 
@@ -104,39 +117,49 @@ class Sync:
         for name in changes.removed:
             first = self.missing_since.setdefault(name, now)
             if now - first >= self.grace:
-                await self._remove(name, "removed")
+                await self._remove(name)
         for name in changes.changed:
-            await self._remove(name, "replaced")
-            await self._add(self._desired[name])
+            await self._announce(self._desired[name], "replaced")
         for name in changes.added:
-            await self._add(self._desired[name])
+            await self._announce(self._desired[name], "added")
+        fresh = {*changes.changed, *changes.added}
+        for name, spec in list(self.registered.items()):
+            if name not in fresh:
+                await self._announce(spec, None)
 
-    async def _add(self, spec: EngineSpec) -> None:
+    async def _announce(self, spec: EngineSpec, change: str | None) -> None:
+        """Register, re-register or (``change`` None) renew one engine."""
+        announcement = Announcement(spec, self.instance, self.lease_seconds)
         try:
-            await self._registry.add(spec)
-        except EngineExists:
-            # Someone else (an operator, another source) owns the name: never touch it.
+            granted = await self._leases.announce(announcement)
+        except HandRegistered:
+            # An operator owns the name: never touch it.
+            self.registered.pop(spec.name, None)
             CHANGES.labels(self.source, "name_taken").inc()
             log.warning("discovered engine's name is taken", extra=self._fields(spec))
             return
         except Exception as e:
-            # Left out of ``registered``: the next view tries again.
+            # A new engine stays out of ``registered``, so the next view tries again.
             CHANGES.labels(self.source, "failed").inc()
             log.warning(
                 "cannot register discovered engine", extra={**self._fields(spec), "error": repr(e)}
             )
             return
         self.registered[spec.name] = spec
-        CHANGES.labels(self.source, "added").inc()
-        log.info("discovered engine registered", extra=self._fields(spec))
+        if change is None and granted.outcome == "registered":
+            change = "added"  # its lease had lapsed (or an operator deregistered it)
+        if change is not None:
+            CHANGES.labels(self.source, change).inc()
+            log.info(f"discovered engine {change}", extra=self._fields(spec))
 
-    async def _remove(self, name: str, change: str) -> None:
+    async def _remove(self, name: str) -> None:
         spec = self.registered.pop(name)
         self.missing_since.pop(name, None)
-        with contextlib.suppress(UnknownEngine):  # an operator deregistered it already
-            await self._registry.remove(name)
-        CHANGES.labels(self.source, change).inc()
-        log.info(f"discovered engine {change}", extra=self._fields(spec))
+        # gone already: an operator deregistered it, or a fresh instance took it over
+        with contextlib.suppress(UnknownEngine, HandRegistered, StaleInstance):
+            await self._leases.deregister(name, self.instance)
+        CHANGES.labels(self.source, "removed").inc()
+        log.info("discovered engine removed", extra=self._fields(spec))
 
     def _fields(self, spec: EngineSpec) -> dict[str, str | None]:
         return {"source": self.source, "engine": spec.name, "endpoint": spec.endpoint}

@@ -26,7 +26,7 @@ import httpx
 from indexer.discovery import source
 from indexer.discovery.kubernetes import DEFAULT_PORT, Defaults, pod_engines
 from indexer.discovery.sync import Sync
-from indexer.registry import Registry
+from indexer.leases import Leases
 
 log = logging.getLogger("kvindex.discovery")
 
@@ -40,6 +40,10 @@ class Expired(Exception):
 
 class PodWatch:
     """One ``k8s://`` URL: the pods it selects, kept registered as engines."""
+
+    #: Seconds between renewals of the engines' leases (and checks of the grace):
+    #: a watch may be quiet for minutes.
+    RENEW = 1.0
 
     def __init__(self, url: str, environ: Mapping[str, str] = os.environ) -> None:
         self.url = parsed = source.parse(url, SETTINGS)
@@ -65,9 +69,9 @@ class PodWatch:
         self.pods: dict[str, dict[str, Any]] = {}
         self._rejected: dict[str, str] = {}
 
-    async def run(self, registry: Registry) -> None:
+    async def run(self, leases: Leases) -> None:
         """List and watch until cancelled; failures are logged, counted and retried."""
-        sync = Sync(registry, self.url.label, self.grace)
+        sync = Sync(leases, self.url.label, self.grace, self.RENEW)
         verify: Any = self.ca_file if self.api.startswith("https:") else False
         timeout = httpx.Timeout(10.0, read=None)  # a watch is quiet between events
         async with httpx.AsyncClient(base_url=self.api, verify=verify, timeout=timeout) as client:
@@ -165,5 +169,5 @@ class PodWatch:
 
     async def _expire(self, sync: Sync) -> None:
         while True:
-            await asyncio.sleep(max(0.05, min(1.0, self.grace / 4)))
+            await asyncio.sleep(max(0.05, min(self.RENEW, self.grace / 4)))
             await sync.expire()
