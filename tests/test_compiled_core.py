@@ -95,6 +95,7 @@ async def test_stats_say_when_the_holder_index_is_not_compiled(
         await api.close()
 
 
+@pytest.mark.slow
 def test_serve_warns_on_start_without_the_holder_index() -> None:
     script = (
         f"{WITHOUT_HOLDERS}import sys\n"
@@ -225,6 +226,7 @@ _op = st.tuples(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(st.lists(_op, max_size=40))
 def test_the_tables_equal_the_reference_dicts(ops) -> None:
