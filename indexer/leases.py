@@ -11,7 +11,8 @@ them over.
 
 :class:`Leases` sits over any :class:`~indexer.registry.Registry`, so the
 registry's listeners (the subscriber) start and stop consuming exactly as for
-hand registrations. The leases themselves live in this process.
+hand registrations. The leases live in a :class:`LeaseBook`: this process's
+memory, or Redis when API replicas share the registry.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 
@@ -106,21 +107,75 @@ class StaleInstance(Exception):
     """The caller is not the instance holding the lease (a predecessor, or a stranger)."""
 
 
-class _Held(msgspec.Struct):
+class Held(msgspec.Struct, frozen=True):
+    """A leased registration as a book keeps it."""
+
     announcement: Announcement
     lease_seconds: float
-    expires_at: float
+
+
+class LeaseBook(Protocol):
+    """Where leases are kept, with their deadlines on the book's own clock: in this
+    process (:class:`MemoryBook`) or in Redis for every API replica
+    (:class:`~indexer.cluster.announced.RedisBook`)."""
+
+    async def held(self, name: str) -> Held | None:
+        """The engine's lease, expired or not (None: none)."""
+
+    async def hold(self, held: Held) -> None:
+        """Keep ``held``, its deadline ``lease_seconds`` from now."""
+
+    async def release(self, name: str) -> None:
+        """Forget the engine's lease."""
+
+    async def lapsed(self) -> list[Held]:
+        """Take out every lease whose deadline has passed, each for one caller only."""
+
+    def lease(self, name: str) -> Lease | None:
+        """The engine's lease as last seen, for reading without I/O."""
+
+
+class MemoryBook:
+    """Leases in this process, deadlines on ``clock`` (monotonic by default)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._held: dict[str, tuple[Held, float]] = {}
+
+    async def held(self, name: str) -> Held | None:
+        entry = self._held.get(name)
+        return entry[0] if entry else None
+
+    async def hold(self, held: Held) -> None:
+        self._held[held.announcement.spec.name] = (held, self._clock() + held.lease_seconds)
+
+    async def release(self, name: str) -> None:
+        self._held.pop(name, None)
+
+    async def lapsed(self) -> list[Held]:
+        now = self._clock()
+        gone = [name for name, (_, deadline) in self._held.items() if deadline <= now]
+        return [self._held.pop(name)[0] for name in gone]
+
+    def lease(self, name: str) -> Lease | None:
+        entry = self._held.get(name)
+        if entry is None:
+            return None
+        held, deadline = entry
+        remaining = round(max(0.0, deadline - self._clock()), 3)
+        return Lease(held.announcement.instance, held.lease_seconds, remaining)
 
 
 class Leases:
     """The leased registrations over a registry, with their expiry.
 
-    One lock orders announcements, deregistrations and expiry, so a renewal
-    racing the sweep either extends the lease or finds the engine gone and
-    registers it again, never both. ``on_removed(name)`` runs after each
-    removal this class makes (the API drops the engine's routed entries).
-    The sweep starts with the first announcement: until then there is
-    nothing to expire.
+    One lock orders this process's announcements, deregistrations and expiry,
+    so a renewal racing the sweep either extends the lease or finds the engine
+    gone and registers it again, never both. Replicas sharing a Redis book
+    each sweep, and the book gives each lapsed lease to one of them.
+    ``on_removed(name)`` runs after each removal this class makes (the API drops
+    the engine's routed entries). The sweep starts with :meth:`start` or the
+    first announcement.
     """
 
     def __init__(
@@ -129,23 +184,18 @@ class Leases:
         rules: LeaseRules | None = None,
         *,
         on_removed: Callable[[str], Awaitable[None]] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        book: LeaseBook | None = None,
     ) -> None:
         self.registry = registry
         self.rules = rules or LeaseRules()
         self._on_removed = on_removed
-        self._clock = clock
-        self._held: dict[str, _Held] = {}
+        self._book = book or MemoryBook()
         self._lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
 
     def lease(self, name: str) -> Lease | None:
         """The engine's lease (None: hand-registered, or not registered)."""
-        held = self._held.get(name)
-        if held is None:
-            return None
-        remaining = max(0.0, held.expires_at - self._clock())
-        return Lease(held.announcement.instance, held.lease_seconds, round(remaining, 3))
+        return self._book.lease(name)
 
     async def announce(self, announcement: Announcement) -> Granted:
         """Register, renew, re-register (restart, update) an announced engine.
@@ -153,14 +203,11 @@ class Leases:
         Raises :class:`HandRegistered`, or whatever the registry raises when its
         listeners cannot take the spec (the previous registration then stays).
         """
-        self._start_sweeping()
+        self.start()
         name = announcement.spec.name
         granted = self.rules.grant(announcement.lease_seconds)
         async with self._lock:
-            held = self._held.get(name)
-            if held is not None and not self._registered(name):
-                held = self._held.pop(name)  # removed by hand (DELETE /engines) meanwhile
-                held = None
+            held = await self._held(name)
             if held is None:
                 if self._registered(name):
                     raise HandRegistered(name)
@@ -177,7 +224,7 @@ class Leases:
                     else "restarted"
                 )
                 await self._replace(held.announcement.registered_spec(), announcement)
-            self._held[name] = _Held(announcement, granted, self._clock() + granted)
+            await self._book.hold(Held(announcement, granted))
         if outcome != "renewed":
             log.info(
                 f"engine {outcome} by announcement",
@@ -185,11 +232,23 @@ class Leases:
             )
         return Granted(name, announcement.instance, granted, outcome)
 
+    async def _held(self, name: str) -> Held | None:
+        """The engine's lease, if the engine is still registered (a leased engine
+        removed by hand meanwhile, ``DELETE /engines``, has none)."""
+        refresh = getattr(self.registry, "refresh", None)
+        if refresh is not None:  # a registry shared by replicas: see their changes first
+            await refresh()
+        held = await self._book.held(name)
+        if held is not None and not self._registered(name):
+            await self._book.release(name)
+            return None
+        return held
+
     async def deregister(self, name: str, instance: str) -> Granted:
         """End a lease at once (a clean shutdown). Raises :class:`UnknownEngine`,
         :class:`HandRegistered` or :class:`StaleInstance`."""
         async with self._lock:
-            held = self._held.get(name)
+            held = await self._held(name)
             if held is None:
                 if self._registered(name):
                     raise HandRegistered(name)
@@ -202,12 +261,10 @@ class Leases:
 
     async def expire(self) -> list[str]:
         """Drop every registration whose lease has passed; their names."""
-        now = self._clock()
         gone = []
         async with self._lock:
-            for name, held in list(self._held.items()):
-                if held.expires_at > now:
-                    continue
+            for held in await self._book.lapsed():
+                name = held.announcement.spec.name
                 await self._remove(name)
                 gone.append(name)
                 metrics.LEASES_EXPIRED.inc()
@@ -228,7 +285,9 @@ class Leases:
             await asyncio.gather(self._sweeper, return_exceptions=True)
             self._sweeper = None
 
-    def _start_sweeping(self) -> None:
+    def start(self) -> None:
+        """Start sweeping lapsed leases (if not yet): a replica that never took an
+        announcement still drops the leases others granted."""
         if self._sweeper is None or self._sweeper.done():
 
             async def sweep() -> None:
@@ -261,6 +320,6 @@ class Leases:
         with contextlib.suppress(UnknownEngine):  # removed by hand meanwhile: nothing to drop
             await self.registry.remove(name)
         if forget:
-            self._held.pop(name, None)
+            await self._book.release(name)
             if self._on_removed is not None:
                 await self._on_removed(name)

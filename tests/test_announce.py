@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from producer.announce import Announcer, AnnounceRefused
 from .apikit import LiveApi, engine
 from .conftest import free_ports
 from .test_e2e import until
+from .test_scaleout import Process
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -400,3 +402,68 @@ def test_without_a_token_the_announcer_keeps_the_seed_and_says_seeded():
     assert keeps._body["spec"]["hash_seed"] is None and keeps._body["seeded"] is True
     assert sends._body["spec"]["hash_seed"] == "42" and sends._body["seeded"] is True
     assert keeps.instance != sends.instance
+
+
+# -- scale-out: kvindex api replicas and a kvindex indexer worker over redis-server -----
+
+
+@pytest.mark.slow
+async def test_replicas_share_the_leases_and_one_of_them_expires_each(redis_server, tmp_path):
+    config = tmp_path / "kvindex.yaml"
+    config.write_text("api:\n  announce: {min_lease_seconds: 0.5, sweep_seconds: 0.1}\n")
+    redis = ("--redis-url", redis_server.url, "--redis-prefix", f"ann-{uuid.uuid4().hex[:8]}")
+    common = (*redis, "--config", str(config))
+    ports = [free_ports(), free_ports()]
+    worker = Process(tmp_path / "worker.log", "indexer", *common, "--worker-id", "w1")
+    apis = [Process(tmp_path / f"api{p}.log", "api", *common, "--port", str(p)) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    clients = [httpx.AsyncClient(base_url=url, timeout=10) for url in urls]
+    sims: list[Sim] = []
+    try:
+        for client in clients:
+            await until(lambda c=client: _ready(c), 30, "both replicas")
+        # one engine renews through whichever replica it reaches
+        body = announcement(spec("roaming"), "r1", lease_seconds=30)
+        first = await clients[0].post("/engines/announce", json=body)
+        again = await clients[1].post("/engines/announce", json=body)
+        assert (first.json()["outcome"], again.json()["outcome"]) == ("registered", "renewed")
+        stale = await clients[1].delete("/engines/announce/roaming", params={"instance": "r0"})
+        assert stale.status_code == 409
+        gone = await clients[1].delete("/engines/announce/roaming", params={"instance": "r1"})
+        assert gone.status_code == 200
+        await until(lambda: _absent_on(clients, "roaming"), 10, "both replicas to forget it")
+
+        sim = Sim(urls[0], tmp_path, lease=1.5)
+        sims.append(sim)
+        sim.start()
+        await until(lambda: _holding(clients[1]), 30, "the worker to consume the announced sim")
+        await until(lambda: _leased(clients[1]), 10, "replica 1 to show replica 0's lease")
+        sim.kill()
+        await until(lambda: _absent_on(clients, "sim-0"), 10, "the lapsed engine to be dropped")
+        expired = [await _expired(client) for client in clients]
+        assert sum(expired) == 1, expired  # one replica took the lapsed lease
+        assert sum(p.log.read_text().count("engine lease expired") for p in apis) == 1
+    finally:
+        for sim in sims:
+            if sim.proc.poll() is None:
+                sim.kill()
+        for client in clients:
+            await client.aclose()
+        for process in [*apis, worker]:
+            process.stop()
+
+
+async def _absent_on(clients: list[httpx.AsyncClient], name: str) -> bool:
+    return all([await _engine(client, name) is None for client in clients])
+
+
+async def _leased(client: httpx.AsyncClient) -> bool:
+    state = await _engine(client)
+    return bool(state and state["lease"] and state["lease"]["lease_seconds"] == 1.5)
+
+
+async def _expired(client: httpx.AsyncClient) -> float:
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith("kvindex_engine_leases_expired_total "):
+            return float(line.split()[1])
+    raise AssertionError("no kvindex_engine_leases_expired_total")
