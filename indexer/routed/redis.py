@@ -53,12 +53,14 @@ def _runs(flat: list) -> dict[RankId, int]:
 
 
 class RedisRouted:
-    """:class:`~indexer.routed.base.RoutedEntries` in Redis (``config``: the store's)."""
+    """:class:`~indexer.routed.base.RoutedEntries` in Redis (``config``: the store's;
+    ``client``: the store's gateway to share, which it then closes itself)."""
 
     def __init__(self, config: RedisConfig, client: RedisClient | None = None) -> None:
         tag = f"{{{config.prefix}:routed}}"
         self._keys = [f"{tag}:ranks", f"{tag}:counts"]
         self._head = [f"{tag}:z:", int(GRACE * 1000)]
+        self._owns_client = client is None
         self._client = client or RedisClient(config)
         self._scripts = {
             name: Script(getattr(scripts, name))
@@ -191,4 +193,5 @@ class RedisRouted:
     async def close(self) -> None:
         if self._flushing is not None:
             await asyncio.gather(self._flushing, return_exceptions=True)
-        await self._client.close()
+        if self._owns_client:
+            await self._client.close()
