@@ -26,11 +26,13 @@ from prometheus_client import start_http_server
 
 from api.app import create_app
 from api.settings import ApiSettings
+from indexer.cluster.announced import RedisBook
 from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.status_board import StatusBoard
 from indexer.cluster.workers import Worker
 from indexer.engines.vllm import native
 from indexer.ingest.subscriber import RankPool
+from indexer.leases import Leases
 from indexer.metrics import sample_residency, watch_routed
 from indexer.registry import EngineSpec
 from indexer.routed import RedisRouted
@@ -119,7 +121,10 @@ async def run_api(
     polls = config.indexer
     board = StatusBoard(store.client, registry, stale_after=3 * polls.status_interval)
     routed = RedisRouted(redis, store.client)
-    app = create_app(store, registry, board, settings, routed=routed)
+    # every replica sees and sweeps the same leases: an engine may renew through any of them
+    book = RedisBook(store.client)
+    leases = Leases(registry, settings.announce, on_removed=routed.forget, book=book)
+    app = create_app(store, registry, board, settings, routed=routed, leases=leases)
     tasks: list[asyncio.Task] = []
     try:
         with stop_signals() as stop, listen(host, port) as sock:
@@ -130,11 +135,13 @@ async def run_api(
                 asyncio.create_task(registry.follow(polls.registry_poll)),
                 asyncio.create_task(board.follow(polls.status_interval)),
             ]
+            leases.start()
             await serve_http(app, settings, sock, stop, store="RedisStore")
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await leases.close()
         await routed.close()
         await store.close()
         log.info("stopped")
