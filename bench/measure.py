@@ -8,26 +8,38 @@ what it is compared to, so that a slow moment hits both.
 from __future__ import annotations
 
 import gc
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 
-def seconds(fn: Callable[[], object]) -> float:
-    """Wall time of one call, starting from a collected heap (the collector stays on,
-    as in production)."""
+def seconds(fn: Callable[[], object], clock: Callable[[], float] = time.perf_counter) -> float:
+    """Time of one call by ``clock`` (default wall time), starting from a collected heap
+    (the collector stays on, as in production)."""
     gc.collect()
-    started = time.perf_counter()
+    started = clock()
     fn()
-    return time.perf_counter() - started
+    return clock() - started
 
 
-def interleaved(repeats: int, candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
-    """Median seconds per candidate, running them in turn ``repeats`` times."""
+def cpu_clock() -> float:
+    """CPU seconds of this process and of its waited-for children: what a run costs
+    whatever else the shared machine is running meanwhile."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def interleaved(
+    repeats: int,
+    candidates: dict[str, Callable[[], object]],
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    """Median seconds (by ``clock``) per candidate, running them in turn ``repeats`` times."""
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
-            times[name].append(seconds(fn))
+            times[name].append(seconds(fn, clock))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
