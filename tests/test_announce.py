@@ -7,6 +7,7 @@ on local ports); the lease, kill -9 and restart cases run ``kvindex serve`` and
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -288,8 +289,9 @@ async def _holding(client: httpx.AsyncClient, instance: str | None = None) -> bo
     return _gpu(state) > 0 and (instance is None or state["lease"]["instance"] != instance)
 
 
-async def _started(serve: Serve, sims: list[Sim], tmp_path: Path, lease: float) -> Sim:
+async def _started(serve: Serve, sims: list[Sim], tmp_path: Path, lease: float, *extra: str) -> Sim:
     sim = Sim(serve.url, tmp_path, lease)
+    sim.args += extra
     sims.append(sim)
     async with httpx.AsyncClient(base_url=serve.url, timeout=5) as client:
         await until(lambda: _ready(client), 20, "kvindex serve to be ready")
@@ -326,22 +328,39 @@ async def _absent(client: httpx.AsyncClient) -> bool:
 
 @pytest.mark.slow
 async def test_a_restarted_engine_is_reannounced_and_its_residency_rebuilt(serve, sims, tmp_path):
-    sim = await _started(serve, sims, tmp_path, lease=30)
+    samples = tmp_path / "served.json"
+    sim = await _started(serve, sims, tmp_path, 30, "--samples", str(samples))
     async with httpx.AsyncClient(base_url=serve.url, timeout=5) as client:
-        await until(lambda: _holding(client), 20, "the announced sim to publish blocks")
+        await until(lambda: _served(samples), 20, "the first instance to serve prompts")
+        old_prompt = json.loads(samples.read_text())["sim-0"][-1]
+        await until(lambda: _holds(client, old_prompt), 20, "kvindex to hold its blocks")
         before = await _engine(client)
-        sim.kill()
-        sim.start()  # same ports, a new instance, an empty cache
+        sim.kill()  # kill -9, then the same engine comes back with other traffic
+        sim.args = [*sim.args[: sim.args.index("--samples")], "--seed", "2"]
+        sim.start()
         await until(
             lambda: _holding(client, before["lease"]["instance"]),
             20,
             "the restarted sim to be re-announced and hold blocks again",
         )
+        # What the dead instance held is gone: residency is the new process's only.
+        assert not await _holds(client, old_prompt)
         after = await _engine(client)
     assert after["lease"]["instance"] != before["lease"]["instance"]
     assert "restarted" in sim.out.read_text()
-    # The new consumer started from the new process's first batches.
-    assert after["ranks"][0]["applied_seq"] < before["ranks"][0]["applied_seq"] + 200
+    assert _gpu(after) > 0
+
+
+async def _served(samples: Path) -> bool:
+    try:
+        return bool(json.loads(samples.read_text()).get("sim-0"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+
+
+async def _holds(client: httpx.AsyncClient, tokens: list[int]) -> bool:
+    answer = (await client.post("/prefix-match", json={"tokens": tokens})).json()
+    return any(row["engine"] == "sim-0" and row["gpu_blocks"] > 0 for row in answer["engines"])
 
 
 @pytest.mark.slow
