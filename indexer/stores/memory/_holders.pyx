@@ -298,6 +298,8 @@ cdef class RankSets:
         return (self.words[id * self.width + (slot >> 6)] >> (slot & 63)) & 1
 
     cdef object as_int(self, uint32_t id):
+        if self.width == 1:
+            return self.words[id]
         cdef bytes raw = (<char *>(self.words + id * self.width))[: self.width * 8]
         return int.from_bytes(raw, "little")
 
