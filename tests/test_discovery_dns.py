@@ -26,8 +26,8 @@ from indexer.core.events import GPU
 from indexer.discovery import Discovery
 from indexer.discovery.dns import DnsSource, LookupFailed
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.leases import Leases
-from indexer.registry import EngineRegistry
+from indexer.leases import LeaseRules, Leases
+from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores.memory import MemoryStore
 from producer.publisher import Publisher
 from producer.sim import SimConfig, SimEngine
@@ -150,6 +150,11 @@ async def test_addresses_become_engines_gone_ones_leave_after_the_grace_failures
         await wait_until(lambda: len(registry.all()) == 1, 5)
         assert time.monotonic() - gone_at >= 1.5
         assert [s.name for s in registry.all()] == [names["127.0.0.2"]]
+        # the registry drops the name first, then the subscriber stops the rank and forgets it
+        for _ in range(100):
+            if not (await store.block_counts((names["127.0.0.3"], 0))).get(GPU):
+                break
+            await asyncio.sleep(0.05)
         assert not (await store.block_counts((names["127.0.0.3"], 0))).get(GPU)
 
         # resolution fails (SERVFAIL, then no server at all): nothing is dropped
@@ -194,6 +199,38 @@ async def test_srv_records_give_targets_and_ports_and_aaaa_addresses_are_bracket
     # an unknown name is a failed lookup too (the last good answer stands), not "no engines"
     with pytest.raises(LookupFailed, match="no address"):
         await DnsSource(f"dns://missing.test:1?nameserver={ns}").engines()
+
+
+def changes(source: str, change: str) -> float:
+    labels = {"source": source, "change": change}
+    return REGISTRY.get_sample_value("kvindex_discovery_changes_total", labels) or 0.0
+
+
+@pytest.mark.slow
+async def test_leases_are_renewed_while_discovery_runs_and_lapse_when_it_stops(
+    dns_server: DnsServer,
+) -> None:
+    dns_server.set(A={"lapse.test": ["127.0.0.8", "127.0.0.9"]})
+    registry = EngineRegistry()
+    # short leases: 0.6 s, so a renewal every 0.2 s is what keeps the engine
+    rules = LeaseRules(min_lease_seconds=0.1, default_lease_seconds=0.6, sweep_seconds=0.05)
+    leases = Leases(registry, rules)
+    mine, theirs = "lapse.test-127.0.0.8:7000", "lapse.test-127.0.0.9:7000"
+    by_hand = EngineSpec(theirs, "tcp://127.0.0.1:7999")
+    await registry.add(by_hand)
+    source = DnsSource(f"dns://lapse.test:7000?interval=0.1&nameserver={dns_server.nameserver}")
+    taken = changes(source.url.label, "name_taken")
+    found = Discovery([source], leases)
+    try:
+        await wait_until(lambda: mine in {s.name for s in registry.all()}, 5)
+        await asyncio.sleep(2.0)  # three lease lengths
+        assert {s.name for s in registry.all()} == {mine, theirs}
+        assert registry.get(theirs) == by_hand  # an operator's engine is never taken over
+        assert changes(source.url.label, "name_taken") > taken
+    finally:
+        await found.stop()
+    await wait_until(lambda: [s.name for s in registry.all()] == [theirs], 3)
+    await leases.close()
 
 
 @pytest.mark.parametrize(

@@ -73,20 +73,25 @@ class DnsSource:
     async def run(self, leases: Leases) -> None:
         """Resolve and apply every ``interval`` seconds until cancelled."""
         sync = Sync(leases, self.url.label, self.grace, self.interval)
+        failing: str | None = None  # logged when it starts or changes, not every round
         while True:
             try:
                 found = await self.engines()
-            except (LookupFailed, dns.exception.DNSException) as e:
-                sync.count("failed")
-                log.warning(
-                    "DNS discovery: keeping the last good answer",
-                    extra={"source": sync.source, "error": str(e) or type(e).__name__},
-                )
+            except (LookupFailed, dns.exception.DNSException, ValueError) as e:
+                # ValueError: an answer that makes an engine the registry cannot take
+                outcome = "rejected" if type(e) is ValueError else "failed"
+                sync.count(outcome)
+                if str(e) != failing:
+                    failing = str(e)
+                    log.warning(
+                        f"DNS discovery {outcome}: keeping the last good answer",
+                        extra={"source": sync.source, "error": failing or type(e).__name__},
+                    )
                 await sync.expire()
-            except ValueError as e:  # an engine name the registry cannot take
-                sync.count("rejected")
-                log.warning("DNS discovery: answer refused", extra={"error": str(e)})
             else:
+                if failing is not None:
+                    failing = None
+                    log.info("DNS discovery answers again", extra={"source": sync.source})
                 sync.count("ok")
                 await sync.apply(found)
             await asyncio.sleep(self.interval)

@@ -67,9 +67,11 @@ class Sync:
 
     ``source`` labels the log lines and metrics (the ``--discover`` URL
     without its query); ``renew_every`` is how often the source calls
-    :meth:`apply` or :meth:`expire` at the least, so each lease outlives three
-    missed renewals. Calls are serialised, so a watch event and the grace
-    timer never interleave.
+    :meth:`apply` or :meth:`expire` at the least. Leases are renewed every
+    third of their length (not on every call: a watch's ticker runs every
+    second over possibly hundreds of pods), so each outlives two missed
+    renewals. Calls are serialised, so a watch event and the grace timer never
+    interleave.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Sync:
         #: engines registered here but not seen since (monotonic time first missed)
         self.missing_since: dict[str, float] = {}
         self._desired: dict[str, EngineSpec] = {}
+        self._renewed_at = clock()
 
     async def apply(self, desired: Mapping[str, EngineSpec]) -> None:
         """Make the registry hold ``desired``: add, replace and renew now, remove
@@ -122,10 +125,12 @@ class Sync:
             await self._announce(self._desired[name], "replaced")
         for name in changes.added:
             await self._announce(self._desired[name], "added")
-        fresh = {*changes.changed, *changes.added}
-        for name, spec in list(self.registered.items()):
-            if name not in fresh:
-                await self._announce(spec, None)
+        if now - self._renewed_at >= self.lease_seconds / 3:
+            self._renewed_at = now
+            fresh = {*changes.changed, *changes.added}
+            for name, spec in list(self.registered.items()):
+                if name not in fresh:
+                    await self._announce(spec, None)
 
     async def _announce(self, spec: EngineSpec, change: str | None) -> None:
         """Register, re-register or (``change`` None) renew one engine."""
