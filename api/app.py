@@ -27,7 +27,7 @@ from api.ui import install_ui
 from indexer import metrics
 from indexer.core.events import EventBatch, RankId
 from indexer.leases import Leases
-from indexer.misdeclared import Misdeclared
+from indexer.misdeclared import Misdeclared, MisdeclaredView
 from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry, UnknownEngine
 from indexer.routed import MemoryRouted, RoutedEntries
@@ -76,13 +76,15 @@ def create_app(
     routed: RoutedEntries | None = None,
     tokenizers: Tokenizers | None = None,
     leases: Leases | None = None,
+    misdeclared: MisdeclaredView | None = None,
 ) -> FastAPI:
     """The API app. ``token_index`` defaults to a new one fed by ``consumers``
     when it can report applied batches (``add_observer``); ``routed`` (the routed
     entries) to in-process ones, confirmed by the same batches; ``tokenizers``
     to a pool of ``settings.models`` (apps in one process may share one);
     ``leases`` to new ones over ``registry`` (give them to share them with
-    discovery, which announces through them too)."""
+    discovery, which announces through them too); ``misdeclared`` to checks of the
+    batches ``consumers`` reports (API replicas read the workers' instead)."""
     if token_index is None:
         token_index = TokenIndex(settings.token_index_capacity, _learns_from(registry))
         if isinstance(consumers, Observable):
@@ -94,9 +96,10 @@ def create_app(
     if isinstance(consumers, Observable):
         consumers.add_observer(routed.observe)
     leases = leases or Leases(registry, settings.announce, on_removed=routed.forget)
-    misdeclared = Misdeclared(registry)
-    if isinstance(consumers, Observable):
-        consumers.add_observer(misdeclared.observe, misdeclared.reads_tokens)
+    if misdeclared is None:
+        checks = misdeclared = Misdeclared(registry)
+        if isinstance(consumers, Observable):
+            consumers.add_observer(checks.observe, checks.reads_tokens)
     ctx = dataclasses.replace(ctx, routed=routed, leases=leases, misdeclared=misdeclared)
 
     # FastAPI's own /docs and /redoc load their assets from a CDN: install_docs serves them.

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from api.settings import ApiSettings
 from indexer.leases import Leases
-from indexer.misdeclared import Misdeclared
+from indexer.misdeclared import MisdeclaredView
 from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry
 from indexer.routed import MemoryRouted, RoutedEntries
@@ -30,4 +30,4 @@ class ApiContext:
     #: the self-registered engines' leases over ``registry`` (set by create_app)
     leases: Leases | None = None
     #: engines whose events contradict their declaration (fed by the subscriber)
-    misdeclared: Misdeclared | None = None
+    misdeclared: MisdeclaredView | None = None

@@ -21,6 +21,8 @@ have.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
 from indexer import metrics
 from indexer.core.events import BlockStored, EventBatch, RankId
@@ -31,6 +33,21 @@ log = logging.getLogger("kvindex.misdeclared")
 
 #: What disagrees, the label of the metric.
 KINDS = ("block_size", "kv_groups", "hash")
+
+
+class MisdeclaredView(Protocol):
+    """What the API reads of the checks: this process's, or the workers' in Redis."""
+
+    def reasons(self, engine: str) -> list[str]:
+        """Why the engine's events contradict its declaration (empty: they agree so far)."""
+
+    def excluded(self, engine: str) -> bool:
+        """Whether tokens queries must leave the engine out (its hashes cannot be trusted)."""
+
+
+def excludes(reasons: dict[str, str]) -> bool:
+    """Whether these contradictions make the engine's computed hashes wrong."""
+    return bool(reasons.keys() & {"block_size", "hash"})
 
 
 class _Check:
@@ -46,10 +63,20 @@ class _Check:
 
 
 class Misdeclared:
-    """Engines' declared block size, KV groups and hashing against their events."""
+    """Engines' declared block size, KV groups and hashing against their events.
 
-    def __init__(self, registry: Registry, checked_stores: int = 32) -> None:
+    ``on_flag(spec, reasons)`` hears each new contradiction (an indexer worker
+    publishes them for the API replicas).
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        checked_stores: int = 32,
+        on_flag: Callable[[EngineSpec, dict[str, str]], None] | None = None,
+    ) -> None:
         self._registry = registry
+        self._on_flag = on_flag
         self._checked_stores = checked_stores
         self._checks: dict[str, _Check] = {}
 
@@ -61,7 +88,7 @@ class Misdeclared:
     def excluded(self, engine: str) -> bool:
         """Whether tokens queries must leave the engine out (its hashes cannot be trusted)."""
         check = self._current(engine)
-        return bool(check and check.reasons.keys() & {"block_size", "hash"})
+        return check is not None and excludes(check.reasons)
 
     def reads_tokens(self, engine: str) -> bool:
         """Whether batches of the engine must keep token ids: while it is being checked."""
@@ -98,6 +125,8 @@ class Misdeclared:
             "engine misdeclared: its events contradict its declared config",
             extra={"engine": check.spec.name, "reason": reason},
         )
+        if self._on_flag is not None:
+            self._on_flag(check.spec, dict(check.reasons))
 
 
 def _contradictions(check: _Check, event: BlockStored) -> list[tuple[str, str]]:

@@ -27,6 +27,7 @@ from prometheus_client import start_http_server
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer.cluster.announced import RedisBook
+from indexer.cluster.misdeclared_board import RedisMisdeclared
 from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.status_board import StatusBoard
 from indexer.cluster.workers import Worker
@@ -34,6 +35,7 @@ from indexer.engines.vllm import native
 from indexer.ingest.subscriber import RankPool
 from indexer.leases import Leases
 from indexer.metrics import sample_residency, watch_routed
+from indexer.misdeclared import Misdeclared
 from indexer.registry import EngineSpec
 from indexer.routed import RedisRouted
 from indexer.stores.base import StoreUnavailable
@@ -69,6 +71,9 @@ async def run_indexer(
     routed = RedisRouted(redis, store.client)
     pool.add_observer(routed.observe)
     watch_routed(routed)
+    # the engines this worker consumes are checked here, and read by every API replica
+    checks = Misdeclared(registry, on_flag=RedisMisdeclared(store.client, registry).publish)
+    pool.add_observer(checks.observe, checks.reads_tokens)
     worker = Worker(store, registry, pool, config.indexer, worker_id)
     exporter = sampler = None
     try:
@@ -124,7 +129,10 @@ async def run_api(
     # every replica sees and sweeps the same leases: an engine may renew through any of them
     book = RedisBook(store.client)
     leases = Leases(registry, settings.announce, on_removed=routed.forget, book=book)
-    app = create_app(store, registry, board, settings, routed=routed, leases=leases)
+    misdeclared = RedisMisdeclared(store.client, registry)
+    app = create_app(
+        store, registry, board, settings, routed=routed, leases=leases, misdeclared=misdeclared
+    )
     tasks: list[asyncio.Task] = []
     try:
         with stop_signals() as stop, listen(host, port) as sock:
@@ -134,6 +142,7 @@ async def run_api(
             tasks = [
                 asyncio.create_task(registry.follow(polls.registry_poll)),
                 asyncio.create_task(board.follow(polls.status_interval)),
+                asyncio.create_task(misdeclared.follow(polls.status_interval)),
             ]
             leases.start()
             await serve_http(app, settings, sock, stop, store="RedisStore")

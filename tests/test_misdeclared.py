@@ -10,7 +10,9 @@ while tokens queries leave the flagged engine out.
 from __future__ import annotations
 
 import logging
+import uuid
 
+import httpx
 import pytest
 
 from indexer import metrics
@@ -18,11 +20,14 @@ from indexer.core.events import BlockStored, EventBatch
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
 from indexer.registry import KVGroup
+from producer.publisher import Publisher
 from producer.sim import SimConfig, SimEngine
 from producer.workload import Workload, WorkloadConfig
 
 from .apikit import LiveApi
+from .conftest import free_ports
 from .test_e2e import until
+from .test_scaleout import Process
 
 WORKLOAD = WorkloadConfig(seed=7, rate=50.0)
 
@@ -125,3 +130,54 @@ async def test_a_new_registration_is_checked_afresh(live):
         publisher.close()
     await _publish(live, "e", SimConfig(block_size=32), 2, block_size=32)
     assert (await live.client.get("/engines/e")).json()["misdeclared"] == []
+
+
+@pytest.mark.slow
+async def test_in_scale_out_the_worker_finds_it_and_every_replica_reports_it(
+    redis_server, tmp_path
+):
+    redis = ("--redis-url", redis_server.url, "--redis-prefix", f"mis-{uuid.uuid4().hex[:8]}")
+    port, base = free_ports(), free_ports(2)
+    worker = Process(tmp_path / "worker.log", "indexer", *redis, "--worker-id", "w1")
+    api = Process(tmp_path / "api.log", "api", *redis, "--port", str(port))
+    publisher = Publisher(f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}", bind=True)
+    spec = {
+        "name": "wrong",
+        "endpoint": publisher.endpoint,
+        "replay_endpoint": publisher.replay_endpoint,
+        "block_size": 16,
+    }
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            await until(lambda: _up(client), 30, "the API replica")
+            assert (await client.post("/engines", json=spec)).status_code == 201
+            await until(lambda: _connected(client), 30, "the worker to consume the engine")
+            engine, requests = SimEngine(SimConfig(block_size=32), 0), Workload(WORKLOAD, 0)
+            for _ in range(40):
+                request = next(requests)
+                engine.submit(request.prompt, request.output)
+                if (batch := engine.step()) is not None:
+                    publisher.publish(batch)
+            await until(lambda: _reported(client), 30, "the replica to report the worker's find")
+            state = (await client.get("/engines/wrong")).json()
+        assert state["misdeclared"] == ["block_size: declared 16, events show 32"]
+        assert "engine misdeclared" in worker.log.read_text()
+    finally:
+        publisher.close()
+        api.stop()
+        worker.stop()
+
+
+async def _up(client: httpx.AsyncClient) -> bool:
+    try:
+        return (await client.get("/healthz")).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+async def _connected(client: httpx.AsyncClient) -> bool:
+    return (await client.get("/stats")).json()["connected_ranks"] == 1
+
+
+async def _reported(client: httpx.AsyncClient) -> bool:
+    return bool((await client.get("/engines/wrong")).json()["misdeclared"])

@@ -1,0 +1,81 @@
+"""Misdeclared engines in scale-out: found by the indexer workers, read by API replicas.
+
+Only the worker consuming an engine's ranks sees its events, so the worker's
+:class:`~indexer.misdeclared.Misdeclared` publishes what it found to the hash
+``{P:meta}:misdeclared`` (engine name -> the spec checked and the
+contradictions, JSON), and every replica reads it back. An entry counts only
+while the engine is registered with the very spec that was checked: a
+re-registration with another spec starts clean, as in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+
+from indexer.misdeclared import excludes
+from indexer.periodic import repeat
+from indexer.registry import EngineSpec, Registry, UnknownEngine
+from indexer.stores.redis.client import RedisClient
+
+log = logging.getLogger("kvindex.misdeclared")
+
+
+class _Entry(msgspec.Struct, frozen=True):
+    spec: EngineSpec
+    reasons: dict[str, str]
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder(_Entry).decode
+
+
+class RedisMisdeclared:
+    """Implements :class:`~indexer.misdeclared.MisdeclaredView` from Redis (as of the
+    last :meth:`refresh`), and lets a worker :meth:`publish` into it."""
+
+    def __init__(self, client: RedisClient, registry: Registry) -> None:
+        self._client = client
+        self._registry = registry
+        self._key = f"{{{client.layout.meta_key}}}:misdeclared"
+        self._seen: dict[str, _Entry] = {}
+        self._writes: set[asyncio.Task] = set()
+
+    def reasons(self, engine: str) -> list[str]:
+        entry = self._current(engine)
+        return list(entry.reasons.values()) if entry else []
+
+    def excluded(self, engine: str) -> bool:
+        entry = self._current(engine)
+        return entry is not None and excludes(entry.reasons)
+
+    def publish(self, spec: EngineSpec, reasons: dict[str, str]) -> None:
+        """Write the engine's contradictions in the background (an observer cannot wait)."""
+        command = ("HSET", self._key, spec.name, _encode(_Entry(spec, reasons)))
+        task = asyncio.get_running_loop().create_task(self._write(command))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def refresh(self) -> None:
+        (fields,) = await self._client.execute([("HGETALL", self._key)])
+        self._seen = {name.decode(): _decode(raw) for name, raw in fields.items()}
+
+    async def follow(self, interval: float) -> None:
+        """Refresh every ``interval`` seconds, forever (run it as a task)."""
+        await repeat(interval, self.refresh, "misdeclared engines")
+
+    async def _write(self, command: tuple) -> None:
+        try:
+            await self._client.execute([command])
+        except Exception as e:  # the log and the worker's metric have it already
+            log.warning("could not publish a misdeclared engine", extra={"error": repr(e)})
+
+    def _current(self, engine: str) -> _Entry | None:
+        entry = self._seen.get(engine)
+        try:
+            registered = self._registry.get(engine)
+        except UnknownEngine:
+            return None
+        return entry if entry is not None and entry.spec == registered else None
