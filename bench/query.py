@@ -1,8 +1,8 @@
 """Item 4: prefix match in the embedded store, in process, against Dynamo's RadixTree.
 
-The fleet's whole stream is applied to a MemoryStore (on the compiled holder
-index), to one on the pure-Python reference index (the figure before the index
-was compiled) and to a Dynamo RadixTree (see :mod:`bench.dynamo`); then chains
+The fleet's whole stream is applied to a MemoryStore (on the compiled core),
+to one on the pure-Python reference core (the figure before the core was
+compiled) and to a Dynamo RadixTree (see :mod:`bench.dynamo`); then chains
 of each length are asked of all, in turn, with every engine listed. Figures are
 p50/p99 of single calls. Dynamo answers GPU residency only (one tier per
 worker); kvindex answers every tier of every engine, with lower tiers in whole
@@ -97,8 +97,8 @@ def run(report: Report, fleet: Fleet, store: MemoryStore, queries: int, rounds: 
         details[f"{blocks}_blocks"] = figures
         mine, before = figures["kvindex"], figures["reference"]
         report.add(
-            Figure(SECTION, f"query, embedded: {blocks}-block chain p50, compiled index",
-                   mine["p50_ms"], "ms", "same, pure-Python reference index", before["p50_ms"]),
+            Figure(SECTION, f"query, embedded: {blocks}-block chain p50, compiled core",
+                   mine["p50_ms"], "ms", "same, pure-Python reference core", before["p50_ms"]),
         )  # fmt: skip
         if "dynamo" in figures:
             theirs = figures["dynamo"]
@@ -108,8 +108,8 @@ def run(report: Report, fleet: Fleet, store: MemoryStore, queries: int, rounds: 
                        Goal(0.5, at_least=False)),
                 Figure(SECTION, f"query, embedded: {blocks}-block chain p99", mine["p99_ms"],
                        "ms", "Dynamo find_matches (binding) p99", theirs["p99_ms"]),
-                Figure(SECTION, f"query, embedded: {blocks}-block chain p50, reference index",
+                Figure(SECTION, f"query, embedded: {blocks}-block chain p50, reference core",
                        before["p50_ms"], "ms", "Dynamo find_matches (binding) p50",
-                       theirs["p50_ms"], note="before the index was compiled"),
+                       theirs["p50_ms"], note="before the core was compiled"),
             )  # fmt: skip
     return details

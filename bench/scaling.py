@@ -5,8 +5,8 @@
   fleet's while the store holds ever more ranks (clones share their source's
   hashes, as replicas serving one popular prompt set would). Ingest is
   block-ops/s (and the decode floor of the same bytes); query is the p50 of
-  a 512-block prefix match with every engine listed, on the compiled holder
-  index and on the pure-Python reference (the figure before it was compiled).
+  a 512-block prefix match with every engine listed, on the compiled core
+  and on the pure-Python reference core (the figure before it was compiled).
 - Prompt length (blocks): query p50 on the fleet's store (and Dynamo's), and
   ingest of an engine storing a prompt of that length in one event and then
   evicting it block by block, as vLLM does.
@@ -113,8 +113,8 @@ def run(report: Report, fleet: Fleet, store: MemoryStore, full: bool, queries: i
         Figure(SECTION, f"scaling: 512-block query p50 at {counts[-1]} engines",
                high["query_512"]["p50_ms"], "ms", f"same at {counts[0]} engines",
                low["query_512"]["p50_ms"], Goal(2.0, at_least=False)),
-        Figure(SECTION, f"scaling: 512-block query p50 at {counts[-1]} engines, reference index",
+        Figure(SECTION, f"scaling: 512-block query p50 at {counts[-1]} engines, reference core",
                high["query_512_reference"]["p50_ms"], "ms", f"same at {counts[0]} engines",
-               low["query_512_reference"]["p50_ms"], note="before the index was compiled"),
+               low["query_512_reference"]["p50_ms"], note="before the core was compiled"),
     )  # fmt: skip
     return {"by_engines": engines, "by_length": lengths}
