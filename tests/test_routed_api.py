@@ -115,6 +115,14 @@ async def test_two_replicas_share_routed_entries(request: pytest.FixtureRequest,
         assert (
             stats["recorded"] == PREFIX_BLOCKS + 32 * 2 + 256 and stats["live"] == stats["recorded"]
         )
+        # the exact counts in Redis are what (no) events said: routed entries live apart
+        empty = {"GPU": 0, "CPU": 0, "STORAGE": 0}
+        assert [await replicas[0].store.block_counts(RankId(s.name, 0)) for s in ENGINES] == [
+            empty
+        ] * len(ENGINES)
+        rows = (await clients[0].post("/prefix-match", json={"tokens": request_tokens(0)})).json()
+        assert {r["gpu_blocks"] for r in rows["engines"]} == {0}
+        assert max(r["routed_blocks"] for r in rows["engines"]) == PREFIX_BLOCKS + 2
     finally:
         for r in replicas:
             await r.close()
