@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 
 import httpx
 import pytest
@@ -169,6 +170,12 @@ async def test_events_confirm_and_exact_counts_never_move() -> None:
         assert rows[0]["score"] == pytest.approx(100 + 0.8 * (len(chain) - 100))
         stats = (await api.client.get("/stats")).json()["routed"]
         assert (stats["confirmed"], stats["live"]) == (100, len(chain) - 100)
+        scraped = (await api.client.get("/metrics")).text  # every app of this process, summed
+        confirmed = re.search(
+            r'^kvindex_routed_entries_total\{outcome="confirmed"\} (\S+)$', scraped, re.M
+        )
+        assert confirmed is not None and float(confirmed[1]) >= 100
+        assert re.search(r"^kvindex_routed_live_entries \S+$", scraped, re.M)
         # per-query weights; a GPU clear ends the rest
         w = {"tokens": tokens, "engines": ["e2"], "weights": {"routed": 0, "gpu": 2}}
         assert (await api.client.post("/prefix-match", json=w)).json()["engines"][0]["score"] == 200
