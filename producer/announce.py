@@ -14,7 +14,8 @@ without one the announcer says ``seeded: true`` and keeps the seed.
 
 Usable from async code (``async with``, or :meth:`start`/:meth:`aclose`) and
 from plain code (``with``, or :meth:`start_sync`/:meth:`close`: the renewals
-then run on a thread of their own). Needs httpx (``kvindex[announce]``).
+then run on a thread of their own). Needs httpx and tenacity, unlike the rest of
+the producer package, which imports neither.
 """
 
 from __future__ import annotations
