@@ -7,6 +7,7 @@ on local ports); the lease, kill -9 and restart cases run ``kvindex serve`` and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -132,6 +133,14 @@ async def test_deregistration_is_immediate_and_refuses_a_stale_instance(live):
     assert live.registry.all() == []
     unknown = await live.client.delete("/engines/announce/e", params={"instance": "new"})
     assert unknown.status_code == 404
+
+
+async def test_a_leased_engine_removed_by_hand_is_registered_again_by_its_renewal(live):
+    await live.client.post("/engines/announce", json=announcement(spec()))
+    assert (await live.client.delete("/engines/e")).status_code == 200
+    again = await live.client.post("/engines/announce", json=announcement(spec()))
+    assert again.json()["outcome"] == "registered"
+    assert [s.name for s in live.registry.all()] == ["e"]
 
 
 async def test_a_hand_registered_engine_is_not_taken_over(live):
@@ -404,9 +413,11 @@ async def test_an_announcer_is_refused_at_once_on_a_4xx(tmp_path):
             Announcer(server.url, spec(block_size=0)),
         ):
             pass
-        # the sync form: renewals on a thread, deregistered on exit
-        with Announcer(server.url, spec("sync")) as sync:
+        # the sync form: renewals on a thread keep it past its lease, deregistered on exit
+        with Announcer(server.url, spec("sync"), lease_seconds=0.5) as sync:
             assert sync.outcome == "registered"
+            await asyncio.sleep(2.0)  # four leases
+            assert sync.outcome == "renewed"
             async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
                 assert await _named(client, "sync")
         async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
