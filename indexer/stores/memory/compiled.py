@@ -14,23 +14,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from importlib import import_module
 from types import ModuleType
 from typing import NamedTuple
 
 from indexer.core.events import BlockHash
 from indexer.core.residency import TierTable
-from indexer.stores.memory import holders
+from indexer.stores.memory.holders import HolderIndex
 from indexer.stores.memory.residency import IndexedResidency
 
 log = logging.getLogger("kvindex.native")
 
 
 def _import_core() -> tuple[ModuleType | None, str | None]:
+    # by name: an import of the package itself would close a loop through its __init__
     try:
-        from indexer.stores.memory import _holders
+        return import_module("indexer.stores.memory._holders"), None
     except ImportError as error:
         return None, f"{type(error).__name__}: {error}"
-    return _holders, None
 
 
 #: The compiled tables' module, or None when it did not build or load.
@@ -61,7 +62,7 @@ class StoreCore(NamedTuple):
 
 #: The pure-Python reference: the holder index of :mod:`~indexer.stores.memory.holders`
 #: and dict counts.
-REFERENCE = StoreCore(holders.HolderIndex, IndexedResidency)
+REFERENCE = StoreCore(HolderIndex, IndexedResidency)
 #: The core a MemoryStore runs by default: the compiled one when it built.
 CORE = StoreCore(core.HolderIndex, CompiledResidency) if core is not None else REFERENCE
 
