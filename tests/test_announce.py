@@ -326,7 +326,9 @@ async def test_a_killed_engine_is_gone_after_its_lease_and_counted(serve, sims, 
         assert await _engine(client) is not None  # still leased
         await until(lambda: _absent(client), 5, "the killed engine to be dropped after its lease")
         assert time.monotonic() - killed >= 1.0  # its lease, not the kill, ended it
+        stats = (await client.get("/stats")).json()
         metrics = (await client.get("/metrics")).text
+    assert stats["stored_ranks"] == 0 and stats["blocks"]["GPU"] == 0  # residency dropped
     assert "kvindex_engine_leases_expired_total 1.0" in metrics
     assert serve.log().count("engine lease expired") == 1
 
