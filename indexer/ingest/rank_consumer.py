@@ -53,7 +53,6 @@ from indexer.ingest.live_feed import LiveFeed
 from indexer.ingest.replay_client import ReplayClient
 from indexer.ingest.report import Report
 from indexer.ingest.settings import Shared
-from indexer.ingest.sockets import YIELD_EVERY
 from indexer.periodic import until_done
 from indexer.registry import EngineSpec, Gap, RankStatus
 from indexer.stores.base import Fenced, Store, StoreLost, Watermark, apply_events
@@ -111,7 +110,6 @@ class RankConsumer:
         self._groups = _declaration(spec)
         self._groups_told = self._groups is None
         self._intake = Intake(settings.intake_limit, settings.intake_bytes)
-        self._delivered = 0
         self._stopping = False
         self._failed = False  # the loop died of a bug
         self.fenced = False  # another owner took the rank: nothing more is applied
@@ -230,12 +228,11 @@ class RankConsumer:
         self._seq.replay_activity = now
 
     async def _deliver(self, item: Item) -> None:
-        """Queue for the loop (waiting while it is full), yielding now and then:
-        a ready socket never makes a receive wait, so a flood would hog the loop."""
+        """Queue for the loop (waiting while it is full), yielding when the turn's
+        ingest budget is spent: a ready socket never makes a receive wait, so a
+        flood would hog the loop, and reading shares the budget with applying."""
         await self._intake.put(item)
-        self._delivered += 1
-        if self._delivered % YIELD_EVERY == 0:
-            await asyncio.sleep(0)
+        await self._shared.slices.pause_if_spent()
 
     def _reject(self, error: WireError) -> None:
         rejected = self.status.rejected
