@@ -233,6 +233,16 @@ async def test_leases_are_renewed_while_discovery_runs_and_lapse_when_it_stops(
     await leases.close()
 
 
+async def test_a_source_loop_that_crashes_says_so_in_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    found = Discovery([DnsSource("dns://x.test:1?nameserver=127.0.0.1:9")], None)  # no leases
+    await asyncio.sleep(0.05)
+    await found.stop()
+    (record,) = [r for r in caplog.records if r.message == "discovery stopped"]
+    assert record.source == "discover dns://x.test:1" and "AttributeError" in record.error
+
+
 @pytest.mark.parametrize(
     "url, says",
     [

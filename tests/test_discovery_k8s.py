@@ -130,6 +130,7 @@ class ApiServer:
         self.version = "1"
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.requests: list[tuple[str, dict[str, list[str]], str | None]] = []
+        self.failing_lists = 0  # answer this many lists with a 500 first
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -141,6 +142,10 @@ class ApiServer:
                 server.requests.append((url.path, query, self.headers.get("Authorization")))
                 if url.path != "/api/v1/namespaces/inference/pods":
                     self.send_error(404)
+                    return
+                if "watch" not in query and server.failing_lists:
+                    server.failing_lists -= 1
+                    self.send_error(500)
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -202,6 +207,7 @@ async def test_the_watch_loop_follows_churn_and_lists_again_after_410(
     token = tmp_path / "token"
     token.write_text("t0k3n\n")
     api_server.pods, api_server.version = [pod("pod-ready"), pod("pod-pending")], "100"
+    api_server.failing_lists = 2  # the API server fails at first: retried, counted
     watch = PodWatch(
         f"k8s://inference?selector=app%3Dvllm&replay_port=5558&grace=0"
         f"&api={api_server.url}&token_file={token}&retry=0.1"
@@ -213,8 +219,11 @@ async def test_the_watch_loop_follows_churn_and_lists_again_after_410(
     def endpoints() -> dict[str, str | None]:
         return {s.name: s.endpoint for s in registry.all()}
 
+    failed = lookups("k8s://inference", "failed")
     try:
         await wait_until(lambda: endpoints() == {READY: "tcp://10.244.1.17:5557"}, 5)
+        assert lookups("k8s://inference", "failed") == failed + 2
+        assert len([r for r in api_server.requests if "watch" not in r[1]]) == 3
         _, query, auth = api_server.requests[0]
         assert (query["labelSelector"], auth) == (["app=vllm"], "Bearer t0k3n")
         await wait_until(lambda: bool(api_server.watches()), 5)

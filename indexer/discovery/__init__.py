@@ -11,7 +11,7 @@ so a discovered engine is consumed, shown and removed like any other.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import Sequence
 
 from indexer.discovery.dns import DnsSource
@@ -20,6 +20,7 @@ from indexer.leases import Leases
 
 Source = DnsSource | PodWatch
 SCHEMES = {"dns": DnsSource, "k8s": PodWatch}
+log = logging.getLogger("kvindex.discovery")
 
 
 def open_source(url: str) -> Source:
@@ -38,10 +39,20 @@ class Discovery:
         self._tasks = [
             asyncio.create_task(s.run(leases), name=f"discover {s.url.label}") for s in sources
         ]
+        for task in self._tasks:
+            task.add_done_callback(_report_crash)
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # a crashed source was logged when it ended: nothing to raise here
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _report_crash(task: asyncio.Task) -> None:
+    """A source's loop ends only when cancelled: anything else is a bug worth a
+    log line (its engines' leases then lapse, as a dead engine's would)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error(
+            "discovery stopped", extra={"source": task.get_name(), "error": repr(task.exception())}
+        )
