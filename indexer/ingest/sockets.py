@@ -17,8 +17,8 @@ import zmq.asyncio
 
 from indexer.ingest.settings import SubscriberSettings
 
-#: Readers yield to the event loop this often, so a flood of batches never
-#: starves the API sharing the loop.
+#: Messages drained from a ready socket per poll. Readers give the loop back
+#: when the turn's ingest budget is spent (:mod:`indexer.ingest.slices`).
 YIELD_EVERY = 64
 
 
