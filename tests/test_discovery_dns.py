@@ -175,6 +175,7 @@ async def test_addresses_become_engines_gone_ones_leave_after_the_grace_failures
             sim.close()
 
 
+@pytest.mark.slow  # starts the DNS server process
 async def test_srv_records_give_targets_and_ports_and_aaaa_addresses_are_bracketed(
     dns_server: DnsServer,
 ) -> None:
