@@ -37,6 +37,7 @@ from indexer.registry import (
     EngineSpec,
     RankStatus,
     UnknownEngine,
+    blank_status,
     degraded_reasons,
     is_degraded,
 )
@@ -87,7 +88,7 @@ class Operators:
         """The status of each declared rank and of each other rank the store holds."""
         known = {s.dp_rank: s for s in self.consumers.rank_status(spec.name)}
         ranks = sorted(held | set(range(spec.dp_ranks)))
-        return [known.get(r) or RankStatus(dp_rank=r) for r in ranks]
+        return [known.get(r) or blank_status(spec, r) for r in ranks]
 
     async def rank_state(self, spec: EngineSpec, status: RankStatus) -> RankState:
         rank = RankId(spec.name, status.dp_rank)

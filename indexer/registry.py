@@ -366,16 +366,28 @@ class RankStatus(msgspec.Struct):
     lag_seconds: float = 0.0
     last_event_ts: float | None = None
     owner: str | None = None  # the indexer worker consuming it (None: this process)
+    # False: the engine publishes no events (``events: false``), so there is
+    # nothing to connect to; routed entries alone stand for its cache
+    events: bool = True
+
+
+def blank_status(spec: EngineSpec, dp_rank: int) -> RankStatus:
+    """The status of a rank nothing consumes here: not connected, unless its
+    engine publishes no events at all."""
+    return RankStatus(dp_rank, events=spec.events)
 
 
 def is_degraded(status: RankStatus | None) -> bool:
     """Whether a rank's answers may be wrong: no live connection, an unfilled gap,
     or batches the store lost that are not applied again.
 
-    A rank with no status at all (unknown) counts as not connected. Prefix
-    matches, ``/engines``, ``/stats`` and the metrics all use this one rule;
-    :func:`degraded_reasons` says why in words.
+    A rank with no status at all (unknown) counts as not connected; a rank of
+    an engine without events is never degraded (its answers are approximate by
+    declaration). Prefix matches, ``/engines``, ``/stats`` and the metrics all
+    use this one rule; :func:`degraded_reasons` says why in words.
     """
+    if status is not None and not status.events:
+        return False
     return status is None or status.degraded or not status.connected
 
 
@@ -383,6 +395,8 @@ def degraded_reasons(status: RankStatus | None) -> list[str]:
     """Why :func:`is_degraded` holds, one phrase per cause (empty when it does not)."""
     if status is None:
         return ["not consumed: no status"]
+    if not status.events:
+        return []
     reasons = []
     if status.never_connected:
         reasons.append("never connected: no publisher at its endpoint")

@@ -21,6 +21,7 @@ import pytest
 from api import ApiSettings, create_app
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.registry import EngineRegistry, EngineSpec
+from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
 
@@ -153,3 +154,30 @@ async def test_every_endpoint_agrees_on_each_rank(
     assert counts == {"registered_ranks": 4, "connected_ranks": 3, "degraded_ranks": 3}
     assert stats["never_connected_ranks"] == 1
     assert stats["stored_ranks"] == 3  # ghost never applied anything: the store has no state
+
+
+async def test_an_engine_without_events_is_degraded_nowhere() -> None:
+    """Nothing to connect to is not a fault: an ``events: false`` engine's rank is
+    judged healthy by every endpoint (its rows say ``approximate`` instead)."""
+    registry, store = EngineRegistry(), MemoryStore()
+    subscriber = Subscriber(store, registry, SETTINGS)
+    await subscriber.start()
+    app = create_app(store, registry, subscriber, ApiSettings())
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvindex") as client:
+            await registry.add(EngineSpec("routed-only", events=False, gpu_blocks=64))
+            (rank,) = (await client.get("/engines/routed-only")).json()["ranks"]
+            assert (rank["events"], rank["degraded"], rank["degraded_reasons"]) == (
+                False,
+                False,
+                [],
+            )
+            (listed,) = (await client.get("/engines")).json()
+            assert listed["degraded_ranks"] == 0
+            assert (await client.get("/stats")).json()["degraded_ranks"] == 0
+            match = await client.post("/prefix-match", json={"block_hashes": [1, 2]})
+            (row,) = match.json()["engines"]
+            assert row["approximate"] and not row["degraded"]
+    finally:
+        await subscriber.stop()

@@ -18,7 +18,7 @@ import msgspec
 
 from indexer.cluster.leases import live_workers
 from indexer.periodic import repeat
-from indexer.registry import RankStatus, Registry
+from indexer.registry import RankStatus, Registry, blank_status
 from indexer.stores.redis.client import RedisClient
 
 log = logging.getLogger("kvindex.status")
@@ -80,9 +80,9 @@ class StatusBoard:
 
     def rank_status(self, engine: str) -> list[RankStatus]:
         """One status per dp rank of a registered engine (raises UnknownEngine)."""
-        ranks = range(self._registry.get(engine).dp_ranks)
-        found = [self._ranks.get((engine, r)) for r in ranks]
-        return [RankStatus(r) if p is None else p.status for r, p in zip(ranks, found, strict=True)]
+        spec = self._registry.get(engine)
+        found = [self._ranks.get((engine, r)) for r in range(spec.dp_ranks)]
+        return [blank_status(spec, r) if p is None else p.status for r, p in enumerate(found)]
 
     def running(self) -> bool:
         """Whether some worker is alive, as of a refresh recent enough to trust."""

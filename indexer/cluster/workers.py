@@ -193,6 +193,7 @@ class Worker:
         wanted = {
             RankId(name, dp_rank): (spec, entry)
             for name, (spec, entry) in self._registry.entries().items()
+            if spec.events  # an engine without events has nothing to consume
             for dp_rank in range(spec.dp_ranks)
         }
         await asyncio.gather(*(self._drop(r, why) for r, why in self._unwanted(wanted).items()))

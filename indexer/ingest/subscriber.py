@@ -24,7 +24,7 @@ from indexer.core.events import EventBatch, RankId
 from indexer.ingest.rank_consumer import RankConsumer
 from indexer.ingest.settings import Observer, Shared, SubscriberSettings
 from indexer.ingest.slices import Slices
-from indexer.registry import Change, EngineRegistry, EngineSpec, RankStatus
+from indexer.registry import Change, EngineRegistry, EngineSpec, RankStatus, blank_status
 from indexer.stores.base import Loss, Store
 
 __all__ = ["RankPool", "Subscriber", "SubscriberSettings"]
@@ -162,7 +162,7 @@ class RankPool:
         statuses = []
         for dp_rank in range(spec.dp_ranks):
             consumer = self._ranks.get(RankId(spec.name, dp_rank))
-            statuses.append(consumer.snapshot() if consumer else RankStatus(dp_rank))
+            statuses.append(consumer.snapshot() if consumer else blank_status(spec, dp_rank))
         return statuses
 
     def statuses(self) -> Iterator[tuple[str, RankStatus]]:
