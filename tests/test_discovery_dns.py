@@ -291,6 +291,7 @@ def test_kvindex_serve_discovers_from_its_config_file_and_flag(
             }
             detail = httpx.get(f"http://127.0.0.1:{http}/engines/b.test-127.0.0.4:7002").json()
             assert (detail["endpoint"], detail["block_size"]) == ("tcp://127.0.0.4:7002", 32)
+            assert detail["lease"]["lease_seconds"] == 30.0  # the API's leases: one upsert path
         finally:
             serve.terminate()
         assert serve.wait(10) == 0
