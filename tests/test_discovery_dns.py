@@ -26,7 +26,7 @@ from indexer.core.events import GPU
 from indexer.discovery import Discovery
 from indexer.discovery.dns import DnsSource, LookupFailed
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.leases import LeaseRules, Leases
+from indexer.leases import Announcement, LeaseRules, Leases
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores.memory import MemoryStore
 from producer.publisher import Publisher
@@ -208,10 +208,10 @@ def changes(source: str, change: str) -> float:
 
 
 @pytest.mark.slow
-async def test_leases_are_renewed_while_discovery_runs_and_lapse_when_it_stops(
+async def test_leases_are_renewed_while_discovery_runs_and_lapse_when_it_stops_others_names_kept(
     dns_server: DnsServer,
 ) -> None:
-    dns_server.set(A={"lapse.test": ["127.0.0.8", "127.0.0.9"]})
+    dns_server.set(A={"lapse.test": ["127.0.0.7", "127.0.0.8", "127.0.0.9"]})
     registry = EngineRegistry()
     # short leases: 0.6 s, so a renewal every 0.2 s is what keeps the engine
     rules = LeaseRules(min_lease_seconds=0.1, default_lease_seconds=0.6, sweep_seconds=0.05)
@@ -219,18 +219,22 @@ async def test_leases_are_renewed_while_discovery_runs_and_lapse_when_it_stops(
     mine, theirs = "lapse.test-127.0.0.8:7000", "lapse.test-127.0.0.9:7000"
     by_hand = EngineSpec(theirs, "tcp://127.0.0.1:7999")
     await registry.add(by_hand)
+    announced = EngineSpec("lapse.test-127.0.0.7:7000", "tcp://127.0.0.7:7000", block_size=32)
+    await leases.announce(Announcement(announced, "vllm-plugin-1", lease_seconds=300))
     source = DnsSource(f"dns://lapse.test:7000?interval=0.1&nameserver={dns_server.nameserver}")
     taken = changes(source.url.label, "name_taken")
     found = Discovery([source], leases)
     try:
         await wait_until(lambda: mine in {s.name for s in registry.all()}, 5)
         await asyncio.sleep(2.0)  # three lease lengths
-        assert {s.name for s in registry.all()} == {mine, theirs}
+        assert {s.name for s in registry.all()} == {mine, theirs, announced.name}
         assert registry.get(theirs) == by_hand  # an operator's engine is never taken over
+        assert registry.get(announced.name) == announced  # nor a self-announced one
+        assert leases.lease(announced.name).instance == "vllm-plugin-1"
         assert changes(source.url.label, "name_taken") > taken
     finally:
         await found.stop()
-    await wait_until(lambda: [s.name for s in registry.all()] == [theirs], 3)
+    await wait_until(lambda: {s.name for s in registry.all()} == {theirs, announced.name}, 3)
     await leases.close()
 
 

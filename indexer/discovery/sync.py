@@ -10,8 +10,8 @@ only after it has been missing for ``grace`` seconds: a DNS answer that
 briefly lacks an address, or a readiness probe that flaps, must not throw
 away a whole engine's residency. If discovery itself stops renewing (the
 task died), the leases lapse and the engines go as a dead engine's would.
-An engine an operator registered by hand under the same name is left alone
-(counted as ``name_taken``).
+An engine registered under the same name by hand, or announced by itself
+(the vLLM plugin), is left alone (counted as ``name_taken``).
 """
 
 from __future__ import annotations
@@ -135,10 +135,15 @@ class Sync:
     async def _announce(self, spec: EngineSpec, change: str | None) -> None:
         """Register, re-register or (``change`` None) renew one engine."""
         announcement = Announcement(spec, self.instance, self.lease_seconds)
+        held = self._leases.lease(spec.name)
         try:
+            if held is not None and held.instance != self.instance:
+                # The engine announces itself (its own declaration wins): taking the
+                # lease over would re-register it on each renewal of either side.
+                raise HandRegistered(spec.name)
             granted = await self._leases.announce(announcement)
         except HandRegistered:
-            # An operator owns the name: never touch it.
+            # An operator or the engine itself owns the name: never touch it.
             self.registered.pop(spec.name, None)
             CHANGES.labels(self.source, "name_taken").inc()
             log.warning("discovered engine's name is taken", extra=self._fields(spec))
