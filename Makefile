@@ -45,6 +45,7 @@ lint: setup
 
 test: lint
 	$(BIN)/pytest -q
+	@echo "make test skips the vLLM tier (tests/vllm_tier: vLLM 0.33.0 in its own venv); scripts/vllm-tier.sh runs it, and so does .ci/run"
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

@@ -1,0 +1,45 @@
+"""What the plugin reads from the engine's environment.
+
+The engine's own flags say nothing about kvindex, so everything the plugin
+needs beyond vLLM's config comes from ``KVINDEX_*`` variables set where the
+engine runs (a pod spec, a systemd unit). Without ``KVINDEX_ANNOUNCE_URL`` the
+plugin stays inert: installing the extra alone changes nothing.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class PluginSettings(BaseSettings):
+    """``KVINDEX_ANNOUNCE_URL`` (kvindex's API), ``KVINDEX_ANNOUNCE_TOKEN`` or
+    ``KVINDEX_ANNOUNCE_TOKEN_FILE`` (its bearer token: needed to send a hash
+    seed), ``KVINDEX_ANNOUNCE_LEASE_SECONDS``, ``KVINDEX_ENGINE_NAME`` (default
+    ``HOST:PORT`` of the events endpoint), ``KVINDEX_ENGINE_HOST`` (the address
+    kvindex connects to where vLLM binds a wildcard; default this machine's FQDN).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVINDEX_", extra="ignore")
+
+    announce_url: str | None = None
+    announce_token: SecretStr | None = None
+    announce_token_file: Path | None = None
+    announce_lease_seconds: float = 30.0
+    engine_name: str | None = None
+    engine_host: str | None = None
+
+    def token(self) -> str | None:
+        """The bearer token; a file is read at start so a rotated secret is picked up
+        on the engine's next restart."""
+        if self.announce_token is not None:
+            return self.announce_token.get_secret_value()
+        if self.announce_token_file is not None:
+            return self.announce_token_file.read_text().strip() or None
+        return None
+
+    def host(self) -> str:
+        return self.engine_host or socket.getfqdn()

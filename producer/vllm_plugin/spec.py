@@ -1,0 +1,128 @@
+"""An engine's kvindex registration, read from vLLM 0.33's own config objects.
+
+Each field comes from where vLLM itself takes it, so what kvindex is told is
+what the engine does, not what an operator typed:
+
+- block size: the granularity of the block hashes vLLM publishes, which its
+  ``resolve_kv_cache_block_sizes`` derives from the KV cache groups (one group:
+  the cache block size; several: their common divisor);
+- KV cache groups: ``kv_cache_config.kv_cache_groups``, each spec's kind as the
+  events name it (``get_kv_cache_spec_kind``) and its sliding window;
+- hash algorithm: ``cache_config.prefix_caching_hash_algo``; the seed is
+  ``PYTHONHASHSEED`` when set. Without it the cryptographic algorithms use a
+  fixed public seed (kvindex knows it) and the xxhash ones a random
+  per-process one, which nobody outside the engine can know: "seeded", unknown;
+- endpoints: ``kv_events_config``. vLLM binds a wildcard, ipc or inproc
+  endpoint and connects to any other (then kvindex binds); rank ``r`` publishes
+  on the port + ``r``, so rank 0's endpoints describe every rank;
+- offload chunk size: with vLLM's ``OffloadingConnector``, the
+  ``blocks_per_chunk`` vLLM computes from ``kv_connector_extra_config``.
+
+vLLM is imported here only inside functions: kvindex never depends on it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from producer.vllm_plugin.settings import PluginSettings
+
+_WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
+
+
+class NotAnnounced(Exception):
+    """The engine's config is one kvindex cannot follow: the reason is logged."""
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """The ``POST /engines`` body and whether a hash seed is in force."""
+
+    spec: dict[str, Any]
+    seeded: bool
+
+
+def announcement(vllm_config: Any, kv_cache_config: Any, settings: PluginSettings) -> Announcement:
+    """The registration of the engine ``vllm_config`` describes, once its KV cache
+    is set up (``kv_cache_config``). Raises :class:`NotAnnounced`."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    events = vllm_config.kv_events_config
+    if events is None or not events.enable_kv_cache_events:
+        raise NotAnnounced("KV events are off (--kv-events-config enable_kv_cache_events)")
+    if events.publisher != "zmq":
+        raise NotAnnounced(f"publisher {events.publisher!r}: kvindex reads vLLM's zmq events")
+    bind = not _engine_binds(events.endpoint)
+    endpoint = events.endpoint if bind else _reachable(events.endpoint, settings)
+    _, block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    seed = os.environ.get("PYTHONHASHSEED")
+    spec: dict[str, Any] = {
+        "name": settings.engine_name or _default_name(endpoint, settings),
+        "endpoint": endpoint,
+        "replay_endpoint": events.replay_endpoint and _reachable(events.replay_endpoint, settings),
+        "model": _served_name(vllm_config.model_config),
+        "topic": events.topic,
+        "dp_ranks": vllm_config.parallel_config.data_parallel_size,
+        "block_size": block_size,
+        "hash_algo": algo,
+        "hash_seed": seed,
+        "blocks_per_chunk": _blocks_per_chunk(vllm_config, kv_cache_config),
+        "bind": bind,
+        "kv_groups": [_group(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups],
+    }
+    return Announcement(spec, seeded=seed is not None or algo.startswith("xxhash"))
+
+
+def _engine_binds(endpoint: str) -> bool:
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    return ZmqEventPublisher._is_bind_endpoint(endpoint)
+
+
+def _reachable(endpoint: str, settings: PluginSettings) -> str:
+    """The address kvindex connects to for an endpoint the engine binds."""
+    if endpoint.startswith("inproc://"):
+        raise NotAnnounced(f"{endpoint}: an inproc endpoint is reachable from the engine only")
+    if not endpoint.startswith("tcp://"):
+        return endpoint  # ipc: a path on this machine
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if host in _WILDCARDS:
+        host = settings.host()
+    if port == "0":
+        raise NotAnnounced(f"{endpoint}: port 0 (the OS picks it) cannot be announced")
+    return f"tcp://{host}:{port}"
+
+
+def _default_name(endpoint: str, settings: PluginSettings) -> str:
+    if endpoint.startswith("tcp://"):
+        return endpoint.removeprefix("tcp://").replace("[", "").replace("]", "")
+    return settings.host()
+
+
+def _served_name(model_config: Any) -> str:
+    """The name clients ask for (``--served-model-name``, else the model), which is
+    what routers pass kvindex."""
+    served = model_config.served_model_name
+    return served[0] if isinstance(served, list | tuple) else served or model_config.model
+
+
+def _group(kv_cache_spec: Any) -> dict[str, Any]:
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+    kind = get_kv_cache_spec_kind(kv_cache_spec).value
+    window = getattr(kv_cache_spec, "sliding_window", None) if kind == "sliding_window" else None
+    return {"kind": kind, "sliding_window": window, "block_size": kv_cache_spec.block_size}
+
+
+def _blocks_per_chunk(vllm_config: Any, kv_cache_config: Any) -> int | None:
+    transfer = vllm_config.kv_transfer_config
+    if transfer is None or transfer.kv_connector != "OffloadingConnector":
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        build_offloading_config,
+    )
+
+    return build_offloading_config(vllm_config, kv_cache_config).cache.blocks_per_chunk
