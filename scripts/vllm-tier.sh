@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The vLLM tier: kvindex's plugin inside vLLM 0.33.0's real code (CPU), tests/vllm_tier.
 # vLLM lives in a venv of its own outside the checkout, built once and reused while its
-# requirements and this checkout stay the same (.ci/run runs this after `make test`).
+# requirements stay the same; kvindex is installed into it again only when this checkout,
+# its build files or its compiled core's sources change (.ci/run runs this after `make test`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVINDEX_VLLM_VENV:-$HOME/.cache/kvindex/vllm-0.33.0-venv}
 REQS=tests/vllm_tier/requirements.txt
-STAMP=$VENV/.kvindex-tier
-want="$(cat "$REQS" pyproject.toml setup.py | sha256sum | cut -d' ' -f1) $(pwd)"
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+deps=$(sha256sum "$REQS" | cut -d' ' -f1)
+if [ "$(cat "$VENV/.tier-deps" 2>/dev/null)" != "$deps" ]; then
     echo "== vLLM tier: building $VENV (minutes the first time)"
     python3 -m venv "$VENV"
     # torch lies on this machine's disk as a CPU build; an exact pin, since a range would
@@ -17,8 +17,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     "$VENV/bin/pip" install -q torch==2.13.0
     "$VENV/bin/pip" install -q --no-deps vllm==0.33.0
     "$VENV/bin/pip" install -q --no-deps -r "$REQS"
+    echo "$deps" >"$VENV/.tier-deps"
+fi
+own="$(cat pyproject.toml setup.py indexer/engines/vllm/_chainhash.pyx \
+    indexer/stores/memory/_holders.pyx | sha256sum | cut -d' ' -f1) $(pwd)"
+if [ "$(cat "$VENV/.tier-kvindex" 2>/dev/null)" != "$own" ]; then
+    echo "== vLLM tier: kvindex from $(pwd) into $VENV (its plugin's entry point, kvindex serve)"
     "$VENV/bin/pip" install -q --no-deps -e .
-    echo "$want" >"$STAMP"
+    echo "$own" >"$VENV/.tier-kvindex"
 fi
 echo "== vLLM tier: tests/vllm_tier with vLLM 0.33.0 (CPU)"
 exec "$VENV/bin/python" -m pytest -c tests/vllm_tier/pytest.ini tests/vllm_tier -q

@@ -171,6 +171,18 @@ def test_without_a_token_kvindex_learns_only_that_a_seed_is_in_force(
     core.shutdown()
 
 
+def test_xxhash_without_pythonhashseed_is_seeded_at_random(open_serve, model_dir, monkeypatch):
+    """vLLM draws a random per-process seed for the xxhash algorithms when
+    PYTHONHASHSEED is unset: a seed kvindex cannot be told, so it is "seeded"."""
+    monkeypatch.setenv("KVINDEX_ANNOUNCE_URL", open_serve.url)
+    monkeypatch.setenv("KVINDEX_ENGINE_NAME", "tier-xxhash")
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    core = start_engine_core(engine_config(model_dir, prefix_caching_hash_algo="xxhash"))
+    engine = registered(open_serve, "tier-xxhash")
+    assert (engine["hash_algo"], engine["hash_seed"]) == (None, None)
+    core.shutdown()
+
+
 def test_an_engine_without_kv_events_is_not_announced(serve, model_dir, monkeypatch):
     monkeypatch.setenv("KVINDEX_ENGINE_NAME", "tier-silent")
     core = start_engine_core(engine_config(model_dir, kv_events_config=None))
