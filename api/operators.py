@@ -30,7 +30,7 @@ from api.schemas import (
     Stats,
 )
 from indexer.core.events import MEDIA, RankId
-from indexer.engines.vllm import native
+from indexer.engines import catalog
 from indexer.registry import (
     BindRefused,
     EngineExists,
@@ -141,9 +141,10 @@ class Operators:
 
 
 def _compiled_status() -> dict[str, bool | str | None]:
-    """The compiled core is in use when every compiled part is (token hashing, the
-    embedded store's holder index); the errors of those that are not."""
-    parts = (native.status(), holder_core.status())
+    """The compiled core is in use when every compiled part is (each engine adapter's,
+    such as vLLM's token hashing, and the embedded store's holder index); the errors of
+    those that are not."""
+    parts = (*catalog.compiled_statuses(), holder_core.status())
     errors = [e for part in parts if (e := part["compiled_core_error"])]
     return {
         "compiled_core": all(part["compiled_core"] for part in parts),

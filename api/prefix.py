@@ -41,7 +41,7 @@ from api.schemas import (
 from api.settings import ApiSettings
 from indexer.core.matching import TierWeights
 from indexer.engines.base import MMFeature
-from indexer.engines.vllm.render import ChatOptions, PromptRefused
+from indexer.engines.prompts import ChatOptions, PromptRefused
 from indexer.prompts import Tokenizers
 
 _encode = msgspec.json.Encoder().encode

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from indexer.engines.vllm.render import ChatMessage
+from indexer.engines.prompts import ChatMessage
 from indexer.leases import Lease
 from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.stores.base import Residency

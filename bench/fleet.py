@@ -128,7 +128,9 @@ class Fleet:
         return [item for item in self.stream if item[0] in names]
 
     def spec(self) -> HashSpec:
-        return self.config.sim().hash_spec()
+        """The fleet's hashing (sha256 without a seed: the same in every engine)."""
+        sim = self.config.sim()
+        return HashSpec(sim.hash_algo, sim.hash_seed, sim.block_size)
 
     def prompts(self, tokens: int, count: int, seed: int = 5) -> list[list[int]]:
         """``count`` token prompts of exactly ``tokens`` tokens.

@@ -1,8 +1,9 @@
-"""Prompts and chat messages to token ids, per model, exactly as vLLM's server makes them.
+"""Prompts and chat messages to token ids, per model, exactly as its engine's server makes them.
 
 Each configured model names a tokenizer (a local directory or a hub id,
 which Hugging Face's libraries resolve with their own cache, offline mode and
-token) and optionally a chat template overriding the tokenizer's. A model is
+token), optionally a chat template overriding the tokenizer's, and the engine
+adapter whose server's rendering rules apply (vLLM's by default). A model is
 loaded once, on its first request, and shared by every request after.
 
 Tokenizing a long prompt costs tens of milliseconds of Rust, so it runs in a
@@ -36,14 +37,8 @@ from typing import Any
 
 import msgspec
 
-from indexer.engines.vllm.render import (
-    ChatMessage,
-    ChatOptions,
-    PromptRefused,
-    chat_call,
-    completion_input,
-    completion_special_tokens,
-)
+from indexer.engines import catalog
+from indexer.engines.prompts import ChatMessage, ChatOptions, PromptRefused, Renderer
 
 EXTRA = "tokenize"
 _INSTALL = f"pip install 'kvindex[{EXTRA}]'"
@@ -54,10 +49,22 @@ log = logging.getLogger("kvindex.prompts")
 
 
 class ModelTokenizer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``models: {NAME: {tokenizer: DIR or hub id, chat_template: FILE or template}}``."""
+    """``models: {NAME: {tokenizer: DIR or hub id, chat_template: FILE or template,
+    adapter: engine adapter}}``."""
 
     tokenizer: str
     chat_template: str | None = None
+    adapter: str = catalog.DEFAULT
+
+    def __post_init__(self) -> None:
+        try:
+            catalog.renderer(self.adapter)
+        except ValueError as e:  # no such adapter, or one that renders nothing
+            raise ValueError(f"adapter: {e}") from None
+
+    @property
+    def renderer(self) -> Renderer:
+        return catalog.renderer(self.adapter)
 
 
 class _Loaded:
@@ -66,9 +73,8 @@ class _Loaded:
     def __init__(self, name: str, spec: ModelTokenizer) -> None:
         from transformers import AutoTokenizer
 
-        from indexer.engines.vllm.template import template_traits
-
         self.name = name
+        self.renderer = spec.renderer
         self.hf = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.backend = self.hf.backend_tokenizer
         self.template = _template_text(spec.chat_template) or _own_template(self.hf)
@@ -79,7 +85,7 @@ class _Loaded:
             tree = _compile_jinja_template(self.template).environment.parse(self.template)
             named = inspect.signature(self.hf.apply_chat_template).parameters.values()
             params = [p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-            self.traits = template_traits(self.template, tree, params)
+            self.traits = self.renderer.template_traits(self.template, tree, params)
         self.added = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
         self.split = _piece_splitter(self.backend, self.added)
         self.specials = _special_tokens_around(self.backend)
@@ -206,7 +212,8 @@ class Tokenizers:
         messages: list[ChatMessage] | None = None,
         options: ChatOptions = _DEFAULTS,
     ) -> list[int]:
-        """The prompt token ids vLLM hands its engine for this request, off the event loop."""
+        """The prompt token ids the model's server hands its engine for this request, off
+        the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._pool,
@@ -223,12 +230,13 @@ class Tokenizers:
     ) -> list[int]:
         """:meth:`tokens` in the calling thread."""
         if prompt is not None:
-            given = completion_input(prompt)
+            renderer = self._renderer(model)
+            given = renderer.completion_input(prompt)
             if not isinstance(given, str):
                 return list(given)
             loaded = self._model(model, "prompt")
             return self._encode(
-                loaded, given, completion_special_tokens(options.add_special_tokens)
+                loaded, given, renderer.completion_special_tokens(options.add_special_tokens)
             )
         assert messages is not None
         loaded = self._model(model, "messages")
@@ -237,7 +245,7 @@ class Tokenizers:
                 "messages",
                 f"model {model!r} has no chat template: set models.{model}.chat_template",
             )
-        call = chat_call(messages, options, loaded.traits)
+        call = loaded.renderer.chat_call(messages, options, loaded.traits)
         try:
             text = loaded.hf.apply_chat_template(
                 conversation=call.conversation,
@@ -271,6 +279,12 @@ class Tokenizers:
                     if len(ids) <= cache.maxsize:
                         cache[name, piece] = ids
         return loaded.join(pieces, known, add_special_tokens)
+
+    def _renderer(self, model: str | None) -> Renderer:
+        """The configured model's renderer; the default adapter's for token ids given
+        without a model kvindex knows."""
+        spec = self._specs.get(model) if model is not None else None
+        return spec.renderer if spec is not None else catalog.renderer(catalog.DEFAULT)
 
     def _model(self, model: str | None, field: str) -> _Loaded:
         """The model's loaded tokenizer: 4xx naming the field when none can be had."""

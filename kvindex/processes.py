@@ -31,7 +31,7 @@ from indexer.cluster.misdeclared_board import RedisMisdeclared
 from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.status_board import StatusBoard
 from indexer.cluster.workers import Worker
-from indexer.engines.vllm import native
+from indexer.engines import catalog
 from indexer.ingest.subscriber import RankPool
 from indexer.leases import Leases
 from indexer.metrics import sample_residency, watch_routed
@@ -62,7 +62,7 @@ async def run_indexer(
     ``engines`` (and the config file's) are registered unless already there.
     ``metrics``: ``(host, port)`` to serve Prometheus metrics on.
     """
-    native.warn_if_unavailable("indexer")
+    catalog.warn_if_unavailable("indexer")
     config.check_binds(engines)
     store = RedisStore(redis)
     registry = RedisRegistry(store.client)
@@ -118,7 +118,7 @@ async def run_api(
 ) -> None:
     """Serve the HTTP API over the shared Redis state until SIGTERM or SIGINT;
     ``settings``: the API's (default the config file's)."""
-    native.warn_if_unavailable("api")
+    catalog.warn_if_unavailable("api")
     settings = settings or config.api_settings()
     store = RedisStore(redis)
     registry = RedisRegistry(store.client)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer import discovery, metrics
-from indexer.engines.vllm import native
+from indexer.engines import catalog
 from indexer.ingest.subscriber import Subscriber
 from indexer.leases import Leases
 from indexer.registry import EngineRegistry, EngineSpec
@@ -59,7 +59,7 @@ async def serve(
     """Run until SIGTERM or SIGINT, then stop cleanly; ``redis``: the store (default
     embedded); ``settings``: the API's (default the config file's); ``discover``:
     ``--discover`` URLs, after the config file's."""
-    native.warn_if_unavailable("serve")
+    catalog.warn_if_unavailable("serve")
     compiled.warn_if_unavailable("serve")
     config.check_binds(engines)
     sources = config.discovery_sources(discover)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from indexer.engines.vllm.hashing import HASH_ALGOS
+from indexer.engines import catalog
 from kvindex.options import Port, apply, option
 from producer.sim import SimConfig
 from producer.workload import WorkloadConfig
@@ -122,7 +122,7 @@ sim_flags = apply(
     ),
     option(
         "--hash-algo",
-        type=click.Choice(HASH_ALGOS),
+        type=click.Choice(catalog.hash_algos()),
         default=_ENGINE.hash_algo,
         show_default=True,
         help="vLLM's prefix-caching hash",

@@ -36,9 +36,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from indexer.core.events import BlockRemoved, BlockStored, EventBatch
-from indexer.engines.vllm.hashing import HashSpec, block_hashes
+from indexer.engines import catalog
+from indexer.engines.base import BlockHasher, Prompt
 from producer.tracker import Event, GroupSpec, OffloadEvent, OffloadKey, RequestView, Tracker
 
+#: The engine simulated is vLLM, so its block hashes are those of vLLM's adapter.
+VLLM = catalog.adapter("vllm")
 #: The single KV-cache group of the simulated model and its attention kind.
 GROUP_IDX = 0
 KIND = "full_attention"
@@ -71,11 +74,11 @@ class SimConfig:
         if self.storage_chunks and not self.cpu_chunks:
             raise ValueError("the STORAGE tier sits behind the CPU tier: set cpu_chunks too")
 
-    def hash_spec(self) -> HashSpec:
-        spec = HashSpec(self.hash_algo, self.hash_seed, self.block_size)
-        if spec.reproducible:
-            return spec
-        return HashSpec(self.hash_algo, os.urandom(16).hex(), self.block_size)
+    def hash_spec(self) -> BlockHasher:
+        hasher = VLLM.hasher(self.hash_algo, self.hash_seed, self.block_size)
+        if hasher.reproducible:
+            return hasher
+        return VLLM.hasher(self.hash_algo, os.urandom(16).hex(), self.block_size)
 
 
 @dataclass(slots=True)
@@ -246,7 +249,7 @@ class SimEngine:
                 f"a request of {len(prompt)} prompt tokens and {len(tokens)} in all does not "
                 f"fit an engine of {self.config.gpu_blocks} blocks"
             )
-        chain = block_hashes(self.hash_spec, tokens)
+        chain = self.chain(tokens)
         self._waiting.append(_Request(tokens, len(prompt), RequestView(chain, tokens), [], 0, 0))
 
     def step(self) -> EventBatch | None:
@@ -271,8 +274,13 @@ class SimEngine:
         counts.update((t.medium, len(t.chunks)) for t in self._tiers)
         return counts
 
+    def chain(self, tokens: Sequence[int]) -> list[int]:
+        """The hashes this engine publishes for the full blocks of ``tokens``."""
+        hasher = self.hash_spec
+        return hasher.published(hasher.digests(Prompt(tuple(tokens))))
+
     def gpu_prefix_blocks(self, tokens: Sequence[int]) -> int:
-        return len(self._gpu.cached_run(block_hashes(self.hash_spec, tokens)))
+        return len(self._gpu.cached_run(self.chain(tokens)))
 
     def cpu_prefix_blocks(self, tokens: Sequence[int]) -> int:
         return self._tier_prefix_blocks("CPU", tokens)
@@ -284,7 +292,7 @@ class SimEngine:
         tier = next((t for t in self._tiers if t.medium == medium), None)
         if tier is None:
             return 0
-        chain = block_hashes(self.hash_spec, tokens)
+        chain = self.chain(tokens)
         per_chunk = self.config.blocks_per_chunk
         chunks = 0
         while (chunks + 1) * per_chunk <= len(chain) and self._key(chain, chunks) in tier.chunks:

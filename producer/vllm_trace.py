@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from indexer.engines.vllm.wire import encode_batch
+from indexer.engines import catalog
 from producer.sim import SimConfig, SimEngine
 from producer.workload import Workload, WorkloadConfig
 
@@ -33,6 +33,8 @@ CHAT = WorkloadConfig(
     active_conversations=8,
     new_conversation_prob=0.25,
 )
+#: The trace is vLLM's: its payloads are encoded as vLLM's adapter encodes them.
+VLLM = catalog.adapter("vllm")
 ENGINE = SimConfig(
     block_size=16, gpu_blocks=8192, cpu_chunks=0, max_running=16, decode_tokens_per_step=16
 )
@@ -52,7 +54,7 @@ def generate(block_ops: int, stream: int = 0) -> tuple[list[tuple[int, bytes]], 
         if batch is None:
             continue
         ops += sum(len(event.block_hashes) for event in batch.events)
-        trace.append((len(trace), encode_batch(batch)))
+        trace.append((len(trace), VLLM.encode(batch)))
     return trace, ops
 
 

@@ -9,6 +9,7 @@ its answers equal those of the same trace published on vLLM 0.33's wire.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 
 import msgspec
@@ -30,10 +31,13 @@ from indexer.core.events import (
 )
 from indexer.engines import catalog
 from indexer.engines.base import MAX_HASHES_PER_EVENT, Prompt
-from indexer.engines.vllm import hashing
+from indexer.engines.prompts import ChatMessage, ChatOptions
+from indexer.engines.vllm import hashing, native, render
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
+from indexer.prompts import ModelTokenizer
 from indexer.registry import EngineRegistry, EngineSpec, parse_engine_flag
 from indexer.stores import MemoryStore
+from kvindex.config import ConfigError, load_config
 from producer.publisher import Publisher
 
 from .apikit import Api
@@ -50,6 +54,7 @@ VLLM, LEGACY = catalog.adapter("vllm"), catalog.adapter("vllm_legacy")
 ADAPTERS = pytest.mark.parametrize("adapter", [VLLM, LEGACY], ids=lambda a: a.name)
 LEGACY_FIXTURE = (FIXTURES / "wire" / "legacy_positional.msgpack").read_bytes()
 SEQ_8 = (7).to_bytes(8, "big")
+TRAITS = render.TemplateTraits("string", False, frozenset({"add_generation_prompt"}))
 
 
 def test_the_catalog_finds_each_adapter_package_by_name() -> None:
@@ -319,3 +324,36 @@ async def test_a_legacy_wire_engine_answers_as_the_same_trace_on_vllms_wire() ->
     assert any(h.gpu_blocks for h in hits) and any(h.from_cpu for h in hits)
     counts = await store.block_counts(old)
     assert counts[GPU] > 0 and counts[CPU] > 0
+
+
+def test_each_adapters_compiled_part_is_reported_and_warned_through_the_catalog(
+    monkeypatch, caplog
+) -> None:
+    assert LEGACY.compiled is None
+    assert catalog.compiled_statuses() == [VLLM.compiled.status()]
+    assert catalog.compiled_statuses()[0]["compiled_core"] is True
+    assert catalog.warn_if_unavailable("serve") is True
+    monkeypatch.setattr(native, "AVAILABLE", False)
+    monkeypatch.setattr(native, "IMPORT_ERROR", "ImportError: gone")
+    with caplog.at_level(logging.WARNING, logger="kvindex.native"):
+        assert catalog.warn_if_unavailable("indexer") is False
+    assert [(r.role, r.import_error) for r in caplog.records] == [("indexer", "ImportError: gone")]
+    assert catalog.compiled_statuses() == [
+        {"compiled_core": False, "compiled_core_error": "ImportError: gone"}
+    ]
+
+
+def test_a_model_renders_through_its_adapter_and_one_that_renders_nothing_is_refused(
+    tmp_path,
+) -> None:
+    assert catalog.renderer("vllm") is VLLM.renderer
+    assert ModelTokenizer("t").renderer is VLLM.renderer  # vllm is the default
+    assert VLLM.renderer.chat_call([ChatMessage("user", "hi")], ChatOptions(), TRAITS) == (
+        render.chat_call([ChatMessage("user", "hi")], ChatOptions(), TRAITS)
+    )
+    with pytest.raises(ValueError, match="adapter: the 'vllm_legacy' engine adapter does not"):
+        ModelTokenizer("t", adapter="vllm_legacy")
+    config = tmp_path / "kvindex.yaml"
+    config.write_text("models:\n  m:\n    tokenizer: t\n    adapter: sglang\n")
+    with pytest.raises(ConfigError, match="adapter: unknown engine adapter 'sglang'"):
+        load_config(config)

@@ -12,11 +12,10 @@ import msgspec
 import pytest
 
 from indexer.core.events import BlockRemoved, BlockStored, EventBatch, RankId
-from indexer.engines.vllm.hashing import HashSpec, block_hashes
 from indexer.engines.vllm.wire import decode_batch, encode_batch
 from indexer.registry import EngineSpec
 from indexer.stores import MemoryStore, apply_events
-from producer.sim import SimConfig, SimEngine
+from producer.sim import VLLM, SimConfig, SimEngine
 from producer.simcli import Layout, engine_spec
 from producer.workload import Workload, WorkloadConfig
 
@@ -73,7 +72,7 @@ def test_gpu_store_event_matches_vllm_shape():
     engine.submit(tokens, output=[7, 8, 9])
 
     first = engine.step()
-    chain = block_hashes(engine.hash_spec, [*tokens, 7, 8, 9])
+    chain = engine.chain([*tokens, 7, 8, 9])
     assert first is not None and first.ts == 12.5 and first.data_parallel_rank == 0
     assert first.events == [
         BlockStored(
@@ -105,7 +104,7 @@ def test_eviction_takes_least_recently_freed_blocks_and_publishes_removals():
     batches = drain(engine)
 
     # The never-cached blocks go first, then ``old``'s, last block first.
-    old_chain = block_hashes(engine.hash_spec, old)
+    old_chain = engine.chain(old)
     assert removed_hashes(batches) == [old_chain[2], old_chain[1]]
     assert engine.gpu_prefix_blocks(old) == 1
     assert engine.gpu_prefix_blocks(recent) == 3
@@ -121,7 +120,7 @@ def test_a_cache_hit_refreshes_the_prefix_in_the_lru():
 
     removed = removed_hashes(drain(engine))
 
-    assert removed == block_hashes(engine.hash_spec, recent)[::-1]
+    assert removed == engine.chain(recent)[::-1]
     assert engine.gpu_prefix_blocks(old) == 3
 
 
@@ -138,8 +137,8 @@ def test_the_last_prompt_token_is_always_computed():
     assert engine.hit_blocks == {"GPU": 2}
     assert engine.prompt_blocks == 6
     assert (again.block_hashes, again.parent_block_hash) == (
-        block_hashes(engine.hash_spec, tokens)[2:],
-        block_hashes(engine.hash_spec, tokens)[1],
+        engine.chain(tokens)[2:],
+        engine.chain(tokens)[1],
     )
 
 
@@ -154,7 +153,7 @@ def test_running_requests_hold_their_blocks():
     batches = drain(engine)
 
     # Admitted once the first finished: its last blocks were the first to go.
-    first = block_hashes(engine.hash_spec, prompt(1, 4) + prompt(500, 2))
+    first = engine.chain(prompt(1, 4) + prompt(500, 2))
     assert removed_hashes(batches) == [first[5], first[4]]
     assert engine.gpu_prefix_blocks(prompt(100, 4)) == 4
 
@@ -181,10 +180,10 @@ async def test_duplicate_copies_keep_a_block_resident_until_both_are_evicted():
     batches += drain(engine)
     store = await replay(batches)
 
-    chain = block_hashes(engine.hash_spec, shared)
+    chain = engine.chain(shared)
     [match] = (await store.prefix_match(chain, {"sim": None})).values()
     assert engine.gpu_prefix_blocks(shared) == match.gpu_blocks == 2
-    assert removed_hashes(batches) == block_hashes(engine.hash_spec, shared)[::-1]
+    assert removed_hashes(batches) == engine.chain(shared)[::-1]
 
 
 def test_a_request_larger_than_the_gpu_is_refused():
@@ -205,7 +204,7 @@ def test_offloaded_chunks_are_aligned_to_the_prompt_start():
 
     cpu = events(drain(engine), BlockStored, "CPU")
 
-    chain = block_hashes(engine.hash_spec, tokens)
+    chain = engine.chain(tokens)
     assert [(e.block_hashes, e.parent_block_hash) for e in cpu] == [
         (chain[0:2], None),
         (chain[2:4], chain[1]),
@@ -222,7 +221,7 @@ def test_placeholders_carry_only_the_chunk_end():
 
     cpu = events(drain(engine), BlockStored, "CPU")
 
-    chain = block_hashes(engine.hash_spec, tokens)
+    chain = engine.chain(tokens)
     assert [(e.block_hashes, e.block_size, e.token_ids) for e in cpu] == [
         ([chain[1]], 0, []),
         ([chain[3]], 0, []),
@@ -246,7 +245,7 @@ def test_a_cpu_load_is_a_hit_refreshes_the_chunk_and_caches_it_on_gpu():
     batches = drain(engine)
 
     # The load made b's chunk the least recently used one.
-    assert removed_hashes(batches, "CPU") == block_hashes(engine.hash_spec, b)
+    assert removed_hashes(batches, "CPU") == engine.chain(b)
     assert engine.cpu_prefix_blocks(a) == 2
 
 
@@ -262,7 +261,7 @@ def test_storage_tier_is_owned_write_through_and_outlives_cpu():
     assert {(e.ownership, e.locality) for e in storage} == {("kvcr", "REMOTE")}
     assert (engine.cpu_prefix_blocks(a), engine.storage_prefix_blocks(a)) == (0, 2)
     assert (engine.cpu_prefix_blocks(b), engine.storage_prefix_blocks(b)) == (2, 2)
-    assert removed_hashes(batches, "CPU") == block_hashes(engine.hash_spec, a)
+    assert removed_hashes(batches, "CPU") == engine.chain(a)
 
     engine.submit(prompt(200, 6))  # pushes a and b off the GPU
     drain(engine)
@@ -309,7 +308,7 @@ async def test_ground_truth_equals_what_the_index_learns_from_the_events(name):
     probes += [r.prompt for r in itertools.islice(Workload(WORKLOAD), 150)][::10]
     truths, answers = [], []
     for tokens in probes:
-        chain = block_hashes(engine.hash_spec, tokens)
+        chain = engine.chain(tokens)
         [match] = (await store.prefix_match(chain, {"sim": config.blocks_per_chunk})).values()
         answers.append((match.gpu_blocks, match.cpu_blocks, match.storage_blocks))
         truths.append(
@@ -361,7 +360,7 @@ def test_secret_xxhash_seed_differs_per_engine_but_tokens_agree():
     assert stored[0].block_hashes != stored[1].block_hashes
     assert stored[0].token_ids == stored[1].token_ids
     seeded = small(hash_algo="xxhash", hash_seed="42")
-    assert SimEngine(seeded).hash_spec == HashSpec("xxhash", "42", BLOCK)
+    assert SimEngine(seeded).hash_spec == VLLM.hasher("xxhash", "42", BLOCK)
 
 
 # --- workload ----------------------------------------------------------------

@@ -1,8 +1,8 @@
 """kvindex's event model: what an engine says happened to its KV cache blocks.
 
 Engine-neutral in meaning; the field names are vLLM's (the first engine), so
-its adapter (:mod:`indexer.engines.vllm.wire`) decodes payloads straight into
-these structs, without a copy. Media, block hashes and the engine rank that
+an adapter whose wire uses those names and field order can decode payloads
+straight into these structs, without a copy. Media, block hashes and the engine rank that
 owns a seq stream are defined here and nowhere else.
 """
 

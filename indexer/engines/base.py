@@ -5,7 +5,9 @@ so everything an engine type decides lives in its package under
 :mod:`indexer.engines`: how a live message and a replay answer are framed,
 how a payload becomes engine-neutral :mod:`indexer.core.events`, where each
 data-parallel rank listens, and how a prompt's tokens become the block hashes
-its events carry. :mod:`indexer.engines.catalog` finds the adapters by name.
+its events carry, and how an OpenAI request becomes the text its tokenizer reads
+(:mod:`indexer.engines.prompts`). :mod:`indexer.engines.catalog` finds the adapters
+by name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from operator import attrgetter
 from typing import Any, Protocol
 
 from indexer.core.events import EventBatch, WireError, normalise_medium
+from indexer.engines.prompts import Renderer
 
 #: Events larger than this many hashes are rejected rather than applied.
 MAX_HASHES_PER_EVENT = 1 << 20
@@ -65,6 +68,17 @@ class BlockHasher(Protocol):
         """The digests in the int form the engine publishes when it sends ints."""
 
 
+class CompiledPart(Protocol):
+    """An adapter's compiled extension: correct without it, only many times slower,
+    so every role says on start when it is missing and ``/stats`` reports it."""
+
+    def status(self) -> dict[str, bool | str | None]:
+        """``compiled_core``: whether it is in use; ``compiled_core_error``: why not."""
+
+    def warn_if_unavailable(self, role: str) -> bool:
+        """Log a WARNING when it is missing; True if it is in use."""
+
+
 class EngineAdapter(Protocol):
     """One engine type's event format, as ingest, the API and the producer use it.
 
@@ -77,6 +91,11 @@ class EngineAdapter(Protocol):
     name: str
     #: The hash algorithms whose chains :meth:`hasher` reproduces (empty: none).
     hash_algos: tuple[str, ...]
+    #: The adapter's compiled extension, None when it has none.
+    compiled: CompiledPart | None
+    #: How the engine's server renders a request's prompt, None when kvindex does not
+    #: restate it (then no model can be configured with this adapter).
+    renderer: Renderer | None
 
     def split_live(self, frames: list[bytes]) -> tuple[int, bytes]:
         """A live message's seq and batch payload."""

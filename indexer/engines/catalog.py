@@ -14,7 +14,8 @@ import importlib.util
 import pkgutil
 
 import indexer.engines
-from indexer.engines.base import EngineAdapter
+from indexer.engines.base import CompiledPart, EngineAdapter
+from indexer.engines.prompts import Renderer
 
 DEFAULT = "vllm"
 
@@ -44,3 +45,26 @@ def adapter(name: str) -> EngineAdapter:
 def hash_algos() -> tuple[str, ...]:
     """Every algorithm some adapter reproduces, in first-seen order (for schemas)."""
     return tuple(dict.fromkeys(a for name in names() for a in adapter(name).hash_algos))
+
+
+def _compiled_parts() -> list[CompiledPart]:
+    return [part for name in names() if (part := adapter(name).compiled) is not None]
+
+
+def compiled_statuses() -> list[dict[str, bool | str | None]]:
+    """Each adapter's compiled part's status (what ``/stats`` folds into its own)."""
+    return [part.status() for part in _compiled_parts()]
+
+
+def warn_if_unavailable(role: str) -> bool:
+    """Warn once per adapter whose compiled part is missing; True if every one is in use."""
+    in_use = [part.warn_if_unavailable(role) for part in _compiled_parts()]  # each warns
+    return all(in_use)
+
+
+def renderer(name: str) -> Renderer:
+    """The renderer of adapter ``name`` (ValueError if it is unknown or renders nothing)."""
+    found = adapter(name).renderer
+    if found is None:
+        raise ValueError(f"the {name!r} engine adapter does not render prompts")
+    return found

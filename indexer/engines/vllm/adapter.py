@@ -1,13 +1,15 @@
-"""vLLM 0.33's :class:`~indexer.engines.base.EngineAdapter`: its wire, framing and hashing."""
+"""vLLM 0.33's :class:`~indexer.engines.base.EngineAdapter`: its wire, framing, hashing,
+compiled hashing core and OpenAI front end."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from indexer.engines.base import Prompt
-from indexer.engines.vllm import hashing, wire
+from indexer.engines.vllm import hashing, native, render, wire
 from indexer.engines.zmq_framing import ZmqFraming
 
 
@@ -50,11 +52,29 @@ def _untag(key: tuple[Any, ...]) -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
+class VllmRenderer:
+    """vLLM's renderer (:mod:`indexer.engines.vllm.render`); its template reader needs
+    jinja2, part of the optional ``tokenize`` extra, so it is imported on first use."""
+
+    completion_input = staticmethod(render.completion_input)
+    completion_special_tokens = staticmethod(render.completion_special_tokens)
+    chat_call = staticmethod(render.chat_call)
+
+    def template_traits(
+        self, source: str, tree: Any, call_parameters: Collection[str]
+    ) -> render.TemplateTraits:
+        from indexer.engines.vllm.template import template_traits
+
+        return template_traits(source, tree, call_parameters)
+
+
 class VllmAdapter(ZmqFraming):
     """Maps (or positional arrays) in msgpack, seq-numbered ZMQ frames, vLLM's hashes."""
 
     name = "vllm"
     hash_algos = hashing.HASH_ALGOS
+    compiled = native
+    renderer = VllmRenderer()
 
     batch_ts = staticmethod(wire.batch_ts)
     decode = staticmethod(wire.decode_batch)

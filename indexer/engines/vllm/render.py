@@ -35,11 +35,11 @@ tokens and hashes depend on the model's processor.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import msgspec
+from indexer.engines.prompts import ChatCall, ChatMessage, ChatOptions, PromptRefused
 
 #: How a chat template reads a message's content: one string, or a list of typed parts.
 ContentFormat = Literal["string", "openai"]
@@ -61,43 +61,6 @@ EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
 RESERVED_KWARGS = ("chat_template", "tokenize")
 
 
-class PromptRefused(ValueError):
-    """A prompt field vLLM would refuse, or kvindex cannot render: 4xx naming ``field``."""
-
-    def __init__(self, field: str, message: str, status: int = 400) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.status = status
-
-
-class ChatMessage(msgspec.Struct, omit_defaults=True):
-    """An OpenAI chat message, with the fields vLLM passes on to the template.
-
-    Other fields are ignored, as vLLM ignores them; so are a content part's
-    fields other than its text (``cache_control`` ...), except that a
-    template reading content as a list of parts gets them, as from vLLM.
-    """
-
-    role: str
-    content: str | list[str | dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-    tools: list[dict[str, Any]] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ChatOptions:
-    """The request's chat flags as sent (None: not set, vLLM's default applies)."""
-
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool | None = None
-    add_special_tokens: bool | None = None
-    chat_template_kwargs: Mapping[str, Any] | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class TemplateTraits:
     """What the renderer reads off a chat template once, when it is loaded."""
@@ -107,15 +70,6 @@ class TemplateTraits:
     knows_developer: bool
     #: Every kwarg the template or the tokenizer's ``apply_chat_template`` accepts.
     accepted_kwargs: frozenset[str]
-
-
-@dataclass(frozen=True, slots=True)
-class ChatCall:
-    """The arguments of the one ``apply_chat_template(tokenize=False)`` call."""
-
-    conversation: list[dict[str, Any]]
-    kwargs: dict[str, Any]
-    add_special_tokens: bool
 
 
 def completion_input(prompt: str | list[int]) -> str | list[int]:

@@ -120,6 +120,9 @@ class LegacyVllmAdapter(ZmqFraming):
 
     name = "vllm_legacy"
     hash_algos: tuple[str, ...] = ()
+    compiled = None
+    #: These releases' OpenAI front end is not restated here.
+    renderer = None
 
     def batch_ts(self, payload: bytes) -> float:
         try:
