@@ -29,6 +29,7 @@ Each command reads the sections it needs (:mod:`kvindex.serve`,
       llama-3-8b:                 # queries naming this model (pip install 'kvindex[tokenize]')
         tokenizer: /models/llama-3-8b     # a directory or a hub id
         chat_template: /etc/kvindex/llama3.jinja   # optional: overrides the tokenizer's
+        adapter: vllm             # optional: the engine whose server's rendering applies
 
 A ``KVINDEX_<SECTION>__<FIELD>`` variable overrides the file's field
 (``KVINDEX_SUBSCRIBER__REPLAY_TIMEOUT=2``; :func:`load_config`), so a container
