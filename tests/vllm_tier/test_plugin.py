@@ -11,6 +11,7 @@ would profile a loaded model.
 from __future__ import annotations
 
 import time
+from importlib.metadata import entry_points
 
 import pytest
 import torch
@@ -110,6 +111,8 @@ def registered(serve, name: str, timeout: float = 20.0) -> dict:
 
 
 def test_the_plugin_is_loaded_through_vllms_entry_points():
+    found = entry_points(group="vllm.general_plugins")
+    assert [e.value for e in found if e.name == "kvindex"] == ["producer.vllm_plugin:register"]
     assert EngineCore._initialize_kv_caches._kvindex is True
     assert EngineCore.shutdown.__wrapped__ is not None
 
