@@ -70,6 +70,10 @@ cdef extern from *:
     int KV_CTZ(uint64_t x) nogil
 
 
+cdef enum:
+    FIELDS = 7  # PrefixMatch's fields
+
+
 ctypedef struct Entry:
     uint64_t key
     uint32_t val  # a rank set's id, or a refcount; 0: a free slot
@@ -77,7 +81,7 @@ ctypedef struct Entry:
 
 
 ctypedef struct Answer:
-    int64_t f[6]
+    int64_t f[FIELDS]  # a PrefixMatch's fields; the last -1 for None
     PyObject *obj  # NULL: a free slot
 
 
@@ -85,6 +89,11 @@ cdef enum:
     LOOKAHEAD = 16  # positions prefetched ahead of a walk
     ANSWERS_KEPT = 4096  # answer objects kept between queries
     NO_ID = 0xFFFFFFFF  # a set id not read yet
+    # how a slot's answer is taken to vLLM's hybrid rule
+    FULL_ONLY = 0  # it is not: no window group
+    IN_C = 1  # one full-attention and one window group: on the window masks, here
+    WALKED = 2  # any other hybrid rank: walked on its own tables, when it matched something
+    LONELY = 3  # no full-attention group: walked on its own tables always
 
 
 cdef inline uint64_t mix(uint64_t k) nogil:
@@ -596,6 +605,14 @@ cdef class HolderIndex:
     cdef Py_ssize_t *rsize  # per rank: its chunk size (0: GPU only)
     cdef PyObject **ans  # per rank: its answer, borrowed from the kept answers
     cdef Py_ssize_t slot_cap
+    # the chain's window set ids (NO_ID: not read): per block on GPU, then per chunk on
+    # CPU and on STORAGE; per slot its hybrid kind, window and block size, as last seen
+    cdef uint32_t *wids
+    cdef uint8_t *hkind
+    cdef int64_t *hwin
+    cdef int64_t *hbs
+    cdef Py_ssize_t hcap
+    cdef object hybrids_seen, generation_seen
 
     def __cinit__(self):
         self.sets = RankSets()
@@ -621,6 +638,10 @@ cdef class HolderIndex:
         PyMem_Free(self.rsize)
         PyMem_Free(self.rank_hash)
         PyMem_Free(self.ans)
+        PyMem_Free(self.wids)
+        PyMem_Free(self.hkind)
+        PyMem_Free(self.hwin)
+        PyMem_Free(self.hbs)
 
     def take_bit(self) -> int:
         """A bit no live rank uses (its hashes were all discarded when it was released)."""
@@ -652,6 +673,7 @@ cdef class HolderIndex:
             self.wmix = <uint64_t *>PyMem_Realloc(self.wmix, self.wcap * 8)
             self.wstate = <uint8_t *>PyMem_Realloc(self.wstate, self.wcap)
             self.ids = <uint32_t *>PyMem_Realloc(self.ids, 2 * self.wcap * 4)
+            self.wids = <uint32_t *>PyMem_Realloc(self.wids, 3 * self.wcap * 4)
         if self.slots > self.rcap:
             self.rcap = max(self.slots, 2 * self.rcap)
             self.runs = <int32_t *>PyMem_Realloc(self.runs, 3 * self.rcap * 4)
@@ -665,7 +687,7 @@ cdef class HolderIndex:
             )
             self.ans = <PyObject **>PyMem_Realloc(self.ans, self.slot_cap * sizeof(PyObject *))
             self.bits_seen = None
-        if not (self.wkey and self.wmix and self.wstate and self.ids and self.runs
+        if not (self.wkey and self.wmix and self.wstate and self.ids and self.wids and self.runs
                 and self.active and self.slot_of and self.rsize and self.rank_hash and self.ans):
             raise MemoryError()
         memset(self.wstate, 0, n)
@@ -756,6 +778,117 @@ cdef class HolderIndex:
             ids[j] = self.lookup(t, (j + 1) * size - 1)
         return self.sets.has(ids[j], slot)
 
+    # ---- hybrid models' ranks: vLLM's hybrid rule ----------------------------------------
+
+    cdef int hybrid_slots(self, object hybrids) except -1:
+        """Each slot's hybrid kind (IN_C, WALKED, LONELY), window and block size, read
+        again from ``hybrids`` only when its ranks changed (its ``generation``)."""
+        generation = hybrids.generation
+        if hybrids is self.hybrids_seen and generation == self.generation_seen:
+            return 0
+        cdef Py_ssize_t n = max(self.slots, 1), slot
+        if n > self.hcap:
+            self.hkind = <uint8_t *>PyMem_Realloc(self.hkind, n)
+            self.hwin = <int64_t *>PyMem_Realloc(self.hwin, n * 8)
+            self.hbs = <int64_t *>PyMem_Realloc(self.hbs, n * 8)
+            if not (self.hkind and self.hwin and self.hbs):
+                raise MemoryError()
+            self.hcap = n
+        memset(self.hkind, FULL_ONLY, self.hcap)
+        simple = 0
+        for rule, bits in hybrids.simple.items():
+            simple |= bits
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                slot = low.bit_length() - 1
+                self.hkind[slot] = IN_C
+                self.hwin[slot], self.hbs[slot] = rule.window, rule.block_size
+        rest = hybrids.bits & ~simple
+        while rest:
+            low = rest & -rest
+            rest ^= low
+            self.hkind[low.bit_length() - 1] = LONELY if hybrids.unanchored & low else WALKED
+        self.hybrids_seen, self.generation_seen = hybrids, generation
+        return 0
+
+    cdef Py_ssize_t window_hit(
+        self, Py_ssize_t need, Py_ssize_t start, Py_ssize_t cap, HolderTable a, uint32_t *a_ids,
+        HolderTable b, uint32_t *b_ids, Py_ssize_t size, Py_ssize_t slot,
+    ) except -1:
+        """A window group's hit over units ``[start, cap)`` (blocks: ``size`` 1; else
+        chunks), held in ``a`` or ``b`` (None: ``a`` alone): scanning right to left from
+        the cap, the end of the rightmost run of ``need`` held units, else the run held
+        from ``start``; the cap lowered to it until it stays."""
+        cdef Py_ssize_t hit = cap, low, unit, run
+        while hit > start:
+            low, run, unit = -1, 0, hit - 1
+            while unit >= start:
+                if self.holds(a, a_ids, unit, size, slot) or (
+                    b is not None and self.holds(b, b_ids, unit, size, slot)
+                ):
+                    run += 1
+                    if run == need:
+                        low = unit + need
+                        break
+                else:
+                    run = 0
+                unit -= 1
+            if low < 0:
+                low = start + run
+            if low == hit:
+                break
+            hit = low
+        return max(hit, start)
+
+    cdef int hybrid_rule(
+        self, int64_t *f, Py_ssize_t slot, Py_ssize_t size, Py_ssize_t chunks,
+        uint32_t *cpu_ids, uint32_t *storage_ids,
+    ) except -1:
+        """``f``, the full-attention answer of a rank with one window group, taken to
+        vLLM's hybrid rule on the window masks. GPU: the window group's hit below the
+        full-attention run (which that hit cannot lower: the one pass is the fixed
+        point). Lower tiers, in chunks: each tier's hit below its full-attention run;
+        the prefix from the chunk holding the GPU hit's end, as far as the
+        full-attention group holds the chunks on CPU or STORAGE (past the GPU run: its
+        prefix), lowered by the window group's hit over both; a prefix chunk is taken
+        from CPU when the full-attention group holds it there."""
+        cdef int64_t window = self.hwin[slot], bs = self.hbs[slot], full = f[0], past = f[3]
+        cdef Py_ssize_t need = 1 if window == 0 else max(1, (window - 1 + bs - 1) // bs)
+        cdef HolderTable cpu = self.media[CPU], storage = self.media[STORAGE]
+        cdef Py_ssize_t gpu = self.window_hit(need, 0, full, self.windows[GPU], self.wids,
+                                              None, NULL, 1, slot)
+        f[6] = full if full != gpu else -1
+        f[0] = f[3] = gpu
+        if not chunks:
+            return 0
+        cdef HolderTable w_cpu = self.windows[CPU], w_storage = self.windows[STORAGE]
+        cdef uint32_t *w_cpu_ids = self.wids + self.wcap
+        cdef uint32_t *w_storage_ids = self.wids + 2 * self.wcap
+        need = 1 if window == 0 else (window + size * bs - 1) // (size * bs)
+        f[1] = size * self.window_hit(need, 0, f[1] // size, w_cpu, w_cpu_ids, None, NULL,
+                                      size, slot)
+        f[2] = size * self.window_hit(need, 0, f[2] // size, w_storage, w_storage_ids, None,
+                                      NULL, size, slot)
+        cdef Py_ssize_t first = gpu // size, stop = full // size, reach = first, j
+        while reach < stop and (self.holds(cpu, cpu_ids, reach, size, slot)
+                                or self.holds(storage, storage_ids, reach, size, slot)):
+            reach += 1
+        if reach == stop:
+            reach = past // size
+        cdef Py_ssize_t end = self.window_hit(need, first, reach, w_cpu, w_cpu_ids, w_storage,
+                                              w_storage_ids, size, slot)
+        f[3] = max(gpu, end * size)
+        f[4] = 0
+        if end > first:
+            for j in range(first, end):
+                if self.holds(cpu, cpu_ids, j, size, slot):
+                    f[4] += size
+            if self.holds(cpu, cpu_ids, first, size, slot):  # partly on GPU
+                f[4] -= gpu - first * size
+        f[5] = f[3] - gpu - f[4]
+        return 0
+
     cdef void forget_answers(self) noexcept:
         cdef Py_ssize_t i
         for i in range(self.acap):
@@ -768,21 +901,21 @@ cdef class HolderIndex:
         """The one shared (immutable) PrefixMatch with fields ``f``: most ranks repeat a few."""
         cdef uint64_t h = 0
         cdef Py_ssize_t i, k
-        if not (f[0] | f[1] | f[2] | f[3]):
+        if not (f[0] | f[1] | f[2] | f[3]) and f[6] < 0:
             return <PyObject *>EMPTY
-        for k in range(6):
+        for k in range(FIELDS):
             h = mix(h ^ <uint64_t>f[k])
         i = h & (self.acap - 1)
         while self.answers[i].obj != NULL:
-            if memcmp(self.answers[i].f, f, 6 * 8) == 0:
+            if memcmp(self.answers[i].f, f, FIELDS * 8) == 0:
                 return self.answers[i].obj
             i = (i + 1) & (self.acap - 1)
         if (self.acount + 1) * 2 > self.acap:
             self.regrow_answers()
             return self.answer(f)
-        match = PrefixMatch(f[0], f[1], f[2], f[3], f[4], f[5])
+        match = PrefixMatch(f[0], f[1], f[2], f[3], f[4], f[5], None if f[6] < 0 else f[6])
         Py_INCREF(match)
-        memcpy(self.answers[i].f, f, 6 * 8)
+        memcpy(self.answers[i].f, f, FIELDS * 8)
         self.answers[i].obj = <PyObject *>match
         self.acount += 1
         return <PyObject *>match
@@ -800,7 +933,7 @@ cdef class HolderIndex:
         for i in range(n):
             if old[i].obj != NULL:
                 h = 0
-                for k in range(6):
+                for k in range(FIELDS):
                     h = mix(h ^ <uint64_t>old[i].f[k])
                 j = h & (self.acap - 1)
                 while self.answers[j].obj != NULL:
@@ -845,7 +978,9 @@ cdef class HolderIndex:
         gives the lower-tier runs; then each rank's prefix is the GPU run extended by
         the chunks after it that a lower tier holds, CPU first (chunks inside its CPU
         run skipped at once). The ranks of ``hybrids`` then have their answers taken
-        to vLLM's hybrid rule (:meth:`Hybrids.refine`).
+        to vLLM's hybrid rule: a rank with one full-attention and one window group
+        here, on the window masks (:meth:`hybrid_rule`); any other by
+        :meth:`Hybrids.walk` on its own tables.
         """
         cdef object seq = PySequence_Fast(chain, "chain must be a sequence")
         cdef object rank_seq = PySequence_Fast(ranks, "ranks must be a sequence")
@@ -875,9 +1010,15 @@ cdef class HolderIndex:
         cdef HolderTable cpu = self.media[CPU], storage = self.media[STORAGE]
         cdef uint32_t *cpu_ids = self.ids
         cdef uint32_t *storage_ids = self.ids + self.wcap
-        cdef int64_t f[6]
+        cdef int64_t f[FIELDS]
         cdef PyObject **ans = self.ans
         cdef PyObject *seen = NULL
+        cdef uint8_t *hkind = NULL
+        cdef uint32_t *w_ids = self.wids
+        if hybrids is not None:
+            self.hybrid_slots(hybrids)
+            hkind = self.hkind
+            memset(w_ids, 0xFF, n * 4)
         for r in range(nr):  # sizes are mostly one small int object: convert it once
             if size_items[r] != seen:
                 seen = size_items[r]
@@ -897,6 +1038,9 @@ cdef class HolderIndex:
                 memset(cpu_ids, 0xFF, chunks * 4)
                 memset(storage_ids, 0xFF, chunks * 4)
                 memcpy(active + width, active, width * 8)
+                if hkind != NULL:
+                    memset(w_ids + self.wcap, 0xFF, chunks * 4)
+                    memset(w_ids + 2 * self.wcap, 0xFF, chunks * 4)
                 self.walk(cpu, size - 1, size, chunks, active, runs + 1, cpu_ids)
                 self.walk(storage, size - 1, size, chunks, active + width, runs + 2, storage_ids)
             for r in range(nr):
@@ -905,6 +1049,7 @@ cdef class HolderIndex:
                 slot = self.slot_of[r]
                 f[0] = f[3] = runs[3 * slot]
                 f[1] = f[2] = f[4] = f[5] = 0
+                f[6] = -1
                 if chunks:
                     cpu_run, storage_run = runs[3 * slot + 1], runs[3 * slot + 2]
                     f[1], f[2] = cpu_run * size, storage_run * size
@@ -922,33 +1067,23 @@ cdef class HolderIndex:
                             break
                         prefix, j = (j + 1) * size, j + 1
                     f[3] = prefix
+                if (hkind != NULL and slot < self.hcap and hkind[slot] == IN_C
+                        and (f[0] | f[1] | f[2] | f[3])):
+                    self.hybrid_rule(f, slot, size, chunks, cpu_ids, storage_ids)
                 ans[r] = self.answer(f)
                 done += 1
-        if hybrids is not None:
-            return self.refined([<object>ans[r] for r in range(nr)], chain, rank_seq, bits, sizes,
-                                hybrids)
-        cdef dict out = PyDict_Copy(self.template)
+        cdef list walked = []  # answers of ranks walked on their own tables, held here
         cdef PyObject *empty = <PyObject *>EMPTY
+        if hkind != NULL:
+            for r in range(nr):
+                slot = self.slot_of[r]
+                if slot < self.hcap and (hkind[slot] == LONELY
+                                         or (hkind[slot] == WALKED and ans[r] != empty)):
+                    match = hybrids.walk(bits[r], <object>ans[r], chain, rsize[r])
+                    walked.append(match)
+                    ans[r] = <PyObject *>match
+        cdef dict out = PyDict_Copy(self.template)
         for r in range(nr):
             if ans[r] != empty:
                 KV_SET_KNOWN(out, <object>rank_items[r], <object>ans[r], self.rank_hash[r])
         return out
-
-    cdef dict refined(self, list answers, chain, ranks, bits, sizes, hybrids):
-        """The answers with the hybrid ranks' taken to vLLM's hybrid rule."""
-        masks: dict = {}
-        asked: dict = {}
-        for bit, size, match in zip(bits, sizes, answers):
-            asked[size or 0] = asked.get(size or 0, 0) | bit
-            if match is not EMPTY:
-                held = masks.setdefault(id(match), [0, match])
-                held[0] |= bit
-        refined = hybrids.refine([(m, match) for m, match in masks.values()], chain, asked,
-                                 self.windows)
-        by_bit = {}
-        for mask, match in refined:
-            while mask:
-                low = mask & -mask
-                by_bit[low] = match
-                mask ^= low
-        return {rank: by_bit.get(bit, EMPTY) for rank, bit in zip(ranks, bits)}

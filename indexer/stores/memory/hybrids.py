@@ -3,7 +3,10 @@
 The holder index answers every rank by its full-attention groups; a rank of a
 hybrid model (a sliding-window or Mamba group seen) keeps that answer only
 where its window group holds what the answer ends with, else it is walked on
-its own tables by :func:`~indexer.core.hybrid.hybrid_match`.
+its own tables by :func:`~indexer.core.hybrid.hybrid_match`. The compiled
+holder index computes the rule itself for the common hybrid (one full-attention
+and one window group, on its window masks) and asks :meth:`Hybrids.walk` for
+the others; :meth:`Hybrids.refine` is the reference index's path.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class Hybrids:
         self._rules: dict[int, tuple[GroupRule, ...]] = {}  # bit -> rules registered
         #: (window rule, chunk size) -> the units it needs, in blocks and in chunks
         self._needs: dict[tuple[GroupRule, int], tuple[int, int]] = {}
+        #: changes with the ranks registered: the compiled index reads them again then
+        self.generation = 0
 
     def update(self, state: RankResidency, bit: int) -> None:
         """Register a rank after a batch (its groups may have changed kind)."""
@@ -43,6 +48,7 @@ class Hybrids:
         if self._rules.get(bit) is rules or (not rules and not self.bits & bit):
             return
         self.drop(bit)
+        self.generation += 1
         if rules:
             self.bits |= bit
             self.states[bit] = state
@@ -55,6 +61,7 @@ class Hybrids:
 
     def drop(self, bit: int) -> None:
         if self.bits & bit:
+            self.generation += 1
             self.bits &= ~bit
             self.unanchored &= ~bit
             del self.states[bit], self._rules[bit]
@@ -85,23 +92,29 @@ class Hybrids:
             if mask & ~walk:
                 out.append((mask & ~walk, match))
             if walk:
-                out += [(bit, self._walk(bit, match, chain, asked)) for bit in bits_of(walk)]
+                out += [
+                    (bit, self.walk(bit, match, chain, _size(bit, asked))) for bit in bits_of(walk)
+                ]
         # a rank without a full-attention group may match with nothing on it
         lonely = sum(asked.values()) & self.unanchored & ~covered
-        out += [(bit, self._walk(bit, EMPTY, chain, asked)) for bit in bits_of(lonely)]
+        out += [(bit, self.walk(bit, EMPTY, chain, _size(bit, asked))) for bit in bits_of(lonely)]
         return out
 
     def _need(self, rule: GroupRule, size: int) -> tuple[int, int]:
         needs = self._needs[rule, size] = (rule.need(), rule.need(size) if size else 0)
         return needs
 
-    def _walk(
-        self, bit: int, full: PrefixMatch, chain: Sequence[BlockHash], asked: dict[int, int]
+    def walk(
+        self, bit: int, full: PrefixMatch, chain: Sequence[BlockHash], size: int
     ) -> PrefixMatch:
+        """One rank's hybrid answer walked on its own tables, given its full-attention
+        answer and chunk size (0: GPU only)."""
         state = self.states[bit]
-        rules = self._rules[bit]
-        size = next(size for size, group in asked.items() if group & bit)
-        return hybrid_match(chain, full, size, rules, state.group_tables, HeldSlices)
+        return hybrid_match(chain, full, size, self._rules[bit], state.group_tables, HeldSlices)
+
+
+def _size(bit: int, asked: dict[int, int]) -> int:
+    return next(size for size, group in asked.items() if group & bit)
 
 
 def _unchanged(
