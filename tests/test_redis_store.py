@@ -5,6 +5,7 @@ The rules every store follows are checked in ``test_store_conformance.py``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -132,3 +133,24 @@ async def test_the_gateway_turns_an_unreachable_redis_into_store_unavailable() -
             assert "secret" not in str(raised.value)
     finally:
         await client.close()
+
+
+async def test_operator_reads_racing_the_writer_are_never_taken_for_a_loss(
+    redis_server: RedisServer,
+) -> None:
+    """``/engines/{name}`` and the metrics read a rank's counts while its consumer
+    writes. A read that fetched the metadata before a commit and returned after it
+    once put the older metadata back in the writer's cache, and the writer's next
+    batch took its own commit for lost data (a false loss, then a resync)."""
+    store = RedisStore(redis_config(redis_server.url))
+    try:
+        for seq in range(200):
+            reads = [asyncio.create_task(store.block_counts(RANK)) for _ in range(3)]
+            await asyncio.sleep(0)  # the reads are on the wire before the write
+            await apply(store, seq, stored([seq + 1]))
+            await asyncio.gather(*reads)
+        assert store.last_loss() is None
+        assert (await store.watermark(RANK)).seq == 199
+        assert await store.block_counts(RANK) == {GPU: 200, CPU: 0, STORAGE: 0}
+    finally:
+        await store.close()

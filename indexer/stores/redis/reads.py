@@ -33,9 +33,12 @@ FIRST_WINDOW = 128
 class RedisReads:
     """The read half of :class:`~indexer.stores.redis.RedisStore`, and its metadata cache.
 
-    ``_cache``: each rank's metadata as last read or written here, with the
-    value it was encoded as (what a compare-and-set expects); dropped on any
-    failure, since a failed write may have changed it.
+    ``_cache``: each rank's metadata as last read or written by this process's
+    writer of the rank, with the value it was encoded as (what a compare-and-set
+    expects); dropped on any failure, since a failed write may have changed it.
+    Reads for operators (:meth:`block_counts`, :meth:`anomalies`) never fill it:
+    one that started before a commit and returned after it would put back the
+    older metadata, and the writer would take its own commit for lost data.
     """
 
     def __init__(self, client: RedisClient) -> None:
@@ -51,12 +54,18 @@ class RedisReads:
             raise
 
     async def _read_meta(self, rank: RankId) -> tuple[bytes, RankMeta | None]:
-        (blob,) = await self._run([("HGET", self.layout.meta_key, rank_field(rank))])
-        if blob is None:
+        """The rank's metadata as stored, cached for the writer (see the class doc)."""
+        blob, meta = await self._peek_meta(rank)
+        if meta is None:
             self._cache.pop(rank, None)
-            return b"", None
-        self._cache[rank] = (blob, meta := decode_meta(blob))
+        else:
+            self._cache[rank] = (blob, meta)
         return blob, meta
+
+    async def _peek_meta(self, rank: RankId) -> tuple[bytes, RankMeta | None]:
+        """The rank's metadata as stored, leaving the writer's cache alone."""
+        (blob,) = await self._run([("HGET", self.layout.meta_key, rank_field(rank))])
+        return (b"", None) if blob is None else (blob, decode_meta(blob))
 
     async def block_residency(self, block_hash: BlockHash) -> list[Residency]:
         reply, fields = await self._run(
@@ -104,7 +113,7 @@ class RedisReads:
         return {rank: m.match(chain, fetched) for rank, m in matchers.items()}
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
-        _, meta = await self._read_meta(rank)
+        _, meta = await self._peek_meta(rank)
         gens = meta.gens if meta is not None else {}
         counts = dict.fromkeys(MEDIA, 0)
         if gens:
@@ -117,7 +126,7 @@ class RedisReads:
         return counts
 
     async def anomalies(self, rank: RankId) -> dict[str, int]:
-        _, meta = await self._read_meta(rank)
+        _, meta = await self._peek_meta(rank)
         unknown = 0
         if meta is not None:
             field_ = f"u{meta.rid}"
