@@ -8,6 +8,11 @@ again gets a new deadline and leaves its old copy in an older chain; those
 are skipped when they surface and dropped wholesale once they outnumber the
 live ones, so a rank's memory stays within about twice its bound.
 
+Beside them, one index for all ranks: hash -> the bits of the ranks it is routed to
+(an int mask). A lookup whose prompt several ranks were routed (a shared system
+prompt, a conversation routed again) walks the chain once for all of them, not
+once per rank.
+
 Every method runs without awaiting, so ``route`` reads and records in one
 step of the event loop: two concurrent routers cannot both see the same
 empty rank.
@@ -17,8 +22,11 @@ from __future__ import annotations
 
 import heapq
 import time
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
+from itertools import groupby, islice, repeat, takewhile
+from operator import or_
 
 from indexer.core.events import BlockHash, EventBatch, RankId
 from indexer.core.matching import TierWeights
@@ -31,7 +39,8 @@ class _RankEntries:
     the chains they were recorded in (hashes with their deadlines, tail last: a chain's
     deadlines fall along it, so its tail ends first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, holders: dict[BlockHash, int], bit: int) -> None:
+        self.holders, self.bit, self._others = holders, bit, ~bit
         self.entries: dict[BlockHash, float] = {}
         self.heap: list[tuple[float, int, list[BlockHash], list[float]]] = []  # chains
         self.pushed = 0  # tie-break of equal deadlines: first recorded ends first
@@ -52,6 +61,7 @@ class _RankEntries:
             i -= 1
             if entries.get(hashes[i]) == ends[i]:  # else routed again since
                 del entries[hashes[i]]
+                self._unhold(hashes[i])
                 gone += 1
         if i:
             self._push(hashes[:i], ends[:i])
@@ -72,6 +82,9 @@ class _RankEntries:
         ends = deadlines(now, ttl, len(hashes))
         new = len(hashes) - sum(map(entries.__contains__, hashes))
         entries.update(zip(hashes, ends, strict=True))
+        holders = self.holders
+        masks = list(map(or_, map(holders.get, hashes, repeat(0)), repeat(self.bit)))
+        holders.update(zip(hashes, masks, strict=True))
         self._push(hashes, ends)
         evicted = 0
         while len(entries) > bound:
@@ -79,6 +92,29 @@ class _RankEntries:
         if self.kept > 2 * len(entries) + 1024:
             self._compact()
         return new, evicted
+
+    def _unhold(self, h: BlockHash) -> None:
+        """This rank no longer holds ``h`` (its entry is gone)."""
+        mask = self.holders[h] & self._others
+        if mask:
+            self.holders[h] = mask
+        else:
+            del self.holders[h]
+
+    def pop(self, hashes: Sequence[BlockHash]) -> int:
+        """End the entries of ``hashes`` held here; how many there were."""
+        entries, popped = self.entries, 0
+        for h in hashes:
+            if entries.pop(h, None) is not None:
+                self._unhold(h)
+                popped += 1
+        return popped
+
+    def release(self) -> None:
+        """End every entry (the rank is dropped): its bit leaves the index."""
+        for h in self.entries:
+            self._unhold(h)
+        self.entries.clear()
 
     def _compact(self) -> None:
         """Forget what the heap's chains hold that was routed again since."""
@@ -97,7 +133,23 @@ class MemoryRouted:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._ranks: dict[RankId, _RankEntries] = {}
+        self._holders: dict[BlockHash, int] = {}  # hash -> bits of the ranks holding it
+        self._free_bits: list[int] = []  # a heap: the lowest comes back first, masks stay short
         self._counts: Counter[str] = Counter()
+
+    def _entries_of(self, rank: RankId) -> _RankEntries:
+        held = self._ranks.get(rank)
+        if held is None:
+            index = heapq.heappop(self._free_bits) if self._free_bits else len(self._ranks)
+            held = self._ranks[rank] = _RankEntries(self._holders, 1 << index)
+        return held
+
+    def _drop(self, rank: RankId) -> _RankEntries:
+        """Forget the rank: its entries leave the index, its bit is free again."""
+        held = self._ranks.pop(rank)
+        held.release()
+        heapq.heappush(self._free_bits, held.bit.bit_length() - 1)
+        return held
 
     def _live_ranks(self, engines: Collection[str] | None, now: float) -> list[tuple]:
         """``(rank, entries)`` of the ranks of ``engines`` (None: all), expired
@@ -108,16 +160,14 @@ class MemoryRouted:
                 continue
             self._counts["expired"] += held.expire(now)
             if not held.entries:
-                del self._ranks[rank]
+                self._drop(rank)
                 continue
             found.append((rank, held))
         return found
 
     def _record(self, rank: RankId, chain: Sequence[BlockHash], ttl: float, bound: int) -> int:
         now = self._clock()
-        held = self._ranks.get(rank)
-        if held is None:
-            held = self._ranks[rank] = _RankEntries()
+        held = self._entries_of(rank)
         self._counts["expired"] += held.expire(now)
         new, evicted = held.record(chain, now, ttl, bound)
         self._counts["recorded"] += new
@@ -135,7 +185,7 @@ class MemoryRouted:
         # Runs per query for every rank holding entries, so the common cases cost no
         # call: expiry is looked at only once the rank's first deadline has passed, and
         # a rank is walked only if it holds the block after its exact run.
-        now, found, emptied, n = self._clock(), {}, [], len(chain)
+        now, walked, emptied, n = self._clock(), [], [], len(chain)
         for rank, held in self._ranks.items():
             if rank.engine not in engines:
                 continue
@@ -144,11 +194,40 @@ class MemoryRouted:
                 if not held.entries:
                     emptied.append(rank)
                     continue
-            entries, start = held.entries, starts.get(rank, 0)
-            if start < n and chain[start] in entries:
-                found[rank] = routed_run(chain, start, entries.__contains__)
+            start = starts.get(rank, 0)
+            if start < n and chain[start] in held.entries:
+                walked.append((start, rank, held.bit))
         for rank in emptied:
-            del self._ranks[rank]
+            self._drop(rank)
+        if len(walked) == 1:
+            start, rank, _ = walked[0]
+            return {rank: routed_run(chain, start, self._ranks[rank].entries.__contains__)}
+        return self._runs(chain, walked) if walked else {}
+
+    def _runs(self, chain: Sequence[BlockHash], walked: list[tuple]) -> dict[RankId, int]:
+        """The routed runs of several ranks (``(start, rank, bit)``) in one walk: the
+        chain's masks are read from the lowest start while some of those ranks hold
+        the block, in stretches of equal masks; each rank's run ends at the first
+        stretch without its bit. A rank starting past the walk's end starts another."""
+        walked.sort(key=lambda w: w[0])
+        holders, wanted, found, i = self._holders, 0, {}, 0
+        for _, _, bit in walked:
+            wanted |= bit
+        while i < len(walked):
+            pos = walked[i][0]
+            held = map(holders.get, islice(chain, pos, None), repeat(0))
+            ends, masks = [], []
+            for mask, stretch in groupby(takewhile(wanted.__and__, held)):
+                pos += len(list(stretch))
+                ends.append(pos)
+                masks.append(mask)
+            while i < len(walked) and walked[i][0] < pos:
+                start, rank, bit = walked[i]
+                k = bisect_right(ends, start)
+                while k < len(ends) and masks[k] & bit:
+                    k += 1
+                found[rank] = ends[k - 1]
+                i += 1
         return found
 
     async def route(
@@ -181,17 +260,16 @@ class MemoryRouted:
             return
         now = self._clock()
         self._counts["expired"] += held.expire(now)
-        entries = held.entries
-        confirmed = sum(entries.pop(h, None) is not None for h in hashes)
-        self._counts["confirmed"] += confirmed
-        if not entries:
-            del self._ranks[rank]
+        self._counts["confirmed"] += held.pop(hashes)
+        if not held.entries:
+            self._drop(rank)
 
     def _clear(self, rank: RankId) -> None:
-        held = self._ranks.pop(rank, None)
+        held = self._ranks.get(rank)
         if held is not None:
             self._counts["expired"] += held.expire(self._clock())
             self._counts["cleared"] += len(held.entries)
+            self._drop(rank)
 
     async def confirm(self, rank: RankId, hashes: Sequence[BlockHash]) -> None:
         self._confirm(rank, hashes)
@@ -223,3 +301,5 @@ class MemoryRouted:
 
     async def close(self) -> None:
         self._ranks.clear()
+        self._holders.clear()
+        self._free_bits.clear()
