@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
 from collections.abc import Callable
@@ -18,10 +19,8 @@ import click
 import msgspec
 
 from indexer.log import setup_logging
-from kvindex import __version__
 from kvindex.options import EngineFlag, Port, apply, cannot, option, usage_line
 from kvindex.replay import replay as run_replay
-from kvindex.simflags import sim_flags
 
 if TYPE_CHECKING:
     from api.settings import ApiSettings
@@ -121,12 +120,6 @@ async def _api(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig
     await run_api(config, redis, host=args.host, port=args.port, settings=settings)
 
 
-def _sim(args: argparse.Namespace) -> int:
-    from producer import simcli
-
-    return simcli.main(args)
-
-
 def _status(args: argparse.Namespace) -> int:
     from kvindex.status import FleetUnreachable, fleet_table
 
@@ -202,8 +195,27 @@ def _parsed(run: Callable[[argparse.Namespace], int], **more: object) -> argpars
     return argparse.Namespace(command=ctx.info_name, run=run, log_level=level, **ctx.params, **more)
 
 
-@click.group(context_settings=SETTINGS)
-@click.version_option(__version__, "-V", "--version", message="kvindex %(version)s")
+class _LazyGroup(click.Group):
+    """Commands whose flags cost start-up are imported only when named (or listed
+    in the help): ``sim``'s defaults come from the simulator, which every other
+    command would otherwise load first."""
+
+    lazy = {"sim": "kvindex.simflags"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.lazy and cmd_name not in self.commands:
+            module = importlib.import_module(self.lazy[cmd_name])
+            self.add_command(getattr(module, cmd_name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_LazyGroup, context_settings=SETTINGS)
+@click.version_option(
+    None, "-V", "--version", package_name="kvindex", message="kvindex %(version)s"
+)
 @_log_level()
 def cli(log_level: str | None) -> None:
     """kvindex: which engine of a vLLM fleet holds the longest cached prefix of a
@@ -334,27 +346,6 @@ def status(**_: object) -> argparse.Namespace:
       kvindex status --url http://127.0.0.1:8080
     """
     return _parsed(_status)
-
-
-@cli.command(context_settings=SETTINGS, short_help="simulated engines publishing vLLM KV events")
-@sim_flags
-@_log_level()
-def sim(**_: object) -> argparse.Namespace:
-    """Run simulated engines publishing vLLM KV events on local ports, until
-    Ctrl-C or SIGTERM.
-
-    Engine k binds its PUB socket on --base-port + 2 * dp_ranks * k and its
-    replay socket dp_ranks ports above; --print-specs prints the matching
-    POST /engines bodies.
-
-    \b
-    Example:
-      kvindex sim --engines 2 --base-port 5557 &
-      kvindex sim --engines 2 --print-specs | while read -r spec; do
-        curl -s -X POST localhost:8000/engines -H 'content-type: application/json' -d "$spec"
-      done
-    """
-    return _parsed(_sim)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

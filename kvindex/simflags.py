@@ -1,15 +1,19 @@
-"""The flags of ``kvindex sim``: the simulated fleet's layout, engines and workload.
+"""``kvindex sim`` and its flags: the simulated fleet's layout, engines and workload.
 
 Defaults are the simulator's own (:class:`producer.sim.SimConfig`,
 :class:`producer.workload.WorkloadConfig`), so the help shows what a run
-without flags does.
+without flags does. Reading them loads the simulator, so the command line
+imports this module only for ``sim`` (and the command list in ``--help``).
 """
 
 from __future__ import annotations
 
+import argparse
+
 import click
 
 from indexer.engines import catalog
+from kvindex.cli import SETTINGS, _log_level, _parsed
 from kvindex.options import Port, apply, option
 from producer.sim import SimConfig
 from producer.workload import WorkloadConfig
@@ -135,3 +139,30 @@ sim_flags = apply(
         " routes by routed entries alone (--print-specs: events false, gpu_blocks)",
     ),
 )
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from producer import simcli
+
+    return simcli.main(args)
+
+
+@click.command(context_settings=SETTINGS, short_help="simulated engines publishing vLLM KV events")
+@sim_flags
+@_log_level()
+def sim(**_: object) -> argparse.Namespace:
+    """Run simulated engines publishing vLLM KV events on local ports, until
+    Ctrl-C or SIGTERM.
+
+    Engine k binds its PUB socket on --base-port + 2 * dp_ranks * k and its
+    replay socket dp_ranks ports above; --print-specs prints the matching
+    POST /engines bodies.
+
+    \b
+    Example:
+      kvindex sim --engines 2 --base-port 5557 &
+      kvindex sim --engines 2 --print-specs | while read -r spec; do
+        curl -s -X POST localhost:8000/engines -H 'content-type: application/json' -d "$spec"
+      done
+    """
+    return _parsed(_sim)
