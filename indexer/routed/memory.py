@@ -21,6 +21,7 @@ empty rank.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from bisect import bisect_right
 from collections import Counter
@@ -135,6 +136,8 @@ class MemoryRouted:
         self._ranks: dict[RankId, _RankEntries] = {}
         self._holders: dict[BlockHash, int] = {}  # hash -> bits of the ranks holding it
         self._free_bits: list[int] = []  # a heap: the lowest comes back first, masks stay short
+        self._by_bit: dict[int, RankId] = {}
+        self._next_expiry = math.inf  # no entry anywhere ends before it
         self._counts: Counter[str] = Counter()
 
     def _entries_of(self, rank: RankId) -> _RankEntries:
@@ -142,12 +145,14 @@ class MemoryRouted:
         if held is None:
             index = heapq.heappop(self._free_bits) if self._free_bits else len(self._ranks)
             held = self._ranks[rank] = _RankEntries(self._holders, 1 << index)
+            self._by_bit[held.bit] = rank
         return held
 
     def _drop(self, rank: RankId) -> _RankEntries:
         """Forget the rank: its entries leave the index, its bit is free again."""
         held = self._ranks.pop(rank)
         held.release()
+        del self._by_bit[held.bit]
         heapq.heappush(self._free_bits, held.bit.bit_length() - 1)
         return held
 
@@ -170,6 +175,8 @@ class MemoryRouted:
         held = self._entries_of(rank)
         self._counts["expired"] += held.expire(now)
         new, evicted = held.record(chain, now, ttl, bound)
+        if held.heap:
+            self._next_expiry = min(self._next_expiry, held.heap[0][0])
         self._counts["recorded"] += new
         self._counts["evicted"] += evicted
         return new
@@ -182,23 +189,26 @@ class MemoryRouted:
     ) -> dict[RankId, int]:
         if not self._ranks or not chain:
             return {}
-        # Runs per query for every rank holding entries, so the common cases cost no
-        # call: expiry is looked at only once the rank's first deadline has passed, and
-        # a rank is walked only if it holds the block after its exact run.
-        now, walked, emptied, n = self._clock(), [], [], len(chain)
-        for rank, held in self._ranks.items():
-            if rank.engine not in engines:
-                continue
-            if held.heap[0][0] <= now:
-                self._counts["expired"] += held.expire(now)
-                if not held.entries:
-                    emptied.append(rank)
-                    continue
-            start = starts.get(rank, 0)
-            if start < n and chain[start] in held.entries:
-                walked.append((start, rank, held.bit))
-        for rank in emptied:
-            self._drop(rank)
+        # Runs per query, so the common cases touch no rank: expiry is looked at only
+        # once some entry's deadline has passed (then for every rank), and a rank is
+        # walked only if it holds the block after its exact run: one index lookup per
+        # rank with an exact run, one (block 0) for all the others.
+        now, n, holders, ranks, walked = self._clock(), len(chain), self._holders, self._ranks, []
+        if now >= self._next_expiry:
+            self._live_ranks(None, now)
+            self._next_expiry = min((held.heap[0][0] for held in ranks.values()), default=math.inf)
+        for rank, start in starts.items():
+            if start < n and chain[start] in holders and rank.engine in engines:
+                held = ranks.get(rank)
+                if held is not None and holders[chain[start]] & held.bit:
+                    walked.append((start, rank, held.bit))
+        first = holders.get(chain[0], 0)
+        while first:
+            bit = first & -first
+            first ^= bit
+            rank = self._by_bit[bit]
+            if rank not in starts and rank.engine in engines:
+                walked.append((0, rank, bit))
         if len(walked) == 1:
             start, rank, _ = walked[0]
             return {rank: routed_run(chain, start, self._ranks[rank].entries.__contains__)}
@@ -303,3 +313,5 @@ class MemoryRouted:
         self._ranks.clear()
         self._holders.clear()
         self._free_bits.clear()
+        self._by_bit.clear()
+        self._next_expiry = math.inf
