@@ -579,6 +579,9 @@ cdef class HolderIndex:
 
     cdef readonly dict media
     cdef readonly dict windows
+    # the tables the hybrid rule reads, out of the dicts once (a rank's rule ran 5 dict
+    # lookups, most of its cost on a short chain)
+    cdef HolderTable cpu, storage, win_gpu, win_cpu, win_storage
     cdef RankSets sets
     cdef list free_slots
     cdef Py_ssize_t slots
@@ -613,11 +616,20 @@ cdef class HolderIndex:
     cdef int64_t *hbs
     cdef Py_ssize_t hcap
     cdef object hybrids_seen, generation_seen
+    # per call site of window_hit (GPU, CPU, STORAGE, prefix): the last units it asked
+    # about and the slots holding all of them (most hybrid ranks end where others do)
+    cdef Py_ssize_t memo_lo[4]
+    cdef Py_ssize_t memo_hi[4]
+    cdef uint64_t *memo_mask
+    cdef Py_ssize_t memo_width
 
     def __cinit__(self):
         self.sets = RankSets()
         self.media = {m: HolderTable(self.sets) for m in MEDIA}
         self.windows = {m: HolderTable(self.sets) for m in MEDIA}
+        self.cpu, self.storage = self.media[CPU], self.media[STORAGE]
+        self.win_gpu, self.win_cpu = self.windows[GPU], self.windows[CPU]
+        self.win_storage = self.windows[STORAGE]
         self.free_slots = []
         self.acap = 2 * ANSWERS_KEPT
         self.answers = <Answer *>PyMem_Malloc(self.acap * sizeof(Answer))
@@ -642,6 +654,7 @@ cdef class HolderIndex:
         PyMem_Free(self.hkind)
         PyMem_Free(self.hwin)
         PyMem_Free(self.hbs)
+        PyMem_Free(self.memo_mask)
 
     def take_bit(self) -> int:
         """A bit no live rank uses (its hashes were all discarded when it was released)."""
@@ -687,7 +700,11 @@ cdef class HolderIndex:
             )
             self.ans = <PyObject **>PyMem_Realloc(self.ans, self.slot_cap * sizeof(PyObject *))
             self.bits_seen = None
+        if self.sets.width > self.memo_width:
+            self.memo_width = self.sets.width
+            self.memo_mask = <uint64_t *>PyMem_Realloc(self.memo_mask, 4 * self.memo_width * 8)
         if not (self.wkey and self.wmix and self.wstate and self.ids and self.wids and self.runs
+                and self.memo_mask
                 and self.active and self.slot_of and self.rsize and self.rank_hash and self.ans):
             raise MemoryError()
         memset(self.wstate, 0, n)
@@ -773,10 +790,36 @@ cdef class HolderIndex:
     cdef inline bint holds(self, HolderTable t, uint32_t *ids, Py_ssize_t j, Py_ssize_t size,
                            Py_ssize_t slot) except -1:
         """Whether chunk ``j`` (ending at position (j + 1) * size - 1) is in ``t`` for ``slot``."""
+        return self.sets.has(self.id_at(t, ids, j, size), slot)
+
+    cdef inline uint32_t id_at(self, HolderTable t, uint32_t *ids, Py_ssize_t j,
+                               Py_ssize_t size) except? NO_ID:
+        """The set id of chunk ``j`` in ``t``, read once per query."""
         if ids[j] == NO_ID:
             self.read((j + 1) * size - 1)
             ids[j] = self.lookup(t, (j + 1) * size - 1)
-        return self.sets.has(ids[j], slot)
+        return ids[j]
+
+    cdef bint covered(
+        self, Py_ssize_t memo, Py_ssize_t lo, Py_ssize_t hi, HolderTable a, uint32_t *a_ids,
+        HolderTable b, uint32_t *b_ids, Py_ssize_t size, Py_ssize_t slot,
+    ) except -1:
+        """Whether ``slot`` holds every unit of ``[lo, hi)`` in ``a`` or ``b``. The slots
+        that do are computed once for all ranks asking ``memo`` about the same units."""
+        cdef Py_ssize_t width = self.sets.width, k, u
+        cdef uint64_t *mask = self.memo_mask + memo * width
+        cdef uint64_t *words = self.sets.words
+        cdef uint32_t ia, ib
+        if self.memo_lo[memo] != lo or self.memo_hi[memo] != hi:
+            for k in range(width):
+                mask[k] = ~0ULL
+            for u in range(lo, hi):
+                ia = self.id_at(a, a_ids, u, size)
+                ib = 0 if b is None else self.id_at(b, b_ids, u, size)
+                for k in range(width):
+                    mask[k] &= words[ia * width + k] | words[ib * width + k]
+            self.memo_lo[memo], self.memo_hi[memo] = lo, hi
+        return (mask[slot >> 6] >> (slot & 63)) & 1
 
     # ---- hybrid models' ranks: vLLM's hybrid rule ----------------------------------------
 
@@ -813,14 +856,18 @@ cdef class HolderIndex:
         return 0
 
     cdef Py_ssize_t window_hit(
-        self, Py_ssize_t need, Py_ssize_t start, Py_ssize_t cap, HolderTable a, uint32_t *a_ids,
-        HolderTable b, uint32_t *b_ids, Py_ssize_t size, Py_ssize_t slot,
+        self, Py_ssize_t memo, Py_ssize_t need, Py_ssize_t start, Py_ssize_t cap, HolderTable a,
+        uint32_t *a_ids, HolderTable b, uint32_t *b_ids, Py_ssize_t size, Py_ssize_t slot,
     ) except -1:
         """A window group's hit over units ``[start, cap)`` (blocks: ``size`` 1; else
         chunks), held in ``a`` or ``b`` (None: ``a`` alone): scanning right to left from
         the cap, the end of the rightmost run of ``need`` held units, else the run held
-        from ``start``; the cap lowered to it until it stays."""
+        from ``start``; the cap lowered to it until it stays. When the units just below the cap are all
+        held (``memo``: see :meth:`covered`), the cap is the hit."""
         cdef Py_ssize_t hit = cap, low, unit, run
+        if cap > start and self.covered(memo, max(start, cap - need), cap, a, a_ids, b, b_ids,
+                                        size, slot):
+            return cap
         while hit > start:
             low, run, unit = -1, 0, hit - 1
             while unit >= start:
@@ -855,20 +902,20 @@ cdef class HolderIndex:
         from CPU when the full-attention group holds it there."""
         cdef int64_t window = self.hwin[slot], bs = self.hbs[slot], full = f[0], past = f[3]
         cdef Py_ssize_t need = 1 if window == 0 else max(1, (window - 1 + bs - 1) // bs)
-        cdef HolderTable cpu = self.media[CPU], storage = self.media[STORAGE]
-        cdef Py_ssize_t gpu = self.window_hit(need, 0, full, self.windows[GPU], self.wids,
+        cdef HolderTable cpu = self.cpu, storage = self.storage
+        cdef Py_ssize_t gpu = self.window_hit(0, need, 0, full, self.win_gpu, self.wids,
                                               None, NULL, 1, slot)
         f[6] = full if full != gpu else -1
         f[0] = f[3] = gpu
         if not chunks:
             return 0
-        cdef HolderTable w_cpu = self.windows[CPU], w_storage = self.windows[STORAGE]
+        cdef HolderTable w_cpu = self.win_cpu, w_storage = self.win_storage
         cdef uint32_t *w_cpu_ids = self.wids + self.wcap
         cdef uint32_t *w_storage_ids = self.wids + 2 * self.wcap
         need = 1 if window == 0 else (window + size * bs - 1) // (size * bs)
-        f[1] = size * self.window_hit(need, 0, f[1] // size, w_cpu, w_cpu_ids, None, NULL,
+        f[1] = size * self.window_hit(1, need, 0, f[1] // size, w_cpu, w_cpu_ids, None, NULL,
                                       size, slot)
-        f[2] = size * self.window_hit(need, 0, f[2] // size, w_storage, w_storage_ids, None,
+        f[2] = size * self.window_hit(2, need, 0, f[2] // size, w_storage, w_storage_ids, None,
                                       NULL, size, slot)
         cdef Py_ssize_t first = gpu // size, stop = full // size, reach = first, j
         while reach < stop and (self.holds(cpu, cpu_ids, reach, size, slot)
@@ -876,7 +923,7 @@ cdef class HolderIndex:
             reach += 1
         if reach == stop:
             reach = past // size
-        cdef Py_ssize_t end = self.window_hit(need, first, reach, w_cpu, w_cpu_ids, w_storage,
+        cdef Py_ssize_t end = self.window_hit(3, need, first, reach, w_cpu, w_cpu_ids, w_storage,
                                               w_storage_ids, size, slot)
         f[3] = max(gpu, end * size)
         f[4] = 0
@@ -1034,6 +1081,8 @@ cdef class HolderIndex:
                     slot = self.slot_of[r]
                     active[slot >> 6] |= 1ULL << (slot & 63)
             chunks = n // size if size > 0 else 0
+            for k in range(4):  # the window ids are read afresh: so are the memos
+                self.memo_hi[k] = -1
             if chunks:
                 memset(cpu_ids, 0xFF, chunks * 4)
                 memset(storage_ids, 0xFF, chunks * 4)
