@@ -41,7 +41,6 @@ from indexer.routed import RedisRouted
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.redis import RedisConfig, RedisStore
 from kvindex.config import ServeConfig
-from kvindex.heap import freeze_startup
 from kvindex.http import cannot_listen, listen, serve_http, stop_signals
 
 log = logging.getLogger("kvindex.processes")
@@ -83,7 +82,6 @@ async def run_indexer(
             if metrics is not None:
                 exporter = _serve_metrics(*metrics)
             await worker.start()
-            freeze_startup()
             sampler = asyncio.create_task(sample_residency(store, config.metrics))
             while not stop.is_set() and worker.running():
                 with contextlib.suppress(TimeoutError):

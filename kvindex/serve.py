@@ -28,7 +28,6 @@ from indexer.stores.base import Store
 from indexer.stores.memory import MemoryStore, compiled
 from indexer.stores.redis import RedisConfig, RedisStore
 from kvindex.config import ServeConfig
-from kvindex.heap import freeze_startup
 from kvindex.http import listen, serve_http, stop_signals
 
 log = logging.getLogger("kvindex.serve")
@@ -80,7 +79,6 @@ async def serve(
                 await registry.add(spec)
             found = discovery.Discovery(sources, leases)
             about = {"engines": [s.name for s in registry.all()], "store": type(store).__name__}
-            freeze_startup()
             await serve_http(app, settings, sock, stop, **about)
     finally:
         if sampler is not None:
