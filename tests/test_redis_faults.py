@@ -93,7 +93,7 @@ def crashing_before_commit(store: RedisStore) -> RedisStore:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "ops_per_call", "most_commands"),
-    [("redis", 16, 60), ("cluster", redis_plan.OPS_PER_CALL, 60)],
+    [("redis", 16, 60), ("cluster", redis_plan.OPS_PER_CALL, 300)],
 )
 async def test_crashes_at_random_points_then_redelivery_apply_each_op_once(
     request: pytest.FixtureRequest,
@@ -102,7 +102,7 @@ async def test_crashes_at_random_points_then_redelivery_apply_each_op_once(
     ops_per_call: int,
     most_commands: int,
 ) -> None:
-    """Batches span many script calls: one per master on a cluster and, with few
+    """Batches span many script calls: one per bucket on a cluster and, with few
     operations per call, several on one server (a call holding a whole batch
     applies it atomically there, which leaves no partial state to test)."""
     monkeypatch.setattr(redis_plan, "OPS_PER_CALL", ops_per_call)

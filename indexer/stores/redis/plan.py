@@ -148,23 +148,20 @@ def bucket_writes(plan: Plan) -> BucketWrites:
     return BucketWrites(tiers, sections, sizes)
 
 
-def script_calls(sizes: dict[int, int], servers: Sequence[object] | None) -> list[list[int]]:
-    """Buckets per script call: whole buckets up to :data:`OPS_PER_CALL` operations a
-    call, each call's buckets on one server.
+def script_calls(sizes: dict[int, int], cluster: bool) -> list[list[int]]:
+    """Buckets per script call: one per call on a cluster (one slot each), else whole
+    buckets up to :data:`OPS_PER_CALL` operations a call.
 
-    ``sizes``: block operations per bucket that has any. ``servers``: on a cluster, the
-    master serving each bucket (a call's first bucket routes it, the others ride along);
-    None on a standalone server. Calls cost the server more than the operations in them,
-    so a cluster batch takes one call per master, not one per bucket.
+    ``sizes``: block operations per bucket that has any.
     """
-    calls: dict[object, list[list[int]]] = {}
-    sized: dict[object, int] = {}
+    if cluster:
+        return [[b] for b in sizes]
+    calls: list[list[int]] = [[]]
+    size = 0
     for b, ops in sizes.items():
-        server = servers[b] if servers is not None else None
-        own = calls.setdefault(server, [[]])
-        if own[-1] and sized[server] + ops > OPS_PER_CALL:
-            own.append([])
-            sized[server] = 0
-        own[-1].append(b)
-        sized[server] = sized.get(server, 0) + ops
-    return [call for own in calls.values() for call in own]
+        if calls[-1] and size + ops > OPS_PER_CALL:
+            calls.append([])
+            size = 0
+        calls[-1].append(b)
+        size += ops
+    return calls

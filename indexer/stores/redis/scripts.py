@@ -1,10 +1,8 @@
 """Lua scripts of the Redis store: every read-modify-write it does, atomically.
 
-Against a Redis Cluster each script touches keys of one server only: one slot,
-or for the block operations the buckets one master serves (a bucket is one
-slot), so atomicity never needs a cross-server transaction. That one checks
-every bucket's anchor before it writes anything, so a bucket whose slot has
-moved away fails the call while it has written nothing. The key layout and the
+Each script touches keys of one hash slot only when the store runs against a
+Redis Cluster (the caller groups keys by bucket, and a bucket is one slot), so
+atomicity never needs a cross-slot transaction. The key layout and the
 exactly-once argument are in :mod:`indexer.stores.redis.layout` and
 :mod:`indexer.stores.redis.store`. The cluster layer's scripts (leases,
 heartbeats, the engine registry) are :mod:`indexer.cluster.scripts`.
@@ -28,16 +26,15 @@ from indexer.stores.redis.client import Script
 #: bottleneck): each is its bucket key plus ":" and the hash, so it carries the
 #: bucket's hash tag and always lives in the declared key's slot.
 APPLY_OPS = Script(
-    """#!lua flags=allow-cross-slot-keys
--- KEYS: bucket hashes, then (ARGV[9]) more bucket hashes of the same server, undeclared (the
---   cluster client routes by one slot): one section per bucket, in that order
+    """
+-- KEYS: one bucket hash per section
 -- ARGV[1]: the batch mark "epoch:seq"; ARGV[2]: the rank id (bucket field "u<rid>" counts
 --   its unknown removals)
 -- ARGV[3]: msgpack tiers, each {field, gid, sibling fields...} (siblings: the other tiers of
 --   the same rank medium generation, for distinct counting)
--- ARGV[4]: msgpack sections, one per bucket, in order: a flat list in event order of
+-- ARGV[4]: msgpack sections, one per KEYS entry, in order: a flat list in event order of
 --   markers (number t: +1 per following hash in tier t; -t: -1) and hashes (strings, each
---   operated on under the last marker before it); block key = bucket .. ":" .. hash
+--   operated on under the last marker before it); block key = KEYS[i] .. ":" .. hash
 -- ARGV[5], ARGV[6]: the store identity the writer knows, and msgpack: per KEYS entry the
 --   lowest "#w" it may hold (-1: not checked, nor counted); when any checked one does not
 --   hold that identity or holds a lower "#w", nothing is written and {-3} is returned: the
@@ -45,9 +42,7 @@ APPLY_OPS = Script(
 -- ARGV[7], ARGV[8]: the rank's fence field and the writer's lease token ("" and "": unfenced);
 --   when any bucket (or the metadata hash) holds a newer token in that field, nothing is
 --   written and {-2} is returned: another owner has claimed the rank.
--- ARGV[9]: msgpack, the undeclared bucket hashes (on a cluster, the other buckets the node of
---   KEYS[1] serves: one call per node, not per bucket)
--- ARGV[10], ARGV[11], ARGV[12] (only on a standalone server, where one call can hold a whole
+-- ARGV[9], ARGV[10], ARGV[11] (only on a standalone server, where one call can hold a whole
 --   batch): the rank's metadata field, its expected and its new value; the metadata hash is
 --   then the last KEYS entry. The batch is applied and committed together, or, when the
 --   metadata changed, not at all (returns {-1}).
@@ -57,8 +52,6 @@ APPLY_OPS = Script(
 -- Returns {block operations applied, then each KEYS entry's "#w" after the call (0: not
 -- counted)}.
 local call = redis.call
-local keys = {unpack(KEYS)}
-for _, key in ipairs(cmsgpack.unpack(ARGV[9])) do keys[#keys + 1] = key end
 local mark = ARGV[1]
 local e, s = string.match(mark, '^(%d+):(%d+)$')
 e, s = tonumber(e), tonumber(s)
@@ -81,9 +74,9 @@ local function shared(key, tier)
 end
 
 local identity, floors, tops = ARGV[5], cmsgpack.unpack(ARGV[6]), {}
-for i = 1, #keys do
+for i = 1, #KEYS do
   if floors[i] >= 0 then
-    local anchor = call('HMGET', keys[i], '#store', '#w', '#top')
+    local anchor = call('HMGET', KEYS[i], '#store', '#w', '#top')
     if anchor[1] ~= identity or (tonumber(anchor[2]) or 0) < floors[i] then return {-3} end
     tops[i] = tonumber(anchor[3]) or 0
   end
@@ -96,14 +89,14 @@ local function fenced(key)
   return newest and tonumber(newest) > token
 end
 
-local buckets = #keys
-if ARGV[10] then
+local buckets = #KEYS
+if ARGV[9] then
   buckets = buckets - 1
-  if fenced(keys[#keys]) then return {-2} end
-  if (call('HGET', keys[#keys], ARGV[10]) or '') ~= ARGV[11] then return {-1} end
+  if fenced(KEYS[#KEYS]) then return {-2} end
+  if (call('HGET', KEYS[#KEYS], ARGV[9]) or '') ~= ARGV[10] then return {-1} end
 end
 for i = 1, buckets do
-  if fenced(keys[i]) then return {-2} end
+  if fenced(KEYS[i]) then return {-2} end
 end
 
 local top = tonumber(ARGV[2])
@@ -113,8 +106,8 @@ end
 
 local applied = 0
 for i = 1, buckets do
-  local bucket, section = keys[i], sections[i]
-  local prefix, gens, unknown = keys[i] .. ':', {}, 0
+  local bucket, section = KEYS[i], sections[i]
+  local prefix, gens, unknown = KEYS[i] .. ':', {}, 0
   local tier, field, g, stores, siblings
   for x = 1, #section do
     local v = section[x]
@@ -157,9 +150,9 @@ for i = 1, buckets do
   if unknown > 0 then call('HINCRBY', bucket, 'u' .. ARGV[2], unknown) end
   if tops[i] and top > tops[i] then call('HSET', bucket, '#top', top) end
 end
-if ARGV[10] then call('HSET', keys[#keys], ARGV[10], ARGV[12]) end
+if ARGV[9] then call('HSET', KEYS[#KEYS], ARGV[9], ARGV[11]) end
 local counters = {applied}
-for i = 1, #keys do counters[i + 1] = floors[i] >= 0 and call('HINCRBY', keys[i], '#w', 1) or 0 end
+for i = 1, #KEYS do counters[i + 1] = floors[i] >= 0 and call('HINCRBY', KEYS[i], '#w', 1) or 0 end
 return counters
 """
 )

@@ -43,7 +43,6 @@ import contextlib
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 import msgspec
-from redis.crc import key_slot
 
 from indexer.core.events import RankId
 from indexer.core.residency import Op
@@ -97,14 +96,6 @@ class RedisStore(RedisReads):
         self._losses = LossWatch(self.client)
         self._losses.listen(lambda loss: self._cache.clear())
         self._sweeper = Sweeper(self.client, config.sweep_interval)
-        self._slots = [key_slot(key) for key in self.layout.encoded_bucket_keys]
-
-    def _servers(self) -> list[str] | None:
-        """On a cluster, the master serving each bucket, as the client last learnt it."""
-        if not self.config.cluster:
-            return None
-        nodes = self.client.redis.nodes_manager
-        return [nodes.get_node_from_slot(slot).name for slot in self._slots]
 
     # --- writing ------------------------------------------------------------
 
@@ -230,7 +221,7 @@ class RedisStore(RedisReads):
         writes = bucket_writes(plan)
         mark, tiers_blob = f"{meta.epoch}:{seq}", encode(writes.tiers)
         fence = next(iter(guard.items()), ("", ""))
-        calls = planning.script_calls(writes.sizes, self._servers())
+        calls = planning.script_calls(writes.sizes, self.config.cluster)
         one_step = len(calls) == 1 and not self.config.cluster
         losses = self._losses
         since, identity = self.losses, losses.identity or await losses.known_identity()
@@ -242,11 +233,6 @@ class RedisStore(RedisReads):
             floors = encode([losses.floors[a] if a >= 0 else -1 for a in anchors[-1]])
             sections_blob = encode([writes.sections[b] for b in group])
             args = [mark, meta.rid, tiers_blob, sections_blob, identity, floors, *fence]
-            if self.config.cluster:  # the client routes by one slot: the rest ride along
-                keys, extra = keys[:1], [self.layout.bucket_keys[b] for b in group[1:]]
-            else:
-                extra = []
-            args.append(encode(extra))
             if one_step:
                 keys.append(self.layout.meta_key)
                 args += commit
