@@ -83,6 +83,8 @@ class RedisClient:
         self.where = redacted(config.url)
         self._scripts: dict[str, str] = {}  # sha -> source of every script run through here
         self._connections = asyncio.Semaphore(config.max_connections)
+        self._loading = asyncio.Lock()  # one script reload at a time
+        self._loads = 0  # reloads done: a caller that waited behind one skips its own
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -101,12 +103,13 @@ class RedisClient:
         """Send commands in one pipeline (one round trip per node); load scripts once."""
         for attempt in (1, 2):
             async with self._connections:  # loading scripts takes a connection too
+                loads = self._loads
                 try:
                     return await self._send(commands)
                 except rex.NoScriptError:
                     if attempt == 2:
                         raise
-                    await self._load_scripts()
+                    await self._load_scripts(loads)
         raise AssertionError("unreachable")
 
     async def _send(self, commands: Sequence[tuple]) -> list:
@@ -118,10 +121,17 @@ class RedisClient:
                 pipe.execute_command(*command)
             return await pipe.execute()
 
-    async def _load_scripts(self) -> None:
-        with self.guard():
-            for source in list(self._scripts.values()):
-                await self.redis.script_load(source)
+    async def _load_scripts(self, seen: int) -> None:
+        """Load every script again, once for all callers that found one missing
+        (``seen``: reloads done when the caller sent): many concurrent reloads on a
+        fresh cluster tripped over each other's connections in redis-py."""
+        async with self._loading:
+            if self._loads != seen:
+                return  # another caller reloaded meanwhile
+            with self.guard():
+                for source in list(self._scripts.values()):
+                    await self.redis.script_load(source)
+            self._loads += 1
 
     async def scan(self, match: str, count: int) -> AsyncIterator[bytes]:
         """Every key matching ``match`` (on every master of a cluster), ``count`` a step."""
