@@ -84,7 +84,6 @@ class RedisClient:
         self._scripts: dict[str, str] = {}  # sha -> source of every script run through here
         self._connections = asyncio.Semaphore(config.max_connections)
         self._loading = asyncio.Lock()  # one script reload at a time
-        self._loads = 0  # reloads done: a caller that waited behind one skips its own
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -103,13 +102,12 @@ class RedisClient:
         """Send commands in one pipeline (one round trip per node); load scripts once."""
         for attempt in (1, 2):
             async with self._connections:  # loading scripts takes a connection too
-                loads = self._loads
                 try:
                     return await self._send(commands)
                 except rex.NoScriptError:
                     if attempt == 2:
                         raise
-                    await self._load_scripts(loads)
+                    await self._load_scripts()
         raise AssertionError("unreachable")
 
     async def _send(self, commands: Sequence[tuple]) -> list:
@@ -121,17 +119,13 @@ class RedisClient:
                 pipe.execute_command(*command)
             return await pipe.execute()
 
-    async def _load_scripts(self, seen: int) -> None:
-        """Load every script again, once for all callers that found one missing
-        (``seen``: reloads done when the caller sent): many concurrent reloads on a
-        fresh cluster tripped over each other's connections in redis-py."""
+    async def _load_scripts(self) -> None:
+        """Load every script again, one caller at a time: many concurrent reloads on
+        a fresh cluster tripped over each other's connections inside redis-py."""
         async with self._loading:
-            if self._loads != seen:
-                return  # another caller reloaded meanwhile
             with self.guard():
                 for source in list(self._scripts.values()):
                     await self.redis.script_load(source)
-            self._loads += 1
 
     async def scan(self, match: str, count: int) -> AsyncIterator[bytes]:
         """Every key matching ``match`` (on every master of a cluster), ``count`` a step."""
