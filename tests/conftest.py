@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -109,6 +111,51 @@ async def assert_matches_trace(store, rank: RankId, name: str) -> None:
             rows = await store.block_residency(int(h))
             got = sum(r.count for r in rows if (r.engine, r.dp_rank, r.medium) == (*rank, medium))
             assert got == n, (medium, h)
+
+
+# --- a compiled extension missing, as when it never built ---------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_without(module: str, script: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter in which ``module`` cannot be imported.
+
+    The module is blocked before kvindex is imported, so kvindex meets the
+    ImportError it would meet on a machine where the extension never built.
+    """
+    return subprocess.run(
+        [sys.executable, "-c", _blocking(module) + script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def serve_warning_without(module: str) -> dict:
+    """The first log line of ``kvindex serve`` started without ``module`` (the
+    warning comes first, before it serves), as JSON."""
+    serve = f"main(['serve', '--port', '{free_ports()}'])"
+    script = f"import sys\nfrom kvindex.cli import main\nsys.exit({serve})\n"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _blocking(module) + script],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = process.stderr.readline()
+    finally:
+        process.terminate()
+        process.wait(10)
+        process.stderr.close()
+    return json.loads(line)
+
+
+def _blocking(module: str) -> str:
+    return f"import sys; sys.modules[{module!r}] = None\n"
 
 
 # --- tiers ---------------------------------------------------------------------------

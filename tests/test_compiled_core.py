@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
@@ -29,13 +27,11 @@ from indexer.stores import MemoryStore, apply_events
 from indexer.stores.memory import compiled, holders
 
 from .apikit import Api
+from .conftest import REPO, run_without, serve_warning_without
 from .events import stored
-from .servers import free_port
 from .test_differential import CHAINS, POOL, Reference, _event
 
-REPO = Path(__file__).resolve().parents[1]
-#: Run before kvindex is imported: the extension then fails to import, as when it never built.
-WITHOUT_HOLDERS = "import sys; sys.modules['indexer.stores.memory._holders'] = None\n"
+EXTENSION = "indexer.stores.memory._holders"
 RANKS = [RankId(f"e{i % 4}", i // 4) for i in range(130)]
 #: chunk sizes per engine: declared, learned, and two declared sizes at once
 ENGINES = {"e0": 2, "e1": None, "e2": 3, "e3": 2}
@@ -65,14 +61,12 @@ def test_the_store_counts_in_the_compiled_tables() -> None:
 
 def test_without_the_extension_the_store_runs_the_reference_and_says_why() -> None:
     script = (
-        f"{WITHOUT_HOLDERS}import json\n"
+        "import json\n"
         "from indexer.stores import MemoryStore\n"
         "from indexer.stores.memory import compiled\n"
         "print(json.dumps([compiled.status(), type(MemoryStore()._holders).__module__]))\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    result = run_without(EXTENSION, script)
     assert result.returncode == 0, result.stderr
     status, module = json.loads(result.stdout)
     assert status["compiled_core"] is False
@@ -97,20 +91,7 @@ async def test_stats_say_when_the_holder_index_is_not_compiled(
 
 @pytest.mark.slow
 def test_serve_warns_on_start_without_the_holder_index() -> None:
-    script = (
-        f"{WITHOUT_HOLDERS}import sys\n"
-        "from kvindex.cli import main\n"
-        f"sys.exit(main(['serve', '--port', '{free_port()}']))\n"
-    )
-    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stderr=subprocess.PIPE,
-                               text=True)  # fmt: skip
-    try:
-        line = process.stderr.readline()  # the warning comes first, before serving
-    finally:
-        process.terminate()
-        process.wait(10)
-        process.stderr.close()
-    entry = json.loads(line)
+    entry = serve_warning_without(EXTENSION)
     assert entry["level"] == "warning"
     assert entry["event"].startswith("compiled holder index not in use")
     assert entry["role"] == "serve"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,10 +18,9 @@ import pytest
 from indexer.engines.vllm import hashing, native
 
 from .apikit import Api
+from .conftest import REPO, run_without, serve_warning_without
 
-REPO = Path(__file__).resolve().parents[1]
-#: Run before kvindex is imported: the extension then fails to import, as when it never built.
-WITHOUT_EXTENSION = "import sys; sys.modules['indexer.engines.vllm._chainhash'] = None\n"
+EXTENSION = "indexer.engines.vllm._chainhash"
 
 
 def test_the_compiled_core_is_in_use() -> None:
@@ -50,17 +47,6 @@ def test_block_hashes_runs_on_the_compiled_core(monkeypatch: pytest.MonkeyPatch)
     assert calls == list(hashing.HASH_ALGOS)
 
 
-def _run(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", WITHOUT_EXTENSION + script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_without_the_extension_hashes_stay_exact_and_status_says_why() -> None:
     script = (
         "import json\n"
@@ -69,7 +55,7 @@ def test_without_the_extension_hashes_stay_exact_and_status_says_why() -> None:
         "print(json.dumps([native.status(), block_hashes(HashSpec('sha256', None, 16), "
         "list(range(48)))]))\n"
     )
-    result = _run(script)
+    result = run_without(EXTENSION, script)
     assert result.returncode == 0, result.stderr
     status, hashes = json.loads(result.stdout)
     assert status["compiled_core"] is False
@@ -79,26 +65,7 @@ def test_without_the_extension_hashes_stay_exact_and_status_says_why() -> None:
 
 
 def test_serve_warns_on_start_without_the_extension() -> None:
-    from tests.servers import free_port
-
-    script = (
-        "import sys\n"
-        "from kvindex.cli import main\n"
-        f"sys.exit(main(['serve', '--port', '{free_port()}']))\n"
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-c", WITHOUT_EXTENSION + script],
-        cwd=REPO,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = process.stderr.readline()  # the warning comes first, before serving
-    finally:
-        process.terminate()
-        process.wait(10)
-        process.stderr.close()
-    entry = json.loads(line)
+    entry = serve_warning_without(EXTENSION)
     assert entry["level"] == "warning"
     assert entry["event"].startswith("compiled core not in use")
     assert entry["role"] == "serve"
