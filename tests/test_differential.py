@@ -15,93 +15,31 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from indexer.core.events import CPU, GPU, MEDIA, AllBlocksCleared, EventBatch, RankId
+from indexer.core.events import CPU, GPU, EventBatch, RankId
 from indexer.core.hybrid import HeldUnits
-from indexer.core.residency import RankResidency, plan_batch
-from indexer.stores import MemoryStore, Store, Watermark, apply_events
+from indexer.stores import MemoryStore, Store, apply_events
 from indexer.stores.memory.hybrids import HeldSlices
 from indexer.stores.redis import RedisStore
 
 from .conftest import redis_config
 from .events import removed, stored
+from .reference import EVENT, Reference, check_answers
 from .servers import LocalCluster, RedisServer
 from .test_store_conformance import DropsRemovals
 
 RANKS = [RankId("a", 0), RankId("a", 1), RankId("b", 0)]
-#: int hashes and bytes hashes (a bytes hash is its own key, never its int)
-POOL = [*range(1, 11), b"\x01" * 32, b"\x02" * 32, (1).to_bytes(32, "big")]
-CHAINS = [POOL[:12], POOL[::-1], [1, 2, 3, 7, 8, 9, 10, POOL[10], POOL[11]], POOL[10:]]
-
-
-@dataclass
-class Reference:
-    """The rules of :mod:`indexer.core` and the watermark rule, nothing else."""
-
-    states: dict[RankId, RankResidency] = field(default_factory=dict)
-    marks: dict[RankId, Watermark] = field(default_factory=dict)
-
-    def apply(self, rank: RankId, seq: int, batch: EventBatch) -> bool:
-        mark = self.marks.get(rank)
-        if mark is not None and seq <= mark.seq:
-            return False
-        self.states.setdefault(rank, RankResidency()).apply(plan_batch(batch))
-        self.marks[rank] = Watermark(seq, batch.ts)
-        return True
-
-    def clear(self, rank: RankId, media: list[str], reset_seq: bool) -> None:
-        if rank in self.states:
-            self.states[rank].clear(media)
-        if reset_seq:
-            self.marks.pop(rank, None)
-
-    def forget(self, rank: RankId) -> None:
-        self.states.pop(rank, None)
-        self.marks.pop(rank, None)
-
-    def residency(self, h: object) -> set[tuple]:
-        return {
-            (rank.engine, rank.dp_rank, *tier, table.locality, table.counts[h])
-            for rank, state in self.states.items()
-            for tier, table in state.tables.items()
-            if h in table.counts
-        }
-
-
-_hashes = st.lists(st.sampled_from(POOL), min_size=1, max_size=6)
-_event = st.one_of(
-    st.builds(
-        stored,
-        _hashes,
-        medium=st.sampled_from([GPU, GPU, CPU, "STORAGE", "cpu"]),
-        owner=st.sampled_from([None, None, "kvcr"]),
-        group=st.sampled_from([0, 0, 1, 2]),
-        kind=st.sampled_from([None, "full_attention", "sliding_window", "mamba"]),
-        locality=st.sampled_from([None, "LOCAL"]),
-        block_size=st.sampled_from([0, 4, 4, 16]),
-        window=st.sampled_from([None, 8, 13]),
-    ),
-    st.builds(
-        removed,
-        _hashes,
-        medium=st.sampled_from([GPU, CPU, "STORAGE"]),
-        owner=st.sampled_from([None, "kvcr"]),
-        group=st.sampled_from([0, 1, 2]),
-    ),
-    st.just(AllBlocksCleared()),
-)
 #: ("batch", rank, seq step (0: a duplicate, 2: a hole), events), a clear, a restart, a forget
 _step = st.one_of(
     st.tuples(
         st.just("batch"),
         st.sampled_from(RANKS),
         st.sampled_from([1, 1, 1, 0, 2]),
-        st.lists(_event, max_size=6),
+        st.lists(EVENT, max_size=6),
     ),
     st.tuples(st.just("clear"), st.sampled_from(RANKS), st.sampled_from([[CPU], [GPU, CPU]])),
     st.tuples(st.just("restart"), st.sampled_from(RANKS)),
@@ -114,27 +52,10 @@ _declared = st.sampled_from([None, 2, 3])
 async def check_equal(
     store: Store, ref: Reference, engines: dict[str, int | None], at: int
 ) -> None:
+    await check_answers(store, ref, RANKS, engines, at)
     for rank in RANKS:
-        state = ref.states.get(rank)
-        want = {m: state.distinct_blocks(m) if state else 0 for m in MEDIA}
-        assert await store.block_counts(rank) == want, (at, rank)
-        unknown = state.unknown_removals if state else 0
-        assert await store.anomalies(rank) == {"unknown_removals": unknown}, (at, rank)
         assert await store.watermark(rank) == ref.marks.get(rank), (at, rank)
     assert await store.ranks() == sorted(ref.states.keys() | ref.marks.keys()), at
-    for h in POOL:
-        rows = await store.block_residency(h)
-        got = {
-            (r.engine, r.dp_rank, r.medium, r.ownership, r.group_idx, r.locality, r.count)
-            for r in rows
-        }
-        assert got == ref.residency(h), (at, h)
-    for chain in CHAINS:
-        want_match = {
-            rank: state.match(chain, engines[rank.engine] or state.chunk_blocks)
-            for rank, state in ref.states.items()
-        }
-        assert await store.prefix_match(chain, engines) == want_match, (at, chain)
 
 
 async def run_stream(make: Callable[[], Store], steps: list[tuple], declared: int | None) -> None:
