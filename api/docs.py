@@ -14,7 +14,9 @@ with internet does not call out either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.resources import files
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -42,34 +44,39 @@ def install_docs(app: FastAPI) -> None:
     bundles = files("fastapi_offline") / "static"
     app.mount(ASSETS, StaticFiles(directory=str(bundles)), name="docs-assets")
 
-    def base(request: Request) -> str:
-        # Behind a proxy that strips a path prefix, the page's URLs need it back.
-        return request.scope.get("root_path", "").rstrip("/")
+    def page(
+        path: str, render: Callable[..., HTMLResponse], assets: dict[str, str], **options: Any
+    ) -> None:
+        """Serve at ``path`` the page ``render`` builds; ``assets``: its URL arguments,
+        each a file of the bundles; ``options``: its other arguments."""
 
-    @app.get("/docs", include_in_schema=False)
-    async def swagger_ui(request: Request) -> HTMLResponse:
-        root = base(request)
-        return _own_urls_only(
-            get_swagger_ui_html(
-                openapi_url=f"{root}{app.openapi_url}",
-                title=f"{app.title} API",
-                swagger_js_url=f"{root}{ASSETS}/swagger-ui-bundle.js",
-                swagger_css_url=f"{root}{ASSETS}/swagger-ui.css",
-                swagger_favicon_url=f"{root}{ASSETS}/favicon.png",
-                oauth2_redirect_url=None,
-                swagger_ui_parameters={"validatorUrl": None},
+        async def handler(request: Request) -> HTMLResponse:
+            # Behind a proxy that strips a path prefix, the page's URLs need it back.
+            root = request.scope.get("root_path", "").rstrip("/")
+            urls = {name: f"{root}{ASSETS}/{file}" for name, file in assets.items()}
+            spec = f"{root}{app.openapi_url}"
+            return _own_urls_only(
+                render(openapi_url=spec, title=f"{app.title} API", **urls, **options)
             )
-        )
 
-    @app.get("/redoc", include_in_schema=False)
-    async def redoc(request: Request) -> HTMLResponse:
-        root = base(request)
-        return _own_urls_only(
-            get_redoc_html(
-                openapi_url=f"{root}{app.openapi_url}",
-                title=f"{app.title} API",
-                redoc_js_url=f"{root}{ASSETS}/redoc.standalone.js",
-                redoc_favicon_url=f"{root}{ASSETS}/favicon.png",
-                with_google_fonts=False,
-            )
-        )
+        app.add_api_route(path, handler, methods=["GET"], include_in_schema=False)
+
+    swagger = {
+        "swagger_js_url": "swagger-ui-bundle.js",
+        "swagger_css_url": "swagger-ui.css",
+        "swagger_favicon_url": "favicon.png",
+    }
+    page(
+        "/docs",
+        get_swagger_ui_html,
+        swagger,
+        oauth2_redirect_url=None,
+        swagger_ui_parameters={"validatorUrl": None},
+    )
+    redoc = {"redoc_js_url": "redoc.standalone.js", "redoc_favicon_url": "favicon.png"}
+    page(
+        "/redoc",
+        get_redoc_html,
+        redoc,
+        with_google_fonts=False,
+    )
