@@ -11,7 +11,6 @@ engine says ``seeded: true`` without it instead.
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated
 
 import msgspec
@@ -21,12 +20,11 @@ from api.auth import require_token
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.openapi import answers, body
+from api.operators import REFUSALS, hand_registered, register
 from api.parsing import StrictQueryRoute, decode_body
 from indexer.leases import Announcement, Granted, HandRegistered, Leases, StaleInstance
-from indexer.registry import BindRefused, UnknownEngine
-from indexer.stores.base import StoreUnavailable
+from indexer.registry import UnknownEngine
 
-log = logging.getLogger("kvindex.api")
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(Announcement).decode
 _AUTH = (ErrorBody, "missing or wrong bearer token (when one is configured)")
@@ -34,14 +32,6 @@ _AUTH = (ErrorBody, "missing or wrong bearer token (when one is configured)")
 
 def _json(value: Granted) -> Response:
     return Response(_encode(value), 200, media_type="application/json")
-
-
-def _hand_registered(name: str) -> ApiError:
-    return ApiError(
-        409,
-        f"engine {name!r} is registered by hand (config, --engine or POST /engines):"
-        " announcements cannot take it over or remove it",
-    )
 
 
 def router(ctx: ApiContext) -> APIRouter:
@@ -56,13 +46,9 @@ def router(ctx: ApiContext) -> APIRouter:
         openapi_extra=body(Announcement),
         responses=answers(
             _200=(Granted, "registered, renewed, restarted or updated; the lease granted"),
-            _400=(ErrorBody, "body is not JSON"),
-            _401=_AUTH,
             _403=(ErrorBody, "spec.hash_seed sent while no auth token is configured"),
             _409=(ErrorBody, "the name is registered by hand"),
-            _413=(ErrorBody, "body over the configured maximum"),
-            _422=(ErrorBody, "a malformed or unknown field, an unusable endpoint or bind"),
-            _503=(ErrorBody, "the store is unreachable"),
+            **REFUSALS,
         ),
         summary="Announce an engine (register or renew its lease)",
     )
@@ -75,18 +61,7 @@ def router(ctx: ApiContext) -> APIRouter:
                 "spec.hash_seed: accepted only on an authenticated request (configure"
                 " auth_token); announce seeded: true without the seed instead",
             )
-        try:
-            ctx.settings.engine_binds.check(spec)
-            granted = await leases.announce(announcement)
-        except BindRefused as e:
-            raise ApiError(422, str(e)) from None
-        except HandRegistered:
-            raise _hand_registered(spec.name) from None
-        except (ApiError, StoreUnavailable):
-            raise
-        except Exception as e:  # a listener could not take it (e.g. an endpoint ZMQ refuses)
-            log.warning("announcement refused", extra={"engine": spec.name, "error": repr(e)})
-            raise ApiError(422, f"cannot consume engine {spec.name!r}: {e}") from None
+        granted = await register(ctx, spec, lambda: leases.announce(announcement))
         return _json(granted)
 
     @routes.delete(
@@ -110,7 +85,7 @@ def router(ctx: ApiContext) -> APIRouter:
         except UnknownEngine:
             raise ApiError(404, f"unknown engine {name!r}") from None
         except HandRegistered:
-            raise _hand_registered(name) from None
+            raise hand_registered(name) from None
         except StaleInstance as e:
             raise ApiError(
                 409,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from typing import Annotated
+from collections.abc import Awaitable, Callable
+from typing import Annotated, TypeVar
 
 import msgspec
 from fastapi import APIRouter, Path, Request, Response
@@ -31,6 +32,7 @@ from api.schemas import (
 )
 from indexer.core.events import MEDIA, RankId
 from indexer.engines import catalog
+from indexer.leases import HandRegistered
 from indexer.registry import (
     BindRefused,
     EngineExists,
@@ -41,6 +43,7 @@ from indexer.registry import (
     degraded_reasons,
     is_degraded,
 )
+from indexer.stores.base import StoreUnavailable
 from indexer.stores.memory import compiled as holder_core
 
 log = logging.getLogger("kvindex.api")
@@ -50,6 +53,19 @@ _decode_spec = msgspec.json.Decoder(EngineSpec).decode
 _UNAVAILABLE = (ErrorBody, "the store is unreachable")
 _UNKNOWN = (ErrorBody, "no engine of that name is registered")
 _AUTH = (ErrorBody, "missing or wrong bearer token (when one is configured)")
+T = TypeVar("T")
+#: How a registration (``POST /engines``, an announcement) is refused (see :func:`register`).
+REFUSALS = {
+    "_400": (ErrorBody, "body is not JSON"),
+    "_401": _AUTH,
+    "_413": (ErrorBody, "body over the configured maximum"),
+    "_422": (
+        ErrorBody,
+        "a malformed or unknown field, an endpoint that cannot be used, or a bind"
+        " the operator has not allowed (subscriber.bind)",
+    ),
+    "_503": _UNAVAILABLE,
+}
 EngineName = Annotated[str, Path(description="a registered engine's name")]
 
 
@@ -140,6 +156,37 @@ class Operators:
         )
 
 
+async def register(ctx: ApiContext, spec: EngineSpec, add: Callable[[], Awaitable[T]]) -> T:
+    """Register ``spec`` through ``add`` (the registry's, or the leases' for an
+    announcement) once the operator's bind rules allow it, so that ``POST /engines``
+    and announcements refuse alike: a bind not allowed, or a spec no listener can
+    take (e.g. an endpoint ZMQ refuses), is a 422; a name taken (registered already,
+    or by hand) a 409; an unreachable store stays a 503."""
+    try:
+        ctx.settings.engine_binds.check(spec)
+        return await add()
+    except BindRefused as e:
+        raise ApiError(422, str(e)) from None
+    except EngineExists:
+        raise ApiError(409, f"engine {spec.name!r} is already registered") from None
+    except HandRegistered:
+        raise hand_registered(spec.name) from None
+    except (ApiError, StoreUnavailable):
+        raise
+    except Exception as e:  # a listener could not take it
+        log.warning("engine refused", extra={"engine": spec.name, "error": repr(e)})
+        raise ApiError(422, f"cannot consume engine {spec.name!r}: {e}") from None
+
+
+def hand_registered(name: str) -> ApiError:
+    """The answer when announcements reach for an engine an operator registered."""
+    return ApiError(
+        409,
+        f"engine {name!r} is registered by hand (config, --engine or POST /engines):"
+        " announcements cannot take it over or remove it",
+    )
+
+
 def _compiled_status() -> dict[str, bool | str | None]:
     """The compiled core is in use when every compiled part is (each engine adapter's,
     such as vLLM's token hashing, and the embedded store's holder index); the errors of
@@ -200,30 +247,14 @@ def router(ctx: ApiContext) -> APIRouter:
         openapi_extra=body(EngineSpec),
         responses=answers(
             _201=(EngineSpec, "registered; consumption has started"),
-            _400=(ErrorBody, "body is not JSON"),
-            _401=_AUTH,
             _409=(ErrorBody, "an engine of that name is already registered"),
-            _413=(ErrorBody, "body over the configured maximum"),
-            _422=(
-                ErrorBody,
-                "a malformed or unknown field, an endpoint that cannot be used, or a bind"
-                " the operator has not allowed (subscriber.bind)",
-            ),
+            **REFUSALS,
         ),
         summary="Register an engine",
     )
     async def add_engine(request: Request) -> Response:
         spec = await decode_body(request, _decode_spec, "engine")
-        try:
-            ctx.settings.engine_binds.check(spec)
-            await ops.registry.add(spec)
-        except BindRefused as e:
-            raise ApiError(422, str(e)) from None
-        except EngineExists:
-            raise ApiError(409, f"engine {spec.name!r} is already registered") from None
-        except Exception as e:  # a listener could not take it (e.g. an endpoint ZMQ refuses)
-            log.warning("engine refused", extra={"engine": spec.name, "error": repr(e)})
-            raise ApiError(422, f"cannot consume engine {spec.name!r}: {e}") from None
+        await register(ctx, spec, lambda: ops.registry.add(spec))
         return _json(spec, 201)
 
     @routes.get(
