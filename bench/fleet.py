@@ -16,31 +16,18 @@ from __future__ import annotations
 
 import multiprocessing
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 from indexer.core.events import RankId
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
 from indexer.engines.vllm.wire import encode_batch
 from producer.sim import SimConfig, SimEngine
+from producer.vllm_trace import long_chat
 from producer.workload import Workload, WorkloadConfig
 
 BLOCK_SIZE = 16
 CHUNK_BLOCKS = 4
-
-#: Chat with long documents pasted in: 1k-8k-token system prompts (Zipf-popular),
-#: 128-2k-token user turns, up to a dozen turns.
-LONG_CHAT = WorkloadConfig(
-    seed=11,
-    system_prompts=16,
-    system_prompt_tokens=(1024, 8192),
-    user_tokens=(128, 2048),
-    output_tokens=(32, 512),
-    max_turns=12,
-    max_context_tokens=24_576,
-    active_conversations=8,
-    new_conversation_prob=0.25,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +51,7 @@ class FleetConfig:
         )
 
     def workload(self) -> WorkloadConfig:
-        return replace(LONG_CHAT, max_context_tokens=self.max_context_tokens)
+        return long_chat(seed=11, max_context_tokens=self.max_context_tokens)
 
 
 #: About 290k resident entries over 64 engines (GPU ~1.9k + CPU ~2.5k blocks each).

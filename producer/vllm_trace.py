@@ -20,19 +20,27 @@ from indexer.engines import catalog
 from producer.sim import SimConfig, SimEngine
 from producer.workload import Workload, WorkloadConfig
 
-#: Chat with long pasted documents: prefills store hundreds of blocks at once,
-#: decodes one block per running request per step.
-CHAT = WorkloadConfig(
-    seed=13,
-    system_prompts=16,
-    system_prompt_tokens=(1024, 8192),
-    user_tokens=(128, 2048),
-    output_tokens=(32, 512),
-    max_turns=12,
-    max_context_tokens=24_576,
-    active_conversations=8,
-    new_conversation_prob=0.25,
-)
+
+def long_chat(seed: int, max_context_tokens: int = 24_576) -> WorkloadConfig:
+    """Chat with long pasted documents (1k-8k-token system prompts, 128-2k-token user
+    turns, up to a dozen turns): prefills store hundreds of blocks at once, decodes
+    one block per running request per step. The trace and the benchmarks' fleet
+    run it, each with its own ``seed``."""
+    return WorkloadConfig(
+        seed=seed,
+        system_prompts=16,
+        system_prompt_tokens=(1024, 8192),
+        user_tokens=(128, 2048),
+        output_tokens=(32, 512),
+        max_turns=12,
+        max_context_tokens=max_context_tokens,
+        active_conversations=8,
+        new_conversation_prob=0.25,
+    )
+
+
+#: The trace's workload.
+CHAT = long_chat(seed=13)
 #: The trace is vLLM's: its payloads are encoded as vLLM's adapter encodes them.
 VLLM = catalog.adapter("vllm")
 ENGINE = SimConfig(
