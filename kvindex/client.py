@@ -21,8 +21,10 @@ server's dependencies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+import abc
+import contextlib
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 import httpx
 import msgspec
@@ -94,6 +96,8 @@ def best_rank(match: PrefixMatch, *, allow_degraded: bool = False) -> EngineMatc
     return None
 
 
+H = TypeVar("H", httpx.Client, httpx.AsyncClient)
+R = TypeVar("R", PrefixMatch, Awaitable[PrefixMatch])
 _decode_match = msgspec.json.Decoder(PrefixMatch).decode
 _decode_error = msgspec.json.Decoder(dict[str, Any]).decode
 
@@ -114,8 +118,13 @@ def _answer(response: httpx.Response) -> PrefixMatch:
     raise kind(response.status_code, message)
 
 
-def _unreachable(error: httpx.TransportError) -> KvindexUnavailable:
-    return KvindexUnavailable(0, f"{type(error).__name__}: {error}")
+@contextlib.contextmanager
+def _unreachable() -> Iterator[None]:
+    """A connection that failed is unavailability (retried), like a 503."""
+    try:
+        yield
+    except httpx.TransportError as e:
+        raise KvindexUnavailable(0, f"{type(e).__name__}: {e}") from e
 
 
 def _policy(retries: int, backoff: float) -> dict[str, Any]:
@@ -135,41 +144,13 @@ def _policy(retries: int, backoff: float) -> dict[str, Any]:
     }
 
 
-class _Queries:
-    """What both clients share: the settings and the query's body."""
-
-    def __init__(self, url: str, token: str | None, retries: int, backoff: float) -> None:
-        self._headers = {"Content-Type": "application/json"}
-        if token is not None:
-            self._headers["Authorization"] = f"Bearer {token}"
-        self._url = url.rstrip("/") + "/prefix-match"
-        self._policy = _policy(retries, backoff)
-
-    @staticmethod
-    def fields(
-        tokens: Sequence[int] | None,
-        block_hashes: Sequence[int | str] | None,
-        prompt: str | Sequence[int] | None,
-        messages: Iterable[dict[str, Any]] | None,
-        model: str | None,
-        engines: Sequence[str] | None,
-        more: dict[str, Any],
-    ) -> bytes:
-        listed = {"tokens": tokens, "block_hashes": block_hashes, "engines": engines}
-        fields = {k: list(v) if v is not None else None for k, v in listed.items()}
-        messages = list(messages) if messages is not None else None
-        return _body({**fields, "prompt": prompt, "messages": messages, "model": model, **more})
-
-
-class AsyncKvindex(_Queries):
-    """The asyncio client (one per process: it pools connections).
-
-    ``timeout``: seconds for each attempt (connect, read, write); ``retries``:
-    further attempts after a 503 or a failed connection, waiting about
-    ``backoff`` seconds, then twice that..., jittered; ``token``: the bearer
-    token, if kvindex requires one. ``client``: an httpx client to use instead
-    of a new one (then closing it is the caller's business).
+class _Client(abc.ABC, Generic[H, R]):
+    """What both clients share: the settings, each query's request and the parse of
+    its answer; a client adds only how a request is sent (:meth:`_send`), so the
+    blocking client and the asyncio one cannot drift apart.
     """
+
+    _transport: Callable[..., H]  # httpx.Client or httpx.AsyncClient
 
     def __init__(
         self,
@@ -179,13 +160,17 @@ class AsyncKvindex(_Queries):
         retries: int = 3,
         backoff: float = 0.05,
         token: str | None = None,
-        client: httpx.AsyncClient | None = None,
+        client: H | None = None,
     ) -> None:
-        super().__init__(url, token, retries, backoff)
+        self._headers = {"Content-Type": "application/json"}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._url = url.rstrip("/") + "/prefix-match"
+        self._policy = _policy(retries, backoff)
         self._own = client is None
-        self._client = client or httpx.AsyncClient(timeout=timeout)
+        self._client = client or self._transport(timeout=timeout)
 
-    async def prefix_match(
+    def prefix_match(
         self,
         *,
         tokens: Sequence[int] | None = None,
@@ -195,19 +180,40 @@ class AsyncKvindex(_Queries):
         model: str | None = None,
         engines: Sequence[str] | None = None,
         **more: Any,
-    ) -> PrefixMatch:
-        """``POST /prefix-match``; ``more``: any other field (``add_generation_prompt``,
-        ``lora_name``, ``cache_salt`` ...), as the API documents them."""
-        body = self.fields(tokens, block_hashes, prompt, messages, model, engines, more)
+    ) -> R:
+        """``POST /prefix-match`` (awaited on :class:`AsyncKvindex`); ``more``: any
+        other field (``add_generation_prompt``, ``lora_name``, ``cache_salt`` ...),
+        as the API documents them."""
+        listed = {"tokens": tokens, "block_hashes": block_hashes, "engines": engines}
+        fields = {k: list(v) if v is not None else None for k, v in listed.items()}
+        messages = list(messages) if messages is not None else None
+        return self._send(
+            _body({**fields, "prompt": prompt, "messages": messages, "model": model, **more})
+        )
+
+    @abc.abstractmethod
+    def _send(self, body: bytes) -> R:
+        """Post ``body`` under the retry policy; the parsed answer."""
+
+
+class AsyncKvindex(_Client[httpx.AsyncClient, Awaitable[PrefixMatch]]):
+    """The asyncio client (one per process: it pools connections).
+
+    ``timeout``: seconds for each attempt (connect, read, write); ``retries``:
+    further attempts after a 503 or a failed connection, waiting about
+    ``backoff`` seconds, then twice that..., jittered; ``token``: the bearer
+    token, if kvindex requires one. ``client``: an httpx client to use instead
+    of a new one (then closing it is the caller's business).
+    """
+
+    _transport = httpx.AsyncClient
+
+    async def _send(self, body: bytes) -> PrefixMatch:
         async for attempt in tenacity.AsyncRetrying(**self._policy):
-            with attempt:
-                try:
-                    response = await self._client.post(
-                        self._url, content=body, headers=self._headers
-                    )
-                except httpx.TransportError as e:
-                    raise _unreachable(e) from e
-                return _answer(response)
+            with attempt, _unreachable():
+                return _answer(
+                    await self._client.post(self._url, content=body, headers=self._headers)
+                )
         raise AssertionError("tenacity either returns or raises")  # pragma: no cover
 
     async def aclose(self) -> None:
@@ -221,43 +227,15 @@ class AsyncKvindex(_Queries):
         await self.aclose()
 
 
-class Kvindex(_Queries):
+class Kvindex(_Client[httpx.Client, PrefixMatch]):
     """The blocking client, for routers without an event loop; as :class:`AsyncKvindex`."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        timeout: float = 2.0,
-        retries: int = 3,
-        backoff: float = 0.05,
-        token: str | None = None,
-        client: httpx.Client | None = None,
-    ) -> None:
-        super().__init__(url, token, retries, backoff)
-        self._own = client is None
-        self._client = client or httpx.Client(timeout=timeout)
+    _transport = httpx.Client
 
-    def prefix_match(
-        self,
-        *,
-        tokens: Sequence[int] | None = None,
-        block_hashes: Sequence[int | str] | None = None,
-        prompt: str | Sequence[int] | None = None,
-        messages: Iterable[dict[str, Any]] | None = None,
-        model: str | None = None,
-        engines: Sequence[str] | None = None,
-        **more: Any,
-    ) -> PrefixMatch:
-        """``POST /prefix-match``, as :meth:`AsyncKvindex.prefix_match`."""
-        body = self.fields(tokens, block_hashes, prompt, messages, model, engines, more)
+    def _send(self, body: bytes) -> PrefixMatch:
         for attempt in tenacity.Retrying(**self._policy):
-            with attempt:
-                try:
-                    response = self._client.post(self._url, content=body, headers=self._headers)
-                except httpx.TransportError as e:
-                    raise _unreachable(e) from e
-                return _answer(response)
+            with attempt, _unreachable():
+                return _answer(self._client.post(self._url, content=body, headers=self._headers))
         raise AssertionError("tenacity either returns or raises")  # pragma: no cover
 
     def close(self) -> None:
