@@ -26,6 +26,7 @@ from bench import (
     hybrid,
     idle,
     ingest,
+    issue16,
     memory,
     plots,
     prompts,
@@ -47,10 +48,13 @@ SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13",
 def _section(report: Report, name: str, fn: Callable[[], object]) -> None:
     started = time.monotonic()
     print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+    items = name.split("+")
+    report.ran.extend(items)
     try:
         report.details[name] = fn()
     except Exception as e:  # one broken section must not cost the others
         traceback.print_exc()
+        report.failed.extend(items)
         report.notes.append(f"section {name} failed: {type(e).__name__}: {e}")
     print(f"[bench] {name} done in {time.monotonic() - started:.0f} s", file=sys.stderr)
 
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("ERROR")  # the outrun degrades its rank on purpose
     only = set(args.only or SECTIONS)
     quick = args.quick
-    report = Report("quick" if quick else "full")
+    report = Report("quick" if quick else "full", issue16.TABLE)
     args.out.mkdir(parents=True, exist_ok=True)
 
     started = time.monotonic()
@@ -92,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if "8" in only:
         _section(report, "8", lambda: _scaling(report, fleet, store, quick, args.out))
     if "6" in only:
-        requests = 300 if quick else 2000
-        _section(report, "6", lambda: http.run(report, fleet, 8, requests))
+        requests = 1200 if quick else 6000
+        profile = args.out / "profile-http.txt" if args.profile else None
+        _section(report, "6", lambda: http.run(report, fleet, 8, requests, profile))
     if "3" in only:
         batches, seconds = (3000, 3.0) if quick else (20_000, 5.0)
         _section(report, "3", lambda: e2e.run(report, fleet.stream, batches, seconds))
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         _section(report, "profile", lambda: profiles_run(fleet, store, stream, args.out))
     _notes(report, quick)
-    report.figures.sort(key=lambda f: f.section)
+    report.figures.sort(key=lambda f: (len(f.section), f.section))  # "2" before "10"
+    report.plots.extend(plots.rows(report.as_dict()["figures"], args.out))
     md, js = report.write(args.out)
     print(report.markdown())
     print(f"[bench] wrote {md} and {js} in {time.monotonic() - started:.0f} s", file=sys.stderr)

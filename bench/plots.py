@@ -1,17 +1,29 @@
-"""Item 8's curves as PNGs (matplotlib, headless)."""
+"""The report's plots as PNGs (matplotlib, headless): item 8's curves and issue 16's rows.
+
+Each plot is drawn from what ``report.json`` holds (``python -m bench.plots
+[DIR]`` draws them again from ``DIR/report.json``), so a report and its plots
+never disagree.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import sys
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use(): the backend is chosen first
 
+from bench.issue16 import TABLE
+from bench.report import distinct_parts
 
-def _axes(title: str, xlabel: str, ylabel: str):
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+
+def _axes(title: str, xlabel: str, ylabel: str, figsize: tuple[float, float] = (6, 4)):
+    fig, ax = plt.subplots(figsize=figsize, dpi=110)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -27,9 +39,14 @@ def _save(fig, out: Path, name: str) -> str:
     return name
 
 
+def _by_int(curve: dict) -> dict[int, dict]:
+    """A curve keyed by engines or blocks: ints in the run, strings once read from JSON."""
+    return {int(k): v for k, v in curve.items()}
+
+
 def scaling(details: dict, out: Path) -> list[str]:
     """One PNG per curve family; returns the file names written in ``out``."""
-    engines, lengths = details["by_engines"], details["by_length"]
+    engines, lengths = _by_int(details["by_engines"]), _by_int(details["by_length"])
     xs = sorted(engines)
     fig, ax = _axes("Ingest cost vs engines", "engines", "microseconds per block op")
     ax.plot(xs, [engines[x]["ingest_us_per_op"] for x in xs], "o-", label="kvindex decode+apply")
@@ -57,3 +74,49 @@ def scaling(details: dict, out: Path) -> list[str]:
     ax.legend()
     names.append(_save(fig, out, "scaling_ingest_length.png"))
     return names
+
+
+def rows(figures: list[dict], out: Path) -> list[str]:
+    """Issue 16's rows as bars of ratio-to-goal from 1 (the goal: right of it is met, left of
+    it missed by that factor), one bar per figure, in issue 16's order; nothing when no row
+    was measured."""
+    groups: dict[str, list[dict]] = {row.key: [] for row in TABLE.rows}
+    for f in figures:
+        if f["row"] and f["to_goal"] is not None and math.isfinite(f["to_goal"]):
+            groups.setdefault(f["row"], []).append(f)
+    bars, labels = [], []
+    for row, group in groups.items():
+        bars += group
+        labels += [f"{row}: {p}" if p else row for p in distinct_parts([f["name"] for f in group])]
+    if not bars:
+        return []
+    fig, ax = _axes("Issue 16's rows: ratio / goal (>= 1 is met)", "times the goal", "",
+                    (8, 0.35 * len(bars) + 1.5))  # fmt: skip
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    reach = [f["to_goal"] for f in bars]
+    ys = range(len(bars))
+    ax.barh(ys, [r - 1 for r in reach], left=1,
+            color=["tab:green" if f["met"] else "tab:red" for f in bars])  # fmt: skip
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xlim(min(1, *reach) / 1.5, max(1, *reach) * 4)
+    ax.set_yticks(list(ys), labels)
+    ax.invert_yaxis()  # the table's order, top down
+    for y, f in zip(ys, bars, strict=True):
+        ax.annotate(f" {f['ratio']:.3g} (goal {f['goal']})", (max(1, f["to_goal"]), y),
+                    va="center", fontsize=8)  # fmt: skip
+    return [_save(fig, out, "issue16_rows.png")]
+
+
+def main(argv: list[str]) -> int:
+    """Draw every plot again from ``report.json`` in the given directory (default: results)."""
+    out = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results"
+    report = json.loads((out / "report.json").read_text())
+    names = rows(report["figures"], out)
+    if "8" in report["details"]:
+        names += scaling(report["details"]["8"], out)
+    print("\n".join(str(out / n) for n in names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
