@@ -26,4 +26,11 @@ HOLDERS = Extension(
     extra_compile_args=["-O3"],
 )
 
-setup(ext_modules=cythonize([CHAIN_HASH, HOLDERS], language_level=3))
+# vLLM batch payloads scanned for the index without a Python object per field.
+FRAMES = Extension(
+    "indexer.engines.vllm._frames",
+    ["indexer/engines/vllm/_frames.pyx"],
+    extra_compile_args=["-O3"],
+)
+
+setup(ext_modules=cythonize([CHAIN_HASH, HOLDERS, FRAMES], language_level=3))

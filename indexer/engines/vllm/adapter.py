@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from indexer.engines.base import Prompt
-from indexer.engines.vllm import hashing, native, render, wire
+from indexer.engines.vllm import frames, hashing, native, render, wire
 from indexer.engines.zmq_framing import ZmqFraming
 
 
@@ -68,12 +68,30 @@ class VllmRenderer:
         return template_traits(source, tree, call_parameters)
 
 
+class VllmCompiled:
+    """vLLM's compiled parts, reported as one: the hashing core and the payload scanner."""
+
+    parts = (native, frames)
+
+    def status(self) -> dict[str, bool | str | None]:
+        statuses = [part.status() for part in self.parts]
+        errors = [s["compiled_core_error"] for s in statuses if s["compiled_core_error"]]
+        return {
+            "compiled_core": all(s["compiled_core"] for s in statuses),
+            "compiled_core_error": "; ".join(errors) or None,
+        }
+
+    def warn_if_unavailable(self, role: str) -> bool:
+        in_use = [part.warn_if_unavailable(role) for part in self.parts]  # each warns
+        return all(in_use)
+
+
 class VllmAdapter(ZmqFraming):
     """Maps (or positional arrays) in msgpack, seq-numbered ZMQ frames, vLLM's hashes."""
 
     name = "vllm"
     hash_algos = hashing.HASH_ALGOS
-    compiled = native
+    compiled = VllmCompiled()
     renderer = VllmRenderer()
 
     batch_ts = staticmethod(wire.batch_ts)

@@ -10,11 +10,17 @@ field names are vLLM's). Every way a payload can be wrong surfaces as one
 exception, :class:`~indexer.core.events.WireError`, with a short
 machine-readable ``reason`` the consumer counts. The ZMQ frames around a
 payload are :mod:`indexer.engines.zmq_framing`'s.
+
+Decoding for the index alone (``tokens=False``, what ingest does unless the
+token index learns from the engine) runs the compiled scanner of
+:mod:`indexer.engines.vllm.frames` when it built; the msgspec path here is its
+executable spec, and decodes whatever the scanner leaves to it.
 """
 
 from __future__ import annotations
 
 import struct
+from itertools import groupby
 from typing import Union
 
 import msgspec
@@ -27,7 +33,8 @@ from indexer.core.events import (
     EventBatch,
     WireError,
 )
-from indexer.engines.base import check_batch
+from indexer.engines.base import MAX_HASHES_PER_EVENT, check_batch
+from indexer.engines.vllm import frames
 
 
 def _default(field: msgspec.structs.FieldInfo) -> object:
@@ -131,6 +138,8 @@ _VllmBatch = msgspec.defstruct(
 _decode_map = msgspec.msgpack.Decoder(EventBatch).decode
 _decode_indexed = msgspec.msgpack.Decoder(IndexedBatch).decode
 _decode_legacy = msgspec.msgpack.Decoder(list).decode
+#: The compiled scanner for ``tokens=False``, None without the build.
+_scan = frames.index_decoder(StoredHashes, BlockRemoved, AllBlocksCleared, IndexedBatch)
 
 
 def _convert(event: msgspec.Struct, to: type) -> msgspec.Struct:
@@ -142,14 +151,84 @@ def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
 
     Media are validated here but left as sent; use :func:`normalise_medium`.
     ``tokens=False`` decodes stores as :data:`StoredHashes` (an
-    :class:`IndexedBatch`), skipping what only the token index reads.
+    :class:`IndexedBatch`), skipping what only the token index reads, with
+    alike neighbours merged (:func:`merge_alike`).
     """
+    if tokens:
+        return _decode_typed(payload, _decode_map)
+    batch = _scan(payload) if _scan is not None else None
+    return check_batch(batch) if batch is not None else decode_indexed(payload)
+
+
+def decode_indexed(payload: bytes) -> EventBatch:
+    """``decode_batch(payload, tokens=False)`` by msgspec: what the compiled scanner
+    must equal, and what decodes every payload it leaves alone."""
+    return merge_alike(_decode_typed(payload, _decode_indexed))
+
+
+def _decode_typed(payload: bytes, decode: object) -> EventBatch:
     try:
-        return check_batch((_decode_map if tokens else _decode_indexed)(payload))
+        return check_batch(decode(payload))
     except msgspec.DecodeError as map_error:
         legacy = _legacy_batch(payload, map_error)
     events = [_from_positional(e) for e in legacy[1]]
     return check_batch(EventBatch(legacy[0], events, legacy[2]))
+
+
+def _alike(event: Event) -> tuple | None:
+    """What consecutive events must share to merge; None: the event merges with none.
+
+    Removals and GPU stores merge: the index adds or drops their hashes in order
+    either way, and every reader of a batch for the index (planning, routed
+    confirmations, declared-group checks) reads these fields alike for all of
+    them. Lower-tier stores do not: each one's length teaches the chunk size.
+    """
+    cls = type(event)
+    if cls is BlockRemoved:
+        return (cls, event.medium, event.group_idx, event.locality, event.ownership)
+    if cls is StoredHashes and event.medium in (None, "GPU"):
+        return (
+            cls,
+            event.medium,
+            event.group_idx,
+            event.locality,
+            event.ownership,
+            event.kv_cache_spec_kind,
+            event.kv_cache_spec_sliding_window,
+            event.block_size,
+        )
+    return None
+
+
+def merge_alike(batch: EventBatch) -> EventBatch:
+    """The batch with each stretch of consecutive alike events (:func:`_alike`) as one
+    event listing their hashes in order, up to :data:`MAX_HASHES_PER_EVENT` each.
+
+    vLLM evicts one block per ``BlockRemoved``: hundreds of events a batch that the
+    index counts as one list; merged here, planning a batch costs a few events.
+    """
+    merged: list[Event] = []
+    for key, stretch in groupby(batch.events, _alike):
+        if key is None:
+            merged.extend(stretch)
+            continue
+        run: list[Event] = []
+        count = 0
+        for event in stretch:
+            if run and count + len(event.block_hashes) > MAX_HASHES_PER_EVENT:
+                merged.append(_joined(run))
+                run, count = [], 0
+            run.append(event)
+            count += len(event.block_hashes)
+        merged.append(_joined(run))
+    return msgspec.structs.replace(batch, events=merged)
+
+
+def _joined(run: list[Event]) -> Event:
+    """One event of a run of alike ones: the first with every hash of the run."""
+    if len(run) == 1:
+        return run[0]
+    return msgspec.structs.replace(run[0], block_hashes=[h for e in run for h in e.block_hashes])
 
 
 def _legacy_batch(payload: bytes, map_error: Exception) -> tuple:

@@ -1,0 +1,60 @@
+"""Whether ingest scans payloads in C (``_frames``), and if not, why.
+
+The scanner is a Cython module built at install time. Without it every payload
+goes through msgspec (:func:`indexer.engines.vllm.wire.decode_indexed`): the
+same batches, only several times slower, so a missing build is said loudly:
+every role warns on start (the adapter's compiled part) and ``/stats``
+reports it. ``tests/test_frames.py`` fails the run when the build is missing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from importlib import import_module
+from types import ModuleType
+
+from indexer.core.events import EventBatch
+from indexer.engines.base import MAX_HASHES_PER_EVENT
+
+log = logging.getLogger("kvindex.native")
+
+
+def _import_scanner() -> tuple[ModuleType | None, str | None]:
+    try:
+        return import_module("indexer.engines.vllm._frames"), None
+    except ImportError as error:
+        return None, f"{type(error).__name__}: {error}"
+
+
+#: The compiled scanner's module, or None when it did not build or load.
+scanner, IMPORT_ERROR = _import_scanner()
+AVAILABLE: bool = scanner is not None
+
+
+def index_decoder(
+    stored: type, removed: type, cleared: type, batch: type
+) -> Callable[[bytes], EventBatch | None] | None:
+    """The compiled ``payload -> batch for the index, or None`` (None: msgspec must
+    decode it), building these classes positionally (in the order of ``_frames``'
+    field numbers: ``tests/test_frames.py`` fails if a field moves); None without
+    the build."""
+    if scanner is None:
+        return None
+    return scanner.IndexDecoder(stored, removed, cleared, batch, MAX_HASHES_PER_EVENT)
+
+
+def status() -> dict[str, bool | str | None]:
+    """Whether the scanner is in use, and the import error: part of ``/stats``."""
+    return {"compiled_core": AVAILABLE, "compiled_core_error": IMPORT_ERROR}
+
+
+def warn_if_unavailable(role: str) -> bool:
+    """Log a WARNING when the scanner is missing; True if it is in use."""
+    if not AVAILABLE:
+        log.warning(
+            "compiled payload scanner not in use: ingest decodes through msgspec, several "
+            "times slower; reinstall with a C compiler (pip install -e .)",
+            extra={"role": role, "import_error": IMPORT_ERROR},
+        )
+    return AVAILABLE
