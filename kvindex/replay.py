@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kvindex.options import cannot
 
 if TYPE_CHECKING:
-    from indexer.ingest.trace import Expected, ReplayStats, Trace
+    from indexer.ingest.trace import Expected, Payloads, ReplayStats
     from indexer.stores.redis import RedisConfig
 
 log = logging.getLogger("kvindex")
@@ -23,7 +23,7 @@ REPLAY_ENGINE = "replay"
 def replay(args: argparse.Namespace) -> int:
     """Print the report on stdout; with probes, the verdict on stderr (exit 1 if
     any probe differs), so a script can keep the JSON and still see the result."""
-    from indexer.ingest.trace import load_expected, load_trace
+    from indexer.ingest.trace import load_expected, map_trace
     from indexer.stores import StoreUnavailable
 
     redis = None
@@ -36,7 +36,7 @@ def replay(args: argparse.Namespace) -> int:
             )
         except ValueError as e:
             return cannot(args, str(e))
-    trace = load_trace(args.trace)
+    trace = map_trace(args.trace)
     expected = load_expected(args.probe) if args.probe else None
     try:
         report, stats = asyncio.run(_replay_into_store(redis, trace, expected))
@@ -71,7 +71,7 @@ def _verdict(expected: Expected, answers: list[dict[str, int]]) -> int:
 
 
 async def _replay_into_store(
-    redis: RedisConfig | None, trace: Trace, expected: Expected | None
+    redis: RedisConfig | None, trace: Payloads, expected: Expected | None
 ) -> tuple[dict, ReplayStats]:
     """Replay into the embedded store, or into Redis after forgetting an earlier replay."""
     from indexer.core.events import RankId

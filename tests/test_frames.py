@@ -20,6 +20,7 @@ from indexer.core.residency import plan_batch
 from indexer.core.routed import confirmations
 from indexer.engines import base
 from indexer.engines.vllm import frames, wire
+from indexer.ingest.trace import load_trace, map_trace
 
 from .conftest import FIXTURES
 
@@ -260,3 +261,24 @@ def test_a_merged_event_lists_at_most_the_limit(monkeypatch) -> None:
     payload = msgspec.msgpack.encode([1.0, events])
     assert [len(e.block_hashes) for e in scan(payload).events] == [3, 2, 3, 1]
     assert _check(payload)[0] == "ok"
+
+
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.split(".")[0])
+def test_a_mapped_trace_has_the_loaded_trace_s_payloads(path) -> None:
+    mapped = map_trace(path)
+    assert [(seq, bytes(view)) for seq, view in mapped] == load_trace(path)
+
+
+@pytest.mark.parametrize("size", [0, 200, 70_000])  # bin8, bin16, bin32 headers
+def test_a_mapped_trace_reads_every_bin_header(tmp_path, size: int) -> None:
+    path = tmp_path / "trace.msgpack"
+    path.write_bytes(msgspec.msgpack.encode([[3, b"x" * size]]))
+    assert [(seq, bytes(view)) for seq, view in map_trace(path)] == [(3, b"x" * size)]
+
+
+def test_a_mapped_trace_refuses_what_is_no_trace(tmp_path) -> None:
+    path = tmp_path / "trace.msgpack"
+    for data in (b"", msgspec.msgpack.encode([[3, "text"]])):
+        path.write_bytes(data)
+        with pytest.raises(msgspec.MsgspecError):
+            map_trace(path)

@@ -7,6 +7,7 @@ residency model against vLLM's own answers, and a handy load source.
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from indexer.engines import catalog
 from indexer.stores.base import Store, apply_events
 
 Trace = list[tuple[int, bytes]]
+#: A trace whose payloads are views of the file (:func:`map_trace`) or bytes.
+Payloads = Sequence[tuple[int, bytes | memoryview]]
 _NO_MATCH = PrefixMatch()
 
 
@@ -63,6 +66,28 @@ def load_trace(path: str | Path) -> Trace:
     return msgspec.msgpack.decode(Path(path).read_bytes(), type=Trace)
 
 
+#: msgpack's bin headers: the payload starts this many bytes into its encoding.
+_BIN_HEADER = {0xC4: 2, 0xC5: 3, 0xC6: 5}
+
+
+def map_trace(path: str | Path) -> list[tuple[int, memoryview]]:
+    """:func:`load_trace` without copying: each payload a view of the file mapped in
+    memory. Reading a 2M-block-op trace (145 MB) and copying each payload out of it
+    took as long as decoding and applying the batches."""
+    with open(path, "rb") as file:
+        empty = not file.seek(0, 2)
+        data = b"" if empty else mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    entries = msgspec.msgpack.decode(data, type=list[tuple[int, msgspec.Raw]])
+    return [(seq, _bin_body(memoryview(raw))) for seq, raw in entries]
+
+
+def _bin_body(encoded: memoryview) -> memoryview:
+    header = _BIN_HEADER.get(encoded[0])
+    if header is None:
+        raise msgspec.ValidationError("a trace's payloads are msgpack bin")
+    return encoded[header:]
+
+
 def load_expected(path: str | Path) -> Expected:
     return msgspec.json.decode(Path(path).read_bytes(), type=Expected)
 
@@ -74,7 +99,7 @@ class ReplayStats:
     seconds: float
 
 
-async def apply_trace(store: Store, rank: RankId, trace: Trace) -> ReplayStats:
+async def apply_trace(store: Store, rank: RankId, trace: Payloads) -> ReplayStats:
     """Decode and apply every batch of a trace in order, as one engine rank."""
     block_ops, started = 0, time.perf_counter()
     decode = catalog.adapter(catalog.DEFAULT).decode  # traces are recorded on its wire
@@ -106,7 +131,7 @@ async def answer_probes(
 
 
 async def replay_report(
-    store: Store, trace: Trace, expected: Expected | None, engine: str = "replay"
+    store: Store, trace: Payloads, expected: Expected | None, engine: str = "replay"
 ) -> tuple[dict, ReplayStats]:
     """Replay into ``store`` and build the ``kvindex replay`` JSON report."""
     rank = RankId(engine, 0)
