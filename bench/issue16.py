@@ -61,7 +61,7 @@ TABLE = Table(
             "server idle; 64-block POST prefix-match every 20 ms", ("13",),
             _picks("13", baseline="same server idle")),
         Row("memory per entry",
-            "memory, embedded, bytes per resident entry at 1M (and, full run, 10M) entries, "
+            "memory, embedded, bytes per resident entry at 1M and at 10M entries, "
             "vs 48 B", ("7",),
             _picks("7", baseline="the goal")),
         Row("Redis ingest vs redis-benchmark",

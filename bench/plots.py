@@ -28,6 +28,7 @@ def _axes(title: str, xlabel: str, ylabel: str, figsize: tuple[float, float] = (
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 512, not 2^9
     ax.grid(True, which="both", alpha=0.3)
     return fig, ax
 
@@ -54,7 +55,7 @@ def scaling(details: dict, out: Path) -> list[str]:
     ax.legend()
     names = [_save(fig, out, "scaling_ingest_engines.png")]
 
-    fig, ax = _axes("512-block prefix match vs engines", "engines", "p50 latency (ms)")
+    fig, ax = _axes("512-block prefix match vs engines", "engines", "latency (ms)")
     ax.plot(xs, [engines[x]["query_512"]["p50_ms"] for x in xs], "o-", label="kvindex p50")
     ax.plot(xs, [engines[x]["query_512"]["p99_ms"] for x in xs], "^:", label="kvindex p99")
     ax.legend()
@@ -92,7 +93,6 @@ def rows(figures: list[dict], out: Path) -> list[str]:
         return []
     fig, ax = _axes("Issue 16's rows: ratio / goal (>= 1 is met)", "times the goal", "",
                     (8, 0.35 * len(bars) + 1.5))  # fmt: skip
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     reach = [f["to_goal"] for f in bars]
     ys = range(len(bars))
     ax.barh(ys, [r - 1 for r in reach], left=1,
