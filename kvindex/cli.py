@@ -8,7 +8,6 @@ then sets up logging and runs the command.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import sys
@@ -36,6 +35,8 @@ SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 def _service(args: argparse.Namespace) -> int:
     """Run ``serve``, ``indexer`` or ``api``: 1 with the reason on stderr if it cannot
     run, 2 if it would run with the engine registry open to anyone."""
+    import asyncio  # here: replay runs without it, and its import is a fifth of start-up
+
     import zmq
 
     from indexer.registry import EngineExists
