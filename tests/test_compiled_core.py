@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer.core.events import CPU, GPU, MEDIA, EventBatch, RankId
+from indexer.core.matching import PrefixMatch
 from indexer.stores import MemoryStore, apply_events
 from indexer.stores.memory import compiled, holders
 
@@ -224,5 +225,49 @@ def test_a_bytes_hash_never_matches_the_int_of_its_key() -> None:
         )
 
     by_digest, by_twin = asyncio.run(run())
-    assert {r.engine: m.gpu_blocks for r, m in by_digest.items()} == {"e0": 0, "e1": 2}
-    assert {r.engine: m.gpu_blocks for r, m in by_twin.items()} == {"e0": 2, "e1": 0}
+    assert {r.engine: m.gpu_blocks for r, m in by_digest.items()} == {"e1": 2}
+    assert {r.engine: m.gpu_blocks for r, m in by_twin.items()} == {"e0": 2}
+
+
+def test_only_ranks_matching_something_are_answered_on_both_cores() -> None:
+    """300 ranks (rank sets five words wide), most holding none of the chain's start:
+    both cores answer exactly the ranks that match something, as each rank's own
+    tables say, for declared and learned chunk sizes; a forgotten rank's learned
+    chunk size leaves with it (the next rank on its slot learned none)."""
+    chain = list(range(1000, 1032))
+    held = [
+        lambda i: [stored(chain[: 1 + i % 32])],  # a GPU run
+        lambda i: [stored(chain[1:])],  # all but the first block: nothing
+        lambda i: [stored(chain[:4], CPU)],  # teaches 4 blocks per chunk: one CPU chunk
+        lambda i: [stored([chain[1]], CPU, block_size=0)],  # chunk 0's end at size 2
+        lambda i: [stored([7, 8])],  # none of the chain
+    ]
+    ranks = [RankId(f"m{i % 3}", i // 3) for i in range(300)]
+    queries = [{"m0": None, "m1": 2, "m2": None}, {"m0": 2, "m2": 4}, {"m1": None}]
+
+    async def run(store: MemoryStore) -> list[dict]:
+        for i, rank in enumerate(ranks):
+            await apply_events(store, rank, 0, EventBatch(0.0, held[i % 5](i), 0))
+        found = []
+        for engines in queries:
+            got = await store.prefix_match(chain, engines)
+            for rank, state in store._ranks.items():
+                declared = engines.get(rank.engine, 0)
+                want = state.match(chain, declared or state.chunk_blocks)
+                if rank.engine not in engines or want == PrefixMatch():
+                    assert rank not in got, (engines, rank)
+                else:
+                    assert got[rank] == want, (engines, rank)
+            found.append(got)
+        await store.forget(ranks[2])  # it learned 4 blocks per chunk
+        newcomer = RankId("m2", 999)
+        placeholder = EventBatch(0.0, [stored([chain[3]], CPU, block_size=0)], 0)
+        await apply_events(store, newcomer, 0, placeholder)
+        assert store._ranks[newcomer].bit == 1 << 2  # the forgotten rank's slot
+        found.append(await store.prefix_match(chain, {"m2": None}))
+        assert newcomer not in found[-1]  # matched on GPU only: it holds nothing there
+        return found
+
+    fast, slow = asyncio.run(run(MemoryStore())), asyncio.run(run(MemoryStore(compiled.REFERENCE)))
+    assert fast == slow
+    assert 0 < len(fast[0]) < 200  # not vacuous: answered and left out ranks alike

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from indexer.core.events import CPU, GPU, MEDIA, AllBlocksCleared, BlockStored, EventBatch, RankId
 from indexer.core.hybrid import is_scored, is_windowed
+from indexer.core.matching import PrefixMatch
 from indexer.stores import MemoryStore, apply_events
 
 from .events import removed, stored
@@ -88,11 +89,11 @@ def test_index_and_matches_follow_the_model(steps, declared) -> None:
         engines = {"a": declared, "b": None}
         for chain in chains:
             found = await store.prefix_match(chain, engines)
-            assert set(found) == set(store._ranks)
-            for rank, match in found.items():
-                state = store._ranks[rank]
+            assert set(found) <= set(store._ranks)
+            for rank, state in store._ranks.items():  # one matching nothing is left out
                 want = state.match(chain, engines[rank.engine] or state.chunk_blocks)
-                assert match == want, (rank, chain)
+                assert found.get(rank, PrefixMatch()) == want, (rank, chain)
+                assert rank in found or want == PrefixMatch(), (rank, chain)
 
     asyncio.run(run())
 
@@ -109,7 +110,7 @@ def test_a_forgotten_ranks_bit_is_reused_clean() -> None:
         await apply_events(store, second, 0, EventBatch(1.0, [BlockStored([2], medium="GPU")]))
         assert store._ranks[second].bit == bit
         found = await store.prefix_match([1, 2], {"y": None})
-        assert found[second].gpu_blocks == 0
+        assert second in await store.ranks() and found == {}
 
     asyncio.run(run())
 
@@ -129,6 +130,5 @@ def test_more_answer_classes_than_one_byte_counts() -> None:
 
     matches = asyncio.run(run())
     assert {rank.engine: m.gpu_blocks for rank, m in matches.items()} == {
-        **{f"e{i}": i + 1 for i in range(len(chain))},
-        "cold": 0,
-    }
+        f"e{i}": i + 1 for i in range(len(chain))
+    }  # "cold" holds none of the chain: left out

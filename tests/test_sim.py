@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from indexer.core.events import BlockRemoved, BlockStored, EventBatch, RankId
+from indexer.core.matching import PrefixMatch
 from indexer.engines.vllm.wire import decode_batch, encode_batch
 from indexer.registry import EngineSpec
 from indexer.stores import MemoryStore, apply_events
@@ -181,7 +182,7 @@ async def test_duplicate_copies_keep_a_block_resident_until_both_are_evicted():
     store = await replay(batches)
 
     chain = engine.chain(shared)
-    [match] = (await store.prefix_match(chain, {"sim": None})).values()
+    match = (await store.prefix_match(chain, {"sim": None}))[RANK]
     assert engine.gpu_prefix_blocks(shared) == match.gpu_blocks == 2
     assert removed_hashes(batches) == engine.chain(shared)[::-1]
 
@@ -309,7 +310,8 @@ async def test_ground_truth_equals_what_the_index_learns_from_the_events(name):
     truths, answers = [], []
     for tokens in probes:
         chain = engine.chain(tokens)
-        [match] = (await store.prefix_match(chain, {"sim": config.blocks_per_chunk})).values()
+        found = await store.prefix_match(chain, {"sim": config.blocks_per_chunk})
+        match = found.get(RANK, PrefixMatch())  # a rank matching nothing is left out
         answers.append((match.gpu_blocks, match.cpu_blocks, match.storage_blocks))
         truths.append(
             (

@@ -150,7 +150,10 @@ class Store(Protocol):
 
         ``chunk_blocks`` maps each engine to consider to its declared blocks per
         chunk (None: use what its events taught). Ranks of other engines are
-        not looked at; every rank of a listed engine the store knows is answered.
+        not looked at. Only ranks that match something are answered: a rank
+        of a listed engine that is left out matches nothing (``PrefixMatch()``),
+        so a query costs what the ranks holding the chain cost, not the fleet
+        (callers that list every rank fill in the zeros).
         """
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:

@@ -129,7 +129,7 @@ async def counts(store: Store, h: BlockHash, rank: RankId = RANK) -> dict[str, i
 
 
 async def hit(store: Store, chain: list, chunk: int | None = None) -> PrefixMatch:
-    return (await store.prefix_match(chain, {RANK.engine: chunk}))[RANK]
+    return (await store.prefix_match(chain, {RANK.engine: chunk})).get(RANK, PrefixMatch())
 
 
 def blocks(gpu: int = 0, cpu: int = 0, storage: int = 0) -> dict[str, int]:

@@ -202,7 +202,7 @@ async def ranks_are_independent(store: Store) -> None:
     expect(await store.watermark(ranks[0]), None, "watermark of the reset rank")
     expect(await store.watermark(ranks[1]), Watermark(0, 1.0), "watermark of another rank")
     expect(await store.ranks(), sorted(ranks), "ranks")
-    want = {ranks[0]: PrefixMatch(), ranks[1]: PrefixMatch(gpu_blocks=2, prefix_blocks=2)}
+    want = {ranks[1]: PrefixMatch(gpu_blocks=2, prefix_blocks=2)}  # the reset one: none
     expect(await store.prefix_match([1, 2], ENGINE), want, "matches of engine-a")
     expect(await counts(store, 1, ranks[2]), {GPU: 1}, "counts of engine-b")
 
@@ -245,6 +245,21 @@ async def prefix_extends_past_the_gpu_run_when_lower_runs_end_inside_it(store: S
 
 
 @check
+async def ranks_that_match_nothing_are_left_out(store: Store) -> None:
+    chain = list(range(300, 316))  # 4 chunks of 4
+    cpu_only, elsewhere = RankId("engine-a", 1), RankId("engine-a", 2)
+    await apply(store, 0, stored(chain[1:]))  # all but the first block: no GPU run
+    await apply(store, 0, stored(chain[:4], CPU), rank=cpu_only)  # teaches 4 blocks per chunk
+    await apply(store, 0, stored([999]), stored([chain[0]], CPU, block_size=0), rank=elsewhere)
+    await apply(store, 0, stored(chain), rank=RankId("engine-b", 0))
+    want = {cpu_only: PrefixMatch(0, 4, 0, 4, 4, 0)}
+    expect(await store.prefix_match(chain, ENGINE), want, "learned chunk sizes")
+    want = {cpu_only: PrefixMatch(0, 4, 0, 4, 4, 0), elsewhere: PrefixMatch(0, 1, 0, 1, 1, 0)}
+    expect(await store.prefix_match(chain, {"engine-a": 1}), want, "one block per chunk")
+    expect(await store.prefix_match(chain, {"engine-a": 2}), {cpu_only: want[cpu_only]}, "2")
+
+
+@check
 async def long_chains_match_to_their_end(store: Store) -> None:
     rng = random.Random(3)
     chain = [rng.getrandbits(64) for _ in range(600)]
@@ -254,6 +269,6 @@ async def long_chains_match_to_their_end(store: Store) -> None:
     await apply(store, 0, stored(chain[:10]), stored(chain[:400], CPU), rank=chunked)
     match = await store.prefix_match(chain, {"engine-a": None, "engine-b": None, "c": 4})
     expect(match[RANK], PrefixMatch(530, 600, 0, 600, 70, 0), "engine-a")
-    expect(match[other], PrefixMatch(), "engine-b")
+    expect(other in match, False, "engine-b, holding none of the chain, is left out")
     expect(match[chunked], PrefixMatch(10, 400, 0, 400, 390, 0), "c")
-    expect(await store.prefix_match([], ENGINE), {RANK: PrefixMatch()}, "an empty chain")
+    expect(await store.prefix_match([], ENGINE), {}, "an empty chain")

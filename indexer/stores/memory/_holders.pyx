@@ -22,10 +22,11 @@ Layout, chosen for the query pattern (one chain, every rank at once):
 Memory comes from Python's allocator, so ``tracemalloc`` counts it.
 """
 
+from cpython.dict cimport PyDict_Next
 from cpython.long cimport PyLong_Check
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject, PyObject_Hash, PyObject_RichCompareBool, Py_EQ
-from cpython.ref cimport Py_DECREF, Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from cpython.sequence cimport PySequence_Fast, PySequence_Fast_GET_SIZE, PySequence_Fast_ITEMS
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memset
@@ -38,15 +39,13 @@ from indexer.stores.memory.walk import EMPTY
 cdef extern from "Python.h":
     PyObject *PyErr_Occurred()
     void PyErr_Clear()
-    object _PyDict_NewPresized(Py_ssize_t)
-    dict PyDict_Copy(object)
+    dict _PyDict_NewPresized(Py_ssize_t)
     PyObject *PyDict_GetItemWithError(object, object) except? NULL
-    PyObject *PyList_GET_ITEM(object, Py_ssize_t)
 
 
 cdef extern from *:
     """
-    /* Answers go into a dict by the rank's hash, computed once per listing of ranks
+    /* Answers go into a dict by the rank's hash, computed once when the rank is named
        (a RankId tuple does not cache its hash). */
     #if PY_VERSION_HEX < 0x030D0000
     #define KV_SET_KNOWN(d, k, v, h) _PyDict_SetItem_KnownHash((d), (k), (v), (h))
@@ -581,7 +580,7 @@ cdef class HolderIndex:
     cdef readonly dict windows
     # the tables the hybrid rule reads, out of the dicts once (a rank's rule ran 5 dict
     # lookups, most of its cost on a short chain)
-    cdef HolderTable cpu, storage, win_gpu, win_cpu, win_storage
+    cdef HolderTable gpu, cpu, storage, win_gpu, win_cpu, win_storage
     cdef RankSets sets
     cdef list free_slots
     cdef Py_ssize_t slots
@@ -594,20 +593,26 @@ cdef class HolderIndex:
     cdef Py_ssize_t wcap
     cdef PyObject **witems
     cdef int32_t *runs  # 3 per slot: GPU run, CPU run, STORAGE run (in chunks)
-    cdef uint64_t *active
+    cdef uint64_t *active  # 2 x width words: two walks' active slots (first: the candidates)
     cdef Py_ssize_t rcap
     cdef Answer *answers
     cdef Py_ssize_t acap, acount
-    # the last ``ranks`` and ``bits`` lists (callers never mutate one), their slots and
-    # hashes, and ``{rank: EMPTY}`` for them: each answer starts as a copy of it (a
-    # memcpy), and only the ranks matching something are put in (most match nothing)
-    cdef object bits_seen, ranks_seen
-    cdef dict template
-    cdef int32_t *slot_of
-    cdef Py_hash_t *rank_hash
-    cdef Py_ssize_t *rsize  # per rank: its chunk size (0: GPU only)
-    cdef PyObject **ans  # per rank: its answer, borrowed from the kept answers
-    cdef Py_ssize_t slot_cap
+    # per slot, the rank named on it (NULL: none), its engine, its hash and the chunk
+    # size its events taught (0: none): a query resolves only the slots that may match,
+    # so its cost follows the ranks holding the chain's start, not the fleet
+    cdef PyObject **slot_rank
+    cdef PyObject **slot_engine
+    cdef Py_hash_t *slot_hash
+    cdef Py_ssize_t *slot_learned
+    cdef Py_ssize_t named_cap
+    cdef dict learned_sizes  # a chunk size taught -> how many named slots learned it
+    # per candidate of a query (a listed slot that may match): its slot, chunk size
+    # (0: GPU only) and answer (borrowed from the kept answers); the sizes asked
+    cdef int32_t *cslot
+    cdef Py_ssize_t *csize
+    cdef PyObject **cans
+    cdef Py_ssize_t *asked
+    cdef Py_ssize_t asked_cap
     # the chain's window set ids (NO_ID: not read): per block on GPU, then per chunk on
     # CPU and on STORAGE; per slot its hybrid kind, window and block size, as last seen
     cdef uint32_t *wids
@@ -627,10 +632,11 @@ cdef class HolderIndex:
         self.sets = RankSets()
         self.media = {m: HolderTable(self.sets) for m in MEDIA}
         self.windows = {m: HolderTable(self.sets) for m in MEDIA}
-        self.cpu, self.storage = self.media[CPU], self.media[STORAGE]
+        self.gpu, self.cpu, self.storage = self.media[GPU], self.media[CPU], self.media[STORAGE]
         self.win_gpu, self.win_cpu = self.windows[GPU], self.windows[CPU]
         self.win_storage = self.windows[STORAGE]
         self.free_slots = []
+        self.learned_sizes = {}
         self.acap = 2 * ANSWERS_KEPT
         self.answers = <Answer *>PyMem_Malloc(self.acap * sizeof(Answer))
         if not self.answers:
@@ -638,6 +644,10 @@ cdef class HolderIndex:
         memset(self.answers, 0, self.acap * sizeof(Answer))
 
     def __dealloc__(self):
+        cdef Py_ssize_t slot
+        for slot in range(self.named_cap):
+            Py_XDECREF(self.slot_rank[slot])
+            Py_XDECREF(self.slot_engine[slot])
         self.forget_answers()
         PyMem_Free(self.answers)
         PyMem_Free(self.wkey)
@@ -646,10 +656,14 @@ cdef class HolderIndex:
         PyMem_Free(self.ids)
         PyMem_Free(self.runs)
         PyMem_Free(self.active)
-        PyMem_Free(self.slot_of)
-        PyMem_Free(self.rsize)
-        PyMem_Free(self.rank_hash)
-        PyMem_Free(self.ans)
+        PyMem_Free(self.slot_rank)
+        PyMem_Free(self.slot_engine)
+        PyMem_Free(self.slot_hash)
+        PyMem_Free(self.slot_learned)
+        PyMem_Free(self.cslot)
+        PyMem_Free(self.csize)
+        PyMem_Free(self.cans)
+        PyMem_Free(self.asked)
         PyMem_Free(self.wids)
         PyMem_Free(self.hkind)
         PyMem_Free(self.hwin)
@@ -666,7 +680,63 @@ cdef class HolderIndex:
         return one << (self.slots - 1)
 
     def release_bit(self, bit: int) -> None:
-        self.free_slots.append(bit.bit_length() - 1)
+        cdef Py_ssize_t slot = bit.bit_length() - 1
+        if slot < self.named_cap:
+            self.unname(slot)
+        self.free_slots.append(slot)
+
+    def name(self, bit: int, rank) -> None:
+        """Name ``rank`` as the one on ``bit``'s slot: answers are keyed by it."""
+        cdef Py_ssize_t slot = bit.bit_length() - 1, n, was = self.named_cap
+        if slot >= was:
+            n = max(slot + 1, 2 * was)
+            self.slot_rank = <PyObject **>PyMem_Realloc(self.slot_rank, n * sizeof(PyObject *))
+            self.slot_engine = <PyObject **>PyMem_Realloc(self.slot_engine,
+                                                         n * sizeof(PyObject *))
+            self.slot_hash = <Py_hash_t *>PyMem_Realloc(self.slot_hash, n * sizeof(Py_hash_t))
+            self.slot_learned = <Py_ssize_t *>PyMem_Realloc(self.slot_learned,
+                                                           n * sizeof(Py_ssize_t))
+            if not (self.slot_rank and self.slot_engine and self.slot_hash
+                    and self.slot_learned):
+                raise MemoryError()
+            memset(self.slot_rank + was, 0, (n - was) * sizeof(PyObject *))
+            memset(self.slot_engine + was, 0, (n - was) * sizeof(PyObject *))
+            memset(self.slot_learned + was, 0, (n - was) * sizeof(Py_ssize_t))
+            self.named_cap = n
+        self.unname(slot)
+        engine = rank.engine
+        self.slot_hash[slot] = PyObject_Hash(rank)
+        Py_INCREF(rank)
+        Py_INCREF(engine)
+        self.slot_rank[slot], self.slot_engine[slot] = <PyObject *>rank, <PyObject *>engine
+
+    def learned(self, bit: int, size) -> None:
+        """The chunk size ``bit``'s rank (named) learned from its events (None: none):
+        its size wherever a query declares none for its engine."""
+        cdef Py_ssize_t slot = bit.bit_length() - 1
+        if slot >= self.named_cap or self.slot_rank[slot] == NULL:
+            raise KeyError(bit)
+        self.forget_learned(slot)
+        if size:
+            self.slot_learned[slot] = size
+            self.learned_sizes[size] = self.learned_sizes.get(size, 0) + 1
+
+    cdef int unname(self, Py_ssize_t slot) except -1:
+        self.forget_learned(slot)
+        Py_XDECREF(self.slot_rank[slot])
+        Py_XDECREF(self.slot_engine[slot])
+        self.slot_rank[slot] = self.slot_engine[slot] = NULL
+        return 0
+
+    cdef int forget_learned(self, Py_ssize_t slot) except -1:
+        cdef Py_ssize_t size = self.slot_learned[slot]
+        if size:
+            if self.learned_sizes[size] == 1:
+                del self.learned_sizes[size]
+            else:
+                self.learned_sizes[size] -= 1
+            self.slot_learned[slot] = 0
+        return 0
 
     def add(self, medium, bit, hashes, media=None) -> None:
         """Set ``bit`` on every hash (idempotent); ``media``: :attr:`media` or :attr:`windows`."""
@@ -678,7 +748,7 @@ cdef class HolderIndex:
 
     # ---- the walk -----------------------------------------------------------------------
 
-    cdef int room(self, Py_ssize_t n, Py_ssize_t ranks) except -1:
+    cdef int room(self, Py_ssize_t n) except -1:
         """Buffers for a chain of ``n`` and for every slot."""
         if n > self.wcap:
             self.wcap = max(n, 2 * self.wcap)
@@ -691,21 +761,15 @@ cdef class HolderIndex:
             self.rcap = max(self.slots, 2 * self.rcap)
             self.runs = <int32_t *>PyMem_Realloc(self.runs, 3 * self.rcap * 4)
             self.active = <uint64_t *>PyMem_Realloc(self.active, 2 * ((self.rcap + 63) // 64) * 8)
-        if ranks > self.slot_cap:
-            self.slot_cap = max(ranks, 2 * self.slot_cap)
-            self.slot_of = <int32_t *>PyMem_Realloc(self.slot_of, self.slot_cap * 4)
-            self.rsize = <Py_ssize_t *>PyMem_Realloc(self.rsize, self.slot_cap * sizeof(Py_ssize_t))
-            self.rank_hash = <Py_hash_t *>PyMem_Realloc(
-                self.rank_hash, self.slot_cap * sizeof(Py_hash_t)
-            )
-            self.ans = <PyObject **>PyMem_Realloc(self.ans, self.slot_cap * sizeof(PyObject *))
-            self.bits_seen = None
+            self.cslot = <int32_t *>PyMem_Realloc(self.cslot, self.rcap * 4)
+            self.csize = <Py_ssize_t *>PyMem_Realloc(self.csize, self.rcap * sizeof(Py_ssize_t))
+            self.cans = <PyObject **>PyMem_Realloc(self.cans, self.rcap * sizeof(PyObject *))
         if self.sets.width > self.memo_width:
             self.memo_width = self.sets.width
             self.memo_mask = <uint64_t *>PyMem_Realloc(self.memo_mask, 4 * self.memo_width * 8)
         if not (self.wkey and self.wmix and self.wstate and self.ids and self.wids and self.runs
                 and self.memo_mask
-                and self.active and self.slot_of and self.rsize and self.rank_hash and self.ans):
+                and self.active and self.cslot and self.csize and self.cans):
             raise MemoryError()
         memset(self.wstate, 0, n)
         return 0
@@ -989,39 +1053,107 @@ cdef class HolderIndex:
         PyMem_Free(old)
         return 0
 
-    cdef int listed(self, object ranks, object bits, Py_ssize_t n) except -1:
-        """Each rank's slot and hash, kept while the same two lists are passed."""
-        if bits is self.bits_seen and ranks is self.ranks_seen:
-            return 0
-        cdef Py_ssize_t r
-        self.template = _PyDict_NewPresized(n)
-        for r in range(n):
-            self.slot_of[r] = bits[r].bit_length() - 1
-            self.rank_hash[r] = PyObject_Hash(ranks[r])
-            KV_SET_KNOWN(self.template, ranks[r], EMPTY, self.rank_hash[r])
-        self.bits_seen, self.ranks_seen = bits, ranks
+    cdef Py_ssize_t sizes_asked(self, dict chunk_blocks) except -1:
+        """The distinct chunk sizes ``chunk_blocks`` gives its engines (0: GPU only), those
+        learned too where it gives none: every size a listed rank can be matched with."""
+        cdef Py_ssize_t pos = 0, count = 0, size
+        cdef PyObject *key
+        cdef PyObject *value
+        cdef PyObject *seen = NULL
+        cdef bint learned = False
+        while PyDict_Next(chunk_blocks, &pos, &key, &value):
+            if value != seen:  # most engines share one size object
+                seen = value
+                size = <object>value or 0
+                if size:
+                    count = self.ask(count, size)
+                else:
+                    learned = True
+        if learned:
+            count = self.ask(count, 0)
+            for size in self.learned_sizes:
+                count = self.ask(count, size)
+        return count
+
+    cdef Py_ssize_t ask(self, Py_ssize_t count, Py_ssize_t size) except -1:
+        cdef Py_ssize_t i
+        for i in range(count):
+            if self.asked[i] == size:
+                return count
+        if count == self.asked_cap:
+            self.asked_cap = max(8, 2 * self.asked_cap)
+            self.asked = <Py_ssize_t *>PyMem_Realloc(self.asked, self.asked_cap * sizeof(Py_ssize_t))
+            if not self.asked:
+                raise MemoryError()
+        self.asked[count] = size
+        return count + 1
+
+    cdef int hold_any(self, HolderTable t, Py_ssize_t i, uint64_t *mask) except -1:
+        """Add to ``mask`` the slots holding position ``i`` in ``t`` (read() it first)."""
+        cdef Py_ssize_t width = self.sets.width, k
+        cdef uint64_t *w = self.sets.words + self.lookup(t, i) * width
+        for k in range(width):
+            mask[k] |= w[k]
         return 0
 
-    def sizes_of(self, chunk_blocks, engines) -> list:
-        """Each engine's chunk size in ``chunk_blocks`` (None if not there), per listed
-        rank, as :meth:`match` takes them: read in C from a dict and a list."""
-        if type(chunk_blocks) is not dict or type(engines) is not list:
-            return list(map(chunk_blocks.get, engines))
-        cdef Py_ssize_t n = len(engines), r
-        cdef list out = [None] * n
+    cdef Py_ssize_t candidates(
+        self, dict chunk_blocks, Py_ssize_t n, Py_ssize_t nsizes, uint8_t *hkind,
+    ) except -1:
+        """The listed slots that may match something, with their chunk sizes (``cslot``,
+        ``csize``; their count returned; their mask left in ``active``).
+
+        A rank holding neither the chain's first block on GPU nor, for its chunk size,
+        the first chunk's end on CPU or STORAGE matches nothing: only the slots holding
+        one of these few positions (for every size asked), and hybrid ranks walked on
+        their own tables, are looked up in ``chunk_blocks``.
+        """
+        cdef Py_ssize_t width = self.sets.width, k, i, slot, size, count = 0
+        cdef uint64_t *cand = self.active
+        cdef uint64_t word
         cdef PyObject *found
-        for r in range(n):
-            found = PyDict_GetItemWithError(chunk_blocks, <object>PyList_GET_ITEM(engines, r))
-            if found != NULL:
-                out[r] = <object>found
-        return out
+        cdef PyObject *seen = NULL
+        cdef Py_ssize_t seen_size = 0
+        memset(cand, 0, width * 8)
+        self.read(0)
+        self.hold_any(self.gpu, 0, cand)
+        for i in range(nsizes):
+            size = self.asked[i]
+            if 0 < size <= n:
+                self.read(size - 1)
+                self.hold_any(self.cpu, size - 1, cand)
+                self.hold_any(self.storage, size - 1, cand)
+        if hkind != NULL:
+            for slot in range(min(self.hcap, width * 64)):
+                if hkind[slot] == LONELY:
+                    cand[slot >> 6] |= 1ULL << (slot & 63)
+        for k in range(width):
+            word = cand[k]
+            while word:
+                slot = k * 64 + KV_CTZ(word)
+                word &= word - 1
+                found = NULL
+                if slot < self.named_cap and self.slot_rank[slot] != NULL:
+                    found = PyDict_GetItemWithError(chunk_blocks,
+                                                    <object>self.slot_engine[slot])
+                if found == NULL:  # not listed
+                    cand[k] &= ~(1ULL << (slot & 63))
+                    continue
+                if found != seen:
+                    seen, seen_size = found, <object>found or 0
+                size = seen_size or self.slot_learned[slot]
+                self.cslot[count], self.csize[count] = <int32_t>slot, size
+                self.cans[count] = NULL
+                count += 1
+        return count
 
-    def match(self, chain, ranks, bits, sizes, hybrids=None) -> dict:
-        """The prefix match of each rank, given its bit (from :meth:`take_bit`) and chunk size.
+    def match(self, chain, chunk_blocks, hybrids=None) -> dict:
+        """The prefix match of each rank of the engines ``chunk_blocks`` lists that
+        matches something (the others are left out), with the chunk size it gives the
+        engine, else the one the rank learned (:meth:`learned`; none: GPU only, as with
+        one longer than the chain).
 
-        A chunk size of None or 0 means the rank is matched on GPU only (so does one
-        longer than the chain). The GPU run of every rank comes from one walk of the
-        chain; per chunk size, one walk of the chunk ends on CPU and one on STORAGE
+        The GPU run of every candidate (:meth:`candidates`) comes from one walk of
+        the chain; per chunk size, one walk of the chunk ends on CPU and one on STORAGE
         gives the lower-tier runs; then each rank's prefix is the GPU run extended by
         the chunks after it that a lower tier holds, CPU first (chunks inside its CPU
         run skipped at once). The ranks of ``hybrids`` then have their answers taken
@@ -1030,55 +1162,45 @@ cdef class HolderIndex:
         :meth:`Hybrids.walk` on its own tables.
         """
         cdef object seq = PySequence_Fast(chain, "chain must be a sequence")
-        cdef object rank_seq = PySequence_Fast(ranks, "ranks must be a sequence")
-        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), nr = PySequence_Fast_GET_SIZE(rank_seq)
-        if not n or not nr:
-            return dict.fromkeys(ranks, EMPTY)
+        cdef Py_ssize_t n = PySequence_Fast_GET_SIZE(seq)
+        if not n or not self.slots:
+            return {}
+        if type(chunk_blocks) is not dict:
+            chunk_blocks = dict(chunk_blocks)
         if self.acount > ANSWERS_KEPT:
             self.forget_answers()
-        self.room(n, nr)
-        self.listed(ranks, bits, nr)
+        self.room(n)
         self.witems = PySequence_Fast_ITEMS(seq)
-        cdef object size_seq = PySequence_Fast(sizes, "sizes must be a sequence")
-        cdef PyObject **size_items = PySequence_Fast_ITEMS(size_seq)
-        cdef PyObject **rank_items = PySequence_Fast_ITEMS(rank_seq)
-        cdef Py_ssize_t width = self.sets.width, r, slot, k
-        cdef uint64_t *active = self.active
-        cdef int32_t *runs = self.runs
-        memset(active, 0, width * 8)
-        for r in range(nr):
-            slot = self.slot_of[r]
-            active[slot >> 6] |= 1ULL << (slot & 63)
-        self.walk(self.media[GPU], 0, 1, n, active, runs, self.ids)
-        # every distinct chunk size in turn (there is usually one); 0: GPU only
-        cdef Py_ssize_t size = 0, done = 0, chunks, j, prefix, cpu_run, storage_run
-        cdef Py_ssize_t *rsize = self.rsize
-        cdef bint chosen
-        cdef HolderTable cpu = self.media[CPU], storage = self.media[STORAGE]
-        cdef uint32_t *cpu_ids = self.ids
-        cdef uint32_t *storage_ids = self.ids + self.wcap
-        cdef int64_t f[FIELDS]
-        cdef PyObject **ans = self.ans
-        cdef PyObject *seen = NULL
         cdef uint8_t *hkind = NULL
         cdef uint32_t *w_ids = self.wids
         if hybrids is not None:
             self.hybrid_slots(hybrids)
             hkind = self.hkind
             memset(w_ids, 0xFF, n * 4)
-        for r in range(nr):  # sizes are mostly one small int object: convert it once
-            if size_items[r] != seen:
-                seen = size_items[r]
-                size = <object>seen or 0
-            rsize[r] = size
-            ans[r] = NULL
-        while done < nr:
+        cdef Py_ssize_t nc = self.candidates(chunk_blocks, n, self.sizes_asked(chunk_blocks), hkind)
+        if not nc:
+            return {}
+        cdef Py_ssize_t width = self.sets.width, c, slot, k
+        cdef uint64_t *active = self.active
+        cdef int32_t *runs = self.runs
+        self.walk(self.gpu, 0, 1, n, active, runs, self.ids)
+        # every distinct chunk size in turn (there is usually one); 0: GPU only
+        cdef Py_ssize_t size = 0, done = 0, chunks, j, prefix, cpu_run, storage_run
+        cdef Py_ssize_t *csize = self.csize
+        cdef int32_t *cslot = self.cslot
+        cdef bint chosen
+        cdef HolderTable cpu = self.cpu, storage = self.storage
+        cdef uint32_t *cpu_ids = self.ids
+        cdef uint32_t *storage_ids = self.ids + self.wcap
+        cdef int64_t f[FIELDS]
+        cdef PyObject **ans = self.cans
+        while done < nc:
             chosen = False
             memset(active, 0, width * 8)
-            for r in range(nr):
-                if ans[r] == NULL and (not chosen or rsize[r] == size):
-                    size, chosen = rsize[r], True
-                    slot = self.slot_of[r]
+            for c in range(nc):
+                if ans[c] == NULL and (not chosen or csize[c] == size):
+                    size, chosen = csize[c], True
+                    slot = cslot[c]
                     active[slot >> 6] |= 1ULL << (slot & 63)
             chunks = n // size if size > 0 else 0
             for k in range(4):  # the window ids are read afresh: so are the memos
@@ -1092,10 +1214,10 @@ cdef class HolderIndex:
                     memset(w_ids + 2 * self.wcap, 0xFF, chunks * 4)
                 self.walk(cpu, size - 1, size, chunks, active, runs + 1, cpu_ids)
                 self.walk(storage, size - 1, size, chunks, active + width, runs + 2, storage_ids)
-            for r in range(nr):
-                if ans[r] != NULL or rsize[r] != size:
+            for c in range(nc):
+                if ans[c] != NULL or csize[c] != size:
                     continue
-                slot = self.slot_of[r]
+                slot = cslot[c]
                 f[0] = f[3] = runs[3 * slot]
                 f[1] = f[2] = f[4] = f[5] = 0
                 f[6] = -1
@@ -1119,20 +1241,26 @@ cdef class HolderIndex:
                 if (hkind != NULL and slot < self.hcap and hkind[slot] == IN_C
                         and (f[0] | f[1] | f[2] | f[3])):
                     self.hybrid_rule(f, slot, size, chunks, cpu_ids, storage_ids)
-                ans[r] = self.answer(f)
+                ans[c] = self.answer(f)
                 done += 1
         cdef list walked = []  # answers of ranks walked on their own tables, held here
         cdef PyObject *empty = <PyObject *>EMPTY
+        cdef object one = 1
         if hkind != NULL:
-            for r in range(nr):
-                slot = self.slot_of[r]
+            for c in range(nc):
+                slot = cslot[c]
                 if slot < self.hcap and (hkind[slot] == LONELY
-                                         or (hkind[slot] == WALKED and ans[r] != empty)):
-                    match = hybrids.walk(bits[r], <object>ans[r], chain, rsize[r])
-                    walked.append(match)
-                    ans[r] = <PyObject *>match
-        cdef dict out = PyDict_Copy(self.template)
-        for r in range(nr):
-            if ans[r] != empty:
-                KV_SET_KNOWN(out, <object>rank_items[r], <object>ans[r], self.rank_hash[r])
+                                         or (hkind[slot] == WALKED and ans[c] != empty)):
+                    match = hybrids.walk(one << slot, <object>ans[c], chain, csize[c])
+                    if match == EMPTY:
+                        ans[c] = empty
+                    else:
+                        walked.append(match)
+                        ans[c] = <PyObject *>match
+        cdef dict out = _PyDict_NewPresized(nc)
+        for c in range(nc):
+            if ans[c] != empty:
+                slot = cslot[c]
+                KV_SET_KNOWN(out, <object>self.slot_rank[slot], <object>ans[c],
+                             self.slot_hash[slot])
         return out

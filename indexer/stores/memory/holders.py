@@ -62,6 +62,8 @@ class HolderIndex:
         self._matches: dict[tuple, PrefixMatch] = {}
         self._pool: dict[int, int] = {}  # mask -> the one object the index holds for it
         self._digits: Digits | None = None  # rebuilt when the number of slots grows
+        self._named: dict[int, RankId] = {}  # bit -> the rank on it
+        self._learned: dict[int, int] = {}  # bit -> the chunk size its rank learned
 
     def take_bit(self) -> int:
         """A bit no live rank uses (its hashes were all discarded when it was released)."""
@@ -73,7 +75,24 @@ class HolderIndex:
         return self._pool.setdefault(bit, bit)
 
     def release_bit(self, bit: int) -> None:
+        self._named.pop(bit, None)
+        self._learned.pop(bit, None)
         self._free.append(bit)
+
+    def name(self, bit: int, rank: RankId) -> None:
+        """Name ``rank`` as the one on ``bit``: answers are keyed by it."""
+        self._named[bit] = rank
+        self._learned.pop(bit, None)
+
+    def learned(self, bit: int, size: int | None) -> None:
+        """The chunk size ``bit``'s rank learned from its events (None: none): its
+        size wherever a query declares none for its engine."""
+        if bit not in self._named:
+            raise KeyError(bit)
+        if size:
+            self._learned[bit] = size
+        else:
+            self._learned.pop(bit, None)
 
     def add(
         self, medium: str, bit: int, hashes: Iterable[BlockHash], media: Media | None = None
@@ -113,23 +132,37 @@ class HolderIndex:
         masks = list(masks)
         return map(pool.setdefault, masks, masks)
 
-    def sizes_of(
-        self, chunk_blocks: Mapping[str, int | None], engines: Sequence[str]
-    ) -> list[int | None]:
-        """Each engine's chunk size in ``chunk_blocks`` (None if not there)."""
-        return list(map(chunk_blocks.get, engines))
-
     def match(
         self,
         chain: Sequence[BlockHash],
-        ranks: Sequence[RankId],
-        bits: Sequence[int],
-        sizes: Sequence[int | None],
+        chunk_blocks: Mapping[str, int | None],
         hybrids: Hybrids | None = None,
     ) -> dict[RankId, PrefixMatch]:
-        """The prefix match of each rank, given its bit (from :meth:`take_bit`) and chunk size.
+        """The prefix match of each named rank of the engines ``chunk_blocks`` lists
+        that matches something (the others are left out), with the chunk size it gives
+        the engine, else the one the rank learned (none: GPU only).
+        """
+        listed = [
+            (rank, bit, chunk_blocks[rank.engine] or self._learned.get(bit))
+            for bit, rank in self._named.items()
+            if rank.engine in chunk_blocks
+        ]
+        if not listed:
+            return {}
+        ranks, bits, sizes = (list(column) for column in zip(*listed, strict=True))
+        found = self._match(chain, ranks, bits, sizes, hybrids)
+        return {rank: match for rank, match in found.items() if match != EMPTY}
 
-        A chunk size of None or 0 means the rank is matched on GPU only.
+    def _match(
+        self,
+        chain: Sequence[BlockHash],
+        ranks: list[RankId],
+        bits: list[int],
+        sizes: list[int | None],
+        hybrids: Hybrids | None,
+    ) -> dict[RankId, PrefixMatch]:
+        """Every rank's prefix match, given its bit (from :meth:`take_bit`) and chunk size
+        (None or 0: GPU only).
 
         Same answers as :func:`~indexer.core.matching.match_prefix` over each rank's
         own tables (the conformance suite and ``tests/test_holders.py`` hold

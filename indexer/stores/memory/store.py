@@ -39,15 +39,13 @@ class MemoryStore:
         self._holders = core.index()
         self._residency = core.residency
         self._hybrids = Hybrids()  # the ranks of hybrid models
-        #: ranks, their engines and their bits, in step with ``_ranks``; None when stale
-        self._listing: tuple[list[RankId], list[str], list[int]] | None = None
 
     def _rank(self, rank: RankId) -> IndexedResidency:
         state = self._ranks.get(rank)
         if state is None:
             holders = self._holders
             state = self._ranks[rank] = self._residency(index=holders, bit=holders.take_bit())
-            self._listing = None
+            holders.name(state.bit, rank)
         return state
 
     def _check_fence(self, rank: RankId, fence: int | None) -> None:
@@ -63,7 +61,10 @@ class MemoryStore:
         if mark is not None and seq <= mark.seq:
             return ApplyResult(applied=False)
         state = self._rank(rank)
+        learned = state.chunk_blocks
         block_ops = state.apply(ops)
+        if state.chunk_blocks != learned:
+            self._holders.learned(state.bit, state.chunk_blocks)
         self._hybrids.update(state, state.bit)
         self._watermarks[rank] = Watermark(seq, ts)
         return ApplyResult(applied=True, block_ops=block_ops)
@@ -96,7 +97,6 @@ class MemoryStore:
         if state is not None:
             self._hybrids.drop(state.bit)
             state.release()
-            self._listing = None
         self._watermarks.pop(rank, None)
 
     async def block_residency(self, block_hash: BlockHash) -> list[Residency]:
@@ -110,27 +110,8 @@ class MemoryStore:
     async def prefix_match(
         self, chain: Sequence[BlockHash], chunk_blocks: Mapping[str, int | None]
     ) -> dict[RankId, PrefixMatch]:
-        listing = self._listing
-        if listing is None:
-            ranks = list(self._ranks)
-            listing = self._listing = (
-                ranks,
-                [rank.engine for rank in ranks],
-                [state.bit for state in self._ranks.values()],
-            )
-        ranks, engines, bits = listing
-        sizes = self._holders.sizes_of(chunk_blocks, engines)
-        if not all(sizes):  # an engine not asked about, or one whose chunk size is learned
-            listed = [
-                (rank, state.bit, chunk_blocks[rank.engine] or state.chunk_blocks)
-                for rank, state in self._ranks.items()
-                if rank.engine in chunk_blocks
-            ]
-            ranks = [rank for rank, _, _ in listed]
-            bits = [bit for _, bit, _ in listed]
-            sizes = [size for _, _, size in listed]
         hybrids = self._hybrids if self._hybrids.bits else None
-        return self._holders.match(chain, ranks, bits, sizes, hybrids)
+        return self._holders.match(chain, chunk_blocks, hybrids)
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         state = self._ranks.get(rank)

@@ -29,6 +29,8 @@ from indexer.stores.redis.layout import (
 #: Blocks fetched by a prefix query's first round trip; later ones double.
 FIRST_WINDOW = 128
 
+_NO_MATCH = PrefixMatch()  # what a rank left out of prefix_match's answer matches
+
 
 class RedisReads:
     """The read half of :class:`~indexer.stores.redis.RedisStore`, and its metadata cache.
@@ -110,7 +112,8 @@ class RedisReads:
                 break
             window = min(2 * window, len(chain) - fetched)
             blocks = await self._run([("HGETALL", k) for k in keys[fetched : fetched + window]])
-        return {rank: m.match(chain, fetched) for rank, m in matchers.items()}
+        found = ((rank, m.match(chain, fetched)) for rank, m in matchers.items())
+        return {rank: match for rank, match in found if match != _NO_MATCH}
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         _, meta = await self._peek_meta(rank)
