@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import signal
 import statistics
 import sys
@@ -185,21 +186,38 @@ async def _listening(port: int) -> None:
             await asyncio.sleep(0.2)
 
 
-async def _drive(port: int, raws: dict[str, list[bytes]], concurrency: int, requests: int) -> dict:
+async def _drive(
+    port: int, server: int, raws: dict[str, list[bytes]], concurrency: int, requests: int
+) -> dict:
     """Each scenario warmed up, then ROUNDS rounds of all in turn (a slow moment of the shared
-    machine hits every scenario alike); per figure, the median over the rounds."""
+    machine hits every scenario alike); per figure, the median over the rounds, and the
+    ``server`` process's CPU per request over all rounds (what a busy machine's waits leave out).
+    """
     await _listening(port)
     for batch in raws.values():
         await scenario(port, batch, concurrency, max(20, requests // 10))
     rounds: dict[str, list[dict]] = {name: [] for name in raws}
+    cpu = dict.fromkeys(raws, 0.0)
     for _ in range(ROUNDS):
         for name, batch in raws.items():
+            before = _cpu_seconds(server)
             rounds[name].append(await scenario(port, batch, concurrency, requests // ROUNDS))
-    return {name: _medians(r) for name, r in rounds.items()}
+            cpu[name] += _cpu_seconds(server) - before
+    per_request = ROUNDS * (requests // ROUNDS)
+    return {
+        name: {**_medians(r), "server_cpu_us": 1e6 * cpu[name] / per_request}
+        for name, r in rounds.items()
+    }
 
 
 def _medians(rounds: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run(
@@ -212,7 +230,8 @@ def run(
     child = ctx.Process(target=_serve, args=(fleet, port, profile))
     child.start()
     try:
-        results = asyncio.run(_drive(port, requests_for(fleet, 16), concurrency, requests))
+        raws = requests_for(fleet, 16)
+        results = asyncio.run(_drive(port, child.pid, raws, concurrency, requests))
     finally:
         child.terminate()
         child.join(10)
@@ -226,6 +245,10 @@ def run(
                    "bare endpoint p50", bare["p50_ms"]),
             Figure(SECTION, f"HTTP GET by {by}, 8k tokens, c={concurrency}: p99", r["p99_ms"], "ms",
                    "bare endpoint p99", bare["p99_ms"]),
+            Figure(SECTION, f"HTTP GET by {by}, 8k tokens: server CPU per request",
+                   r["server_cpu_us"], "us", "bare endpoint, same server", bare["server_cpu_us"],
+                   note=f"1 / ratio = {bare['server_cpu_us'] / r['server_cpu_us']:.3g}: the req/s "
+                   "ratio a server with a core to itself would give"),
         )  # fmt: skip
     hashing = hashing_us_per_1k_tokens()
     core = "compiled" if native.AVAILABLE else "NOT compiled (extension missing)"
