@@ -5,7 +5,8 @@ health checks of idle connections), at most ``max_connections`` commands in
 flight (redis-py fails a command when its pool is exhausted; here it waits),
 Lua scripts run by SHA1 and loaded again when Redis lost them (a restart, a
 ``SCRIPT FLUSH``), and one rule for failures: Redis being down or failing is
-:class:`~indexer.errors.StoreUnavailable`, whoever asked.
+:class:`~indexer.errors.StoreUnavailable`, whoever asked (a connection redis-py
+dropped under a command included, however redis-py lets it out).
 """
 
 from __future__ import annotations
@@ -38,6 +39,26 @@ UNAVAILABLE = (
     OSError,
     asyncio.TimeoutError,
 )
+#: redis-py's connection code (its connections and their parsers).
+CONNECTION_CODE = ("redis.asyncio.connection", "redis._parsers")
+
+
+def dropped_transport(error: BaseException) -> bool:
+    """An AttributeError or TypeError raised in redis-py's connection code (or below
+    it, in the asyncio transport it writes to): a connection disconnected under a
+    command in flight, which redis-py lets out raw instead of as a ConnectionError
+    (its ``_writer`` already None, or the transport torn down). A cluster client
+    disconnects every connection, the other callers' too, whenever it resets
+    itself (a ClusterDown, a pipeline's retry, every fifth MOVED); a closing client
+    does too. The same errors raised anywhere else are bugs, not Redis."""
+    if not isinstance(error, (AttributeError, TypeError)):
+        return False
+    frame = error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_globals.get("__name__", "").startswith(CONNECTION_CODE):
+            return True
+        frame = frame.tb_next
+    return False
 
 
 @dataclass(frozen=True)
@@ -83,7 +104,6 @@ class RedisClient:
         self.where = redacted(config.url)
         self._scripts: dict[str, str] = {}  # sha -> source of every script run through here
         self._connections = asyncio.Semaphore(config.max_connections)
-        self._loading = asyncio.Lock()  # one script reload at a time
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -91,7 +111,24 @@ class RedisClient:
         try:
             yield
         except UNAVAILABLE as e:
-            raise StoreUnavailable(f"Redis at {self.where} unavailable: {e}") from e
+            raise self._unavailable(e) from e
+        except (AttributeError, TypeError) as e:
+            if not dropped_transport(e):
+                raise
+            raise self._unavailable(e) from e
+
+    def _unavailable(self, error: Exception) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"Redis at {self.where} unavailable: {type(error).__name__}: {error}"
+        )
+
+    async def _ready(self) -> None:
+        """A cluster client learns the slots before its first command (and again after
+        it reset itself): redis-py sends a command it routes before then to any node,
+        and every fifth MOVED answer makes it reset itself, disconnecting the other
+        callers' connections under their commands."""
+        if isinstance(self.redis, RedisCluster):
+            await self.redis.initialize()
 
     def script(self, script: Script, keys: Sequence[str], args: Sequence[object]) -> tuple:
         """The command that runs ``script`` (for :meth:`execute`)."""
@@ -112,6 +149,7 @@ class RedisClient:
 
     async def _send(self, commands: Sequence[tuple]) -> list:
         with self.guard():
+            await self._ready()
             if len(commands) == 1:  # a pipeline costs more client time
                 return [await self.redis.execute_command(*commands[0])]
             pipe = self.redis.pipeline(transaction=False)
@@ -120,16 +158,17 @@ class RedisClient:
             return await pipe.execute()
 
     async def _load_scripts(self) -> None:
-        """Load every script again, one caller at a time: many concurrent reloads on
-        a fresh cluster tripped over each other's connections inside redis-py."""
-        async with self._loading:
-            with self.guard():
-                for source in list(self._scripts.values()):
-                    await self.redis.script_load(source)
+        """Load every script again (each caller that found one missing: reloads are
+        idempotent, and one skipped could be the one a restarted Redis needed)."""
+        with self.guard():
+            await self._ready()
+            for source in list(self._scripts.values()):
+                await self.redis.script_load(source)
 
     async def scan(self, match: str, count: int) -> AsyncIterator[bytes]:
         """Every key matching ``match`` (on every master of a cluster), ``count`` a step."""
         with self.guard():
+            await self._ready()
             async for key in self.redis.scan_iter(match=match, count=count):
                 yield key
 
