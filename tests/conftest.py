@@ -118,13 +118,15 @@ async def assert_matches_trace(store, rank: RankId, name: str) -> None:
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_without(module: str, script: str) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` in a fresh interpreter in which ``module`` cannot be imported.
+def run_without(module: str, script: str) -> object:
+    """What ``script`` prints, ``[status, value]`` as JSON, when run in a fresh
+    interpreter in which ``module`` cannot be imported; ``value`` is returned once the
+    status says the compiled core is off and names ``module`` as why.
 
     The module is blocked before kvindex is imported, so kvindex meets the
     ImportError it would meet on a machine where the extension never built.
     """
-    return subprocess.run(
+    result = subprocess.run(
         [sys.executable, "-c", _blocking(module) + script],
         cwd=REPO,
         capture_output=True,
@@ -132,11 +134,16 @@ def run_without(module: str, script: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
+    assert result.returncode == 0, result.stderr
+    status, value = json.loads(result.stdout)
+    assert status["compiled_core"] is False
+    assert module in status["compiled_core_error"]
+    return value
 
 
-def serve_warning_without(module: str) -> dict:
-    """The first log line of ``kvindex serve`` started without ``module`` (the
-    warning comes first, before it serves), as JSON."""
+def serve_warning_without(module: str) -> str:
+    """The warning ``kvindex serve`` started without ``module`` logs first (before
+    it serves), once it is checked to be a warning of serve's naming ``module``."""
     serve = f"main(['serve', '--port', '{free_ports()}'])"
     script = f"import sys\nfrom kvindex.cli import main\nsys.exit({serve})\n"
     process = subprocess.Popen(
@@ -151,7 +158,11 @@ def serve_warning_without(module: str) -> dict:
         process.terminate()
         process.wait(10)
         process.stderr.close()
-    return json.loads(line)
+    entry = json.loads(line)
+    assert entry["level"] == "warning"
+    assert entry["role"] == "serve"
+    assert module in entry["import_error"]
+    return entry["event"]
 
 
 def _blocking(module: str) -> str:
