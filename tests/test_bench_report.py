@@ -89,8 +89,8 @@ def test_distinct_parts_keep_what_tells_names_apart() -> None:
     assert distinct_parts(["one"]) == [""]
 
 
-#: (section, name, unit, baseline) of figures as bench items 1, 4, 6 and 7 make them,
-#: and the issue row each lands on ("" for none).
+#: (section, name, unit, baseline) of figures as bench items 1, 4, 6 and 7 make them (and a
+#: cluster figure from whichever item measures it), and the issue row each lands on ("" for none).
 MADE = [
     ("1", "ingest, embedded: block-ops/s, decode + apply", "ops/s",
      "decode floor (typed, every field, no apply)", "embedded ingest vs decode"),
@@ -106,6 +106,10 @@ MADE = [
     ("6", "HTTP GET by tokens, 8k tokens, c=8: p50", "ms", "bare endpoint p50", ""),
     ("7", "memory, embedded: 1M entries, 64 engines", "B/entry", "the goal, 48 B/entry",
      "memory per entry"),
+    ("7", "memory, embedded: 1M entries, compiled core", "B/entry",
+     "same, pure-Python reference core", ""),
+    ("15", "ingest, Redis Cluster (3 masters): Redis CPU-s per block-op", "us",
+     "same stream, standalone Redis", "Redis Cluster vs standalone"),
 ]  # fmt: skip
 
 
