@@ -138,7 +138,22 @@ _one_hash_removal = st.builds(
     st.integers(0, 50),
     st.sampled_from([None, "GPU", "CPU"]),
 )
-_events = st.lists(_stored | _removed | _cleared | _one_hash_removal, max_size=12)
+#: A pool evicting and storing on one tier, hashes from a few values: stretches of
+#: many runs, where planning moves removals first unless one removes a hash stored
+#: before it.
+_churn = st.builds(
+    lambda kind, hashes, medium, spec: {
+        "type": kind, "block_hashes": hashes, "medium": medium,
+        **({"block_size": 16, "kv_cache_spec_kind": spec} if kind == "BlockStored" else {}),
+    },
+    st.sampled_from(["BlockStored", "BlockRemoved"]),
+    st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    st.sampled_from([None, "CPU"]),
+    st.sampled_from([None, "full_attention", "mamba"]),
+)  # fmt: skip
+_events = st.lists(
+    _stored | _removed | _cleared | _one_hash_removal | _churn | _churn | _churn, max_size=16
+)
 _rank = st.none() | st.integers(0, 2**31)
 _batches = st.builds(
     lambda ts, events, rank, three: msgspec.msgpack.encode(

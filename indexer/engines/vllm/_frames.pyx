@@ -20,6 +20,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.list cimport PyList_Append
 from cpython.long cimport PyLong_FromLongLong, PyLong_FromUnsignedLongLong
+from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.string cimport memcmp, memcpy, strlen
 
@@ -310,6 +311,9 @@ NAMES[:] = [
     b"block_hashes", b"block_size", b"medium", b"group_idx", b"kv_cache_spec_kind",
     b"kv_cache_spec_sliding_window", b"locality", b"ownership",
 ]
+cdef Py_ssize_t LENGTHS[F_UNKNOWN]
+for _k in range(F_UNKNOWN):
+    LENGTHS[_k] = strlen(NAMES[_k])
 #: The fields each class reads, as bits by field number (a BlockRemoved has no
 #: block_size nor kinds: keys of those names are unknown fields to it).
 cdef int READS[3]
@@ -322,7 +326,7 @@ cdef int field_of(const uint8_t *s, Py_ssize_t n, int cls) noexcept nogil:
     if named(s, n, b"type", 4):
         return F_TYPE
     for k in range(F_UNKNOWN):
-        if READS[cls] >> k & 1 and named(s, n, NAMES[k], strlen(NAMES[k])):
+        if n == LENGTHS[k] and READS[cls] >> k & 1 and memcmp(s, NAMES[k], n) == 0:
             return k
     return F_UNKNOWN
 
@@ -419,6 +423,15 @@ cdef bint alike(const Ev *a, const Ev *b) noexcept nogil:
     return True
 
 
+cdef inline bint same_place(const Ev *a, const Ev *b) noexcept nogil:
+    """Whether two events act on one tier as sent (raw medium and group: planning's
+    ``_place``): clears have no fields, so they share the place of events with none."""
+    return (
+        same(&a.f[F_MEDIUM], &b.f[F_MEDIUM]) and same(&a.f[F_OWNERSHIP], &b.f[F_OWNERSHIP])
+        and same(&a.f[F_GROUP], &b.f[F_GROUP]) and same(&a.f[F_LOCALITY], &b.f[F_LOCALITY])
+    )
+
+
 cdef object value(const Val *v):
     """A field's Python value; UnicodeDecodeError if its str is no UTF-8."""
     if v.kind == ABSENT:
@@ -450,10 +463,15 @@ cdef class IndexDecoder:
 
     cdef object stored, removed, cleared, batch
     cdef Py_ssize_t most
+    cdef Ev *runs  # per merged event of the batch in hand: its first event's fields
+    cdef Py_ssize_t cap
 
     def __init__(self, stored, removed, cleared, batch, Py_ssize_t most) -> None:
         self.stored, self.removed, self.cleared, self.batch = stored, removed, cleared, batch
         self.most = most
+
+    def __dealloc__(self):
+        PyMem_Free(self.runs)
 
     def __call__(self, payload):
         cdef Py_buffer view
@@ -477,8 +495,8 @@ cdef class IndexDecoder:
             return None
         ts = float_be(c.p + 1)
         c.p += 9
-        events = self.events(&c)
-        if events is None:
+        lists = self.merged(&c)
+        if lists is None:
             return None
         if n == 3:
             if room(&c, 1) and c.p[0] == 0xC0:
@@ -489,32 +507,103 @@ cdef class IndexDecoder:
                 return None
         if c.p != c.end:  # trailing bytes
             return None
-        return self.batch(ts, events, dp)
+        return self.batch(ts, self.built(lists, self.order(lists)), dp)
 
-    cdef object events(self, Cur *c):
-        """The events, alike neighbours merged; None if some event is not for here."""
-        cdef Py_ssize_t n = array_len(c), k
-        cdef Ev run, e
-        cdef list out = []
+    cdef int reserve(self, Py_ssize_t n) except -1:
+        cdef Ev *grown
+        if n > self.cap:
+            grown = <Ev *>PyMem_Realloc(self.runs, 2 * n * sizeof(Ev))
+            if grown is NULL:
+                raise MemoryError()
+            self.runs, self.cap = grown, 2 * n
+        return 0
+
+    cdef list merged(self, Cur *c):
+        """The events, alike neighbours merged: each one's hashes (None: a clear),
+        its fields in ``self.runs``; None if some event is not for here."""
+        cdef Py_ssize_t n = array_len(c), k, m = 0
+        cdef Ev e
+        cdef list lists = []
         cdef list hashes = None
         if n == NO:
             return None
         for k in range(n):
             if read_event(c, &e, self.most) == NO:
                 return None
-            if hashes is not None and alike(&run, &e) and len(hashes) + e.nhashes <= self.most:
+            if hashes is not None and alike(&self.runs[m - 1], &e) and (
+                len(hashes) + e.nhashes <= self.most
+            ):
                 append_hashes(hashes, &e)
                 continue
-            if hashes is not None:
-                out.append(self.event(&run, hashes))
-            run = e
+            self.reserve(m + 1)
+            self.runs[m] = e
+            m += 1
             hashes = [] if e.cls != CLEARED else None
+            if hashes is not None:
+                append_hashes(hashes, &e)
+            lists.append(hashes)
+        return lists
+
+    cdef list order(self, list lists):
+        """The merged events' order as planning takes them: in each stretch of events on
+        one tier, the removals first where ``plan_batch`` moves them there."""
+        cdef Py_ssize_t m = len(lists), i = 0, j, k
+        cdef list order = []
+        while i < m:
+            j = i + 1
+            while j < m and same_place(&self.runs[i], &self.runs[j]):
+                j += 1
+            if self.hoists(lists, i, j):
+                order.extend([k for k in range(i, j) if self.runs[k].cls == REMOVED])
+                order.extend([k for k in range(i, j) if self.runs[k].cls != REMOVED])
+            else:
+                order.extend(range(i, j))
+            i = j
+        return order
+
+    cdef bint hoists(self, list lists, Py_ssize_t i, Py_ssize_t j) except -1:
+        """``_removals_first``'s rule: a stretch of more than two runs, no clear, some
+        removal, and no removal of a hash stored earlier in the stretch."""
+        cdef Py_ssize_t k, runs = 1
+        cdef bint removes = False
+        cdef const Ev *e
+        cdef set stored
+        for k in range(i, j):
+            e = &self.runs[k]
+            if e.cls == CLEARED:
+                return False
+            removes |= e.cls == REMOVED
+            if k > i and (e.cls != (e - 1).cls or not same(&e.f[F_KIND], &(e - 1).f[F_KIND])):
+                runs += 1
+        if runs <= 2 or not removes:
+            return False
+        stored = set()
+        for k in range(i, j):
+            if self.runs[k].cls != REMOVED:
+                stored.update(lists[k])
+            elif not stored.isdisjoint(lists[k]):
+                return False
+        return True
+
+    cdef list built(self, list lists, list order):
+        """The events in ``order``, alike neighbours merged again (removals moved
+        together), up to ``most`` hashes each."""
+        cdef list out = []
+        cdef list hashes = None
+        cdef Py_ssize_t k, last = 0
+        for k in order:
+            if hashes is not None and alike(&self.runs[last], &self.runs[k]) and (
+                len(hashes) + len(<list>lists[k]) <= self.most
+            ):
+                hashes.extend(lists[k])
+                continue
+            if hashes is not None:
+                out.append(self.event(&self.runs[last], hashes))
+            last, hashes = k, lists[k]
             if hashes is None:
                 out.append(self.cleared())
-            else:
-                append_hashes(hashes, &e)
         if hashes is not None:
-            out.append(self.event(&run, hashes))
+            out.append(self.event(&self.runs[last], hashes))
         return out
 
     cdef object event(self, const Ev *e, list hashes):

@@ -33,6 +33,7 @@ from indexer.core.events import (
     EventBatch,
     WireError,
 )
+from indexer.core.residency import _SIGNATURE, _place, _removals_first
 from indexer.engines.base import MAX_HASHES_PER_EVENT, check_batch
 from indexer.engines.vllm import frames
 
@@ -152,7 +153,8 @@ def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
     Media are validated here but left as sent; use :func:`normalise_medium`.
     ``tokens=False`` decodes stores as :data:`StoredHashes` (an
     :class:`IndexedBatch`), skipping what only the token index reads, with
-    alike neighbours merged (:func:`merge_alike`).
+    alike neighbours merged (:func:`merge_alike`), removals moved as planning
+    moves them (:func:`planning_order`): a batch the index counts the same.
     """
     if tokens:
         return _decode_typed(payload, _decode_map)
@@ -163,7 +165,7 @@ def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
 def decode_indexed(payload: bytes) -> EventBatch:
     """``decode_batch(payload, tokens=False)`` by msgspec: what the compiled scanner
     must equal, and what decodes every payload it leaves alone."""
-    return merge_alike(_decode_typed(payload, _decode_indexed))
+    return merge_alike(planning_order(merge_alike(_decode_typed(payload, _decode_indexed))))
 
 
 def _decode_typed(payload: bytes, decode: object) -> EventBatch:
@@ -222,6 +224,22 @@ def merge_alike(batch: EventBatch) -> EventBatch:
             count += len(event.block_hashes)
         merged.append(_joined(run))
     return msgspec.structs.replace(batch, events=merged)
+
+
+def planning_order(batch: EventBatch) -> EventBatch:
+    """The batch in the order :func:`~indexer.core.residency.plan_batch` takes it: in a
+    stretch of events on one tier, removals ahead of stores where its rule
+    (``_removals_first``, used here as it is) moves them, so that they merge.
+
+    A CPU pool that evicts a chunk per chunk it stores sends them alternating,
+    hundreds a batch; planning moved them anyway, event by event.
+    """
+    events: list[Event] = []
+    for _, stretch in groupby(groupby(batch.events, _SIGNATURE), _place):
+        runs = [(signature, list(run)) for signature, run in stretch]
+        for _, run in _removals_first(runs) if len(runs) > 2 else runs:
+            events.extend(run)
+    return msgspec.structs.replace(batch, events=events)
 
 
 def _joined(run: list[Event]) -> Event:
