@@ -13,13 +13,13 @@ from collections.abc import Callable
 from bench.report import Figure, Row, Table
 
 
-def _picks(section: str | None, name: str = "", baseline: str = "", unit: str = "") -> Callable:
-    """The figures of ``section`` (None: any) whose name and baseline hold ``name`` and
-    ``baseline`` (in any case), in ``unit``; never a reference-core figure (a row's "before")."""
+def _picks(section: str, name: str = "", baseline: str = "", unit: str = "") -> Callable:
+    """The figures of ``section`` whose name and baseline hold ``name`` and ``baseline`` (in
+    any case), in ``unit``; never a reference-core figure (a row's "before")."""
 
     def picks(f: Figure) -> bool:
         return (
-            section in (None, f.section)
+            f.section == section
             and name.lower() in f.name.lower()
             and "reference core" not in f.name
             and baseline.lower() in (f.baseline or "").lower()
@@ -69,6 +69,6 @@ TABLE = Table(
             _picks("2", name="ingest, Redis: fleet stream")),
         Row("Redis Cluster vs standalone",
             "ingest, Redis Cluster (3 masters) vs standalone: Redis CPU-seconds per block-op",
-            ("2",), _picks(None, name="cluster", baseline="standalone")),
+            ("2",), _picks("2", name="cluster", baseline="standalone")),
     ),
 )  # fmt: skip
