@@ -1193,6 +1193,8 @@ cdef class HolderIndex:
         cdef uint32_t *cpu_ids = self.ids
         cdef uint32_t *storage_ids = self.ids + self.wcap
         cdef int64_t f[FIELDS]
+        cdef int64_t last[FIELDS]  # the last answer's fields: most ranks repeat one or two
+        cdef PyObject *last_answer = NULL
         cdef PyObject **ans = self.cans
         while done < nc:
             chosen = False
@@ -1241,7 +1243,10 @@ cdef class HolderIndex:
                 if (hkind != NULL and slot < self.hcap and hkind[slot] == IN_C
                         and (f[0] | f[1] | f[2] | f[3])):
                     self.hybrid_rule(f, slot, size, chunks, cpu_ids, storage_ids)
-                ans[c] = self.answer(f)
+                if last_answer == NULL or memcmp(f, last, FIELDS * 8) != 0:
+                    last_answer = self.answer(f)
+                    memcpy(last, f, FIELDS * 8)
+                ans[c] = last_answer
                 done += 1
         cdef list walked = []  # answers of ranks walked on their own tables, held here
         cdef PyObject *empty = <PyObject *>EMPTY
