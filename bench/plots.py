@@ -95,15 +95,16 @@ def rows(figures: list[dict], out: Path) -> list[str]:
                     (8, 0.35 * len(bars) + 1.5))  # fmt: skip
     reach = [f["to_goal"] for f in bars]
     ys = range(len(bars))
-    ax.barh(ys, [r - 1 for r in reach], left=1,
-            color=["tab:green" if f["met"] else "tab:red" for f in bars])  # fmt: skip
+    colors = ["tab:green" if f["met"] else "tab:red" for f in bars]
+    ax.barh(ys, [r - 1 for r in reach], left=1, color=colors)
+    ax.scatter(reach, ys, marker="D", color=colors, zorder=3)  # a bar of length 0 shows too
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xlim(min(1, *reach) / 1.5, max(1, *reach) * 4)
     ax.set_yticks(list(ys), labels)
     ax.invert_yaxis()  # the table's order, top down
     for y, f in zip(ys, bars, strict=True):
-        ax.annotate(f" {f['ratio']:.3g} (goal {f['goal']})", (max(1, f["to_goal"]), y),
-                    va="center", fontsize=8)  # fmt: skip
+        ax.annotate(f"{f['ratio']:.3g} (goal {f['goal']})", (max(1, f["to_goal"]), y),
+                    xytext=(7, 0), textcoords="offset points", va="center", fontsize=8)  # fmt: skip
     return [_save(fig, out, "issue16_rows.png")]
 
 
