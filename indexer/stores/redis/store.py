@@ -39,8 +39,9 @@ may have gone with the data, and the next claims restart below them).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -81,6 +82,70 @@ def _guard(rank: RankId, fence: int | None) -> dict[str, bytes]:
     return {} if fence is None else {fence_field(rank): str(fence).encode()}
 
 
+class Coalescer:
+    """Commands of concurrent writers sent together: every writer that is ready in the
+    same turn of the event loop shares one pipeline, so each server reads them in one
+    round trip rather than one per writer. A round trip costs a server a wake-up and a
+    read, and the client a pipeline; on a cluster, where a batch is a call per bucket
+    on every master, sharing them took ~8% off the masters' CPU per block operation
+    and ~18% off the client's (bench item 2's fleet stream, 16 ranks).
+
+    Only for commands that may run twice: when one command of a shared pipeline finds
+    its script missing, the gateway sends the whole pipeline again. ``most``: commands
+    per shared pipeline (more writers share several), so that one stays short.
+    """
+
+    def __init__(self, run: Callable[[Sequence[tuple]], Awaitable[list]], most: int = 1024) -> None:
+        self._run = run
+        self._most = most
+        self._waiting: list[tuple[Sequence[tuple], asyncio.Future]] = []
+        self._sending: set[asyncio.Task] = set()  # referenced until done
+
+    async def execute(self, commands: Sequence[tuple]) -> list:
+        """``commands``' replies, in order, once the shared pipeline is answered."""
+        loop = asyncio.get_running_loop()
+        replies = loop.create_future()
+        self._waiting.append((commands, replies))
+        if len(self._waiting) == 1:
+            loop.call_soon(self._send)
+        return await replies
+
+    def _send(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        shared: list[tuple[Sequence[tuple], asyncio.Future]] = []
+        size = 0
+        for commands, replies in waiting:
+            if shared and size + len(commands) > self._most:
+                self._answer_soon(shared)
+                shared, size = [], 0
+            shared.append((commands, replies))
+            size += len(commands)
+        self._answer_soon(shared)
+
+    def _answer_soon(self, shared: list[tuple[Sequence[tuple], asyncio.Future]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._answer(shared))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _answer(self, waiting: list[tuple[Sequence[tuple], asyncio.Future]]) -> None:
+        try:
+            replies = await self._run([c for commands, _ in waiting for c in commands])
+        except asyncio.CancelledError:
+            for _, future in waiting:
+                future.cancel()
+            raise
+        except Exception as e:
+            for _, future in waiting:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        start = 0
+        for commands, future in waiting:
+            if not future.done():
+                future.set_result(replies[start : start + len(commands)])
+            start += len(commands)
+
+
 class RedisStore(RedisReads):
     """Implements :class:`indexer.stores.Store` on Redis or Redis Cluster.
 
@@ -96,6 +161,9 @@ class RedisStore(RedisReads):
         self._losses = LossWatch(self.client)
         self._losses.listen(lambda loss: self._cache.clear())
         self._sweeper = Sweeper(self.client, config.sweep_interval)
+        # APPLY_OPS calls without a commit (they may run twice); _run is looked up per
+        # call, so a wrapper put on it later (fault injection in tests) sees them too
+        self._bucket_calls = Coalescer(lambda commands: self._run(commands))
 
     # --- writing ------------------------------------------------------------
 
@@ -237,7 +305,7 @@ class RedisStore(RedisReads):
                 keys.append(self.layout.meta_key)
                 args += commit
             commands.append(self.client.script(APPLY_OPS, keys, args))
-        results = await self._run(commands)
+        results = await (self._run if one_step else self._bucket_calls.execute)(commands)
         codes = [result[0] for result in results]
         if LOST in codes:
             raise await losses.lost(since)
