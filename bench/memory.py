@@ -38,7 +38,8 @@ SIZES = (1_000_000, 10_000_000)
 #: The issue's goal for the embedded store, bytes per resident entry.
 GOAL_BYTES = 48
 Batch = tuple[RankId, int, EventBatch]
-_SHARED_PROMPTS = [[random.Random(p).getrandbits(64) for _ in range(2048)] for p in range(16)]
+#: Sixteen system prompts of 2048 distinct blocks each (one generator per prompt).
+_SHARED_PROMPTS = [[r.getrandbits(64) for _ in range(2048)] for r in map(random.Random, range(16))]
 
 
 def _in_child(fill: Callable[[MemoryStore], None], core: compiled.StoreCore, pipe) -> None:
