@@ -18,19 +18,14 @@ from api.matching import PrefixMatcher
 from api.openapi import answers, body
 from api.parsing import StrictQueryRoute, decode_body
 from api.prefix import routed_ttl, to_query
-from api.schemas import PrefixMatchBody, RoutedAnswer, RoutedBody
+from api.schemas import PrefixMatchBody, PromptBody, RoutedAnswer, RoutedBody
 from indexer.core.events import RankId
 from indexer.registry import EngineSpec, UnknownEngine
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(RoutedBody).decode
 #: The prompt fields a routed entry shares with a prefix-match query.
-_PROMPT = [
-    f.name
-    for f in msgspec.structs.fields(RoutedBody)
-    if f.name in {g.name for g in msgspec.structs.fields(PrefixMatchBody)}
-    and f.name not in ("model", "ttl_ms")
-]
+_PROMPT = [f.name for f in msgspec.structs.fields(PromptBody)]
 
 _CONTRACT = """\
 Record that this prompt's blocks are about to be on that rank's GPU: the

@@ -47,7 +47,24 @@ class MMFeatureBody(msgspec.Struct, forbid_unknown_fields=True):
     length: Annotated[int, msgspec.Meta(ge=1)]
 
 
-class PrefixMatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class PromptBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A prompt as the engines hash it: its ``block_hashes``, or its ``tokens`` with
+    what vLLM mixes into the hashes. ``POST /prefix-match`` and ``POST /routed`` take
+    it alike (one definition, so the two cannot drift), and ``/routed`` hands it to
+    ``/prefix-match``'s parse as it is."""
+
+    block_hashes: list[HashInt | HashText] | None = None
+    tokens: list[Token] | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    mm_features: list[MMFeatureBody] = []
+    block_size: BlockSize | None = None
+    hash_algo: HashAlgo | None = None
+    hash_seed: str | None = None
+
+
+class PrefixMatchBody(PromptBody, kw_only=True):
     """``POST /prefix-match``: exactly one of ``block_hashes``, ``tokens``,
     ``prompt`` or ``messages``.
 
@@ -63,8 +80,6 @@ class PrefixMatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``lora_path`` go together: vLLM hashes both.
     """
 
-    block_hashes: list[HashInt | HashText] | None = None
-    tokens: list[Token] | None = None
     prompt: str | list[Token] | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
@@ -73,13 +88,6 @@ class PrefixMatchBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
     engines: list[str] | None = None
-    lora_name: str | None = None
-    lora_path: str | None = None
-    cache_salt: str | None = None
-    mm_features: list[MMFeatureBody] = []
-    block_size: BlockSize | None = None
-    hash_algo: HashAlgo | None = None
-    hash_seed: str | None = None
     #: per-query tier weights (the configured ones for those left out)
     weights: WeightsBody | None = None
     #: ``"best"``: pick the best-scoring rank and record the prompt as routed to it
@@ -142,7 +150,7 @@ class WeightsBody(msgspec.Struct, forbid_unknown_fields=True):
 TtlMs = Annotated[int, msgspec.Meta(ge=1, description="within the configured routed TTL bounds")]
 
 
-class RoutedBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class RoutedBody(PromptBody, kw_only=True):
     """``POST /routed``: this prompt's blocks are about to be on that rank's GPU.
 
     The prompt is given as in ``POST /prefix-match``: exactly one of
@@ -152,15 +160,6 @@ class RoutedBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: str
     dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
     model: str | None = None
-    block_hashes: list[HashInt | HashText] | None = None
-    tokens: list[Token] | None = None
-    lora_name: str | None = None
-    lora_path: str | None = None
-    cache_salt: str | None = None
-    mm_features: list[MMFeatureBody] = []
-    block_size: BlockSize | None = None
-    hash_algo: HashAlgo | None = None
-    hash_seed: str | None = None
     ttl_ms: TtlMs | None = None
 
 
