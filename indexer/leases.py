@@ -135,6 +135,17 @@ class LeaseBook(Protocol):
         """The engine's lease as last seen, for reading without I/O."""
 
 
+def lease_at(entry: tuple[Held, float] | None, clock: Callable[[], float]) -> Lease | None:
+    """A book's ``(held, deadline)`` entry as ``/engines/{name}`` shows it, the time
+    left read on ``clock`` (the one the deadline is on): every book answers
+    :meth:`LeaseBook.lease` by this one rule."""
+    if entry is None:
+        return None
+    held, deadline = entry
+    remaining = round(max(0.0, deadline - clock()), 3)
+    return Lease(held.announcement.instance, held.lease_seconds, remaining)
+
+
 class MemoryBook:
     """Leases in this process, deadlines on ``clock`` (monotonic by default)."""
 
@@ -158,12 +169,7 @@ class MemoryBook:
         return [self._held.pop(name)[0] for name in gone]
 
     def lease(self, name: str) -> Lease | None:
-        entry = self._held.get(name)
-        if entry is None:
-            return None
-        held, deadline = entry
-        remaining = round(max(0.0, deadline - self._clock()), 3)
-        return Lease(held.announcement.instance, held.lease_seconds, remaining)
+        return lease_at(self._held.get(name), self._clock)
 
 
 class Leases:

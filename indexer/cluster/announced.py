@@ -16,7 +16,7 @@ import time
 
 import msgspec
 
-from indexer.leases import Held, Lease
+from indexer.leases import Held, Lease, lease_at
 from indexer.stores.redis.client import RedisClient, Script
 
 _NOW = """
@@ -72,7 +72,7 @@ class RedisBook:
             f"{{{client.layout.meta_key}}}:announced",
             f"{{{client.layout.meta_key}}}:announced:deadlines",
         ]
-        self._seen: dict[str, tuple[Held, float]] = {}  # name -> (lease, deadline, local)
+        self._seen: dict[str, tuple[Held, float]] = {}  # name -> (lease, local deadline)
 
     async def held(self, name: str) -> Held | None:
         (record,) = await self._client.execute([("HGET", self._keys[0], name)])
@@ -105,12 +105,7 @@ class RedisBook:
         return [_decode(record) for record in records]
 
     def lease(self, name: str) -> Lease | None:
-        seen = self._seen.get(name)
-        if seen is None:
-            return None
-        held, deadline = seen
-        remaining = round(max(0.0, deadline - time.time()), 3)
-        return Lease(held.announcement.instance, held.lease_seconds, remaining)
+        return lease_at(self._seen.get(name), time.time)
 
 
 def _pairs(reply: list) -> list:
