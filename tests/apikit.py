@@ -81,6 +81,16 @@ class Api:
         await self.client.aclose()
 
 
+def get_json(http: httpx.Client, path: str) -> dict | None:
+    """A live server's JSON answer to ``GET path``; None while it is not there yet
+    (connection refused, or not 200: still starting), so pollers can wait on it."""
+    try:
+        answer = http.get(path)
+    except httpx.TransportError:
+        return None
+    return answer.json() if answer.status_code == 200 else None
+
+
 def csv(values) -> str:
     return ",".join(map(str, values))
 

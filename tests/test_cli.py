@@ -30,6 +30,7 @@ from kvindex.options import EnvOption
 from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
 
+from .apikit import get_json
 from .conftest import free_ports, trace_path
 
 pytestmark = pytest.mark.slow  # most tests start kvindex processes
@@ -201,11 +202,7 @@ class Fleet:
         return subprocess.Popen([*KVINDEX, *argv], stdout=log, stderr=log)
 
     def get(self, path: str) -> dict | None:
-        try:
-            answer = self.http.get(path)
-        except httpx.TransportError:
-            return None
-        return answer.json() if answer.status_code == 200 else None
+        return get_json(self.http, path)
 
     def until(self, condition, what: str, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout

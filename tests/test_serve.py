@@ -25,6 +25,7 @@ from kvindex.config import ConfigError, ServeConfig, load_config
 from kvindex.http import listen
 from producer.publisher import Publisher
 
+from .apikit import get_json
 from .conftest import free_ports, load_expected_json, trace_batches
 
 YAML = """
@@ -127,11 +128,7 @@ class Serve:
         self.until(lambda: self.get("/healthz") is not None, "the HTTP API")
 
     def get(self, path: str) -> dict | None:
-        try:
-            answer = self.http.get(path)
-        except httpx.TransportError:
-            return None
-        return answer.json() if answer.status_code == 200 else None
+        return get_json(self.http, path)
 
     def rank(self, engine: str, dp_rank: int = 0) -> dict:
         return (self.get(f"/engines/{engine}") or {"ranks": [{}] * (dp_rank + 1)})["ranks"][dp_rank]
