@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from bench import plots
+from bench.__main__ import _section
 from bench.issue16 import TABLE
 from bench.report import Figure, Goal, Report, Row, Table, distinct_parts
 
@@ -118,3 +119,16 @@ MADE = [
 def test_issue_16_rows_pick_the_figures_the_bench_makes() -> None:
     rows = [TABLE.row_of(Figure(s, name, 1.0, unit, base, 1.0)) for s, name, unit, base, _ in MADE]
     assert rows == [row for *_, row in MADE]
+
+
+def test_a_failing_item_is_reported_failed_and_the_others_still_run() -> None:
+    report = _report()
+
+    def broken() -> None:
+        raise RuntimeError("no redis-server")
+
+    _section(report, "7", broken)
+    _section(report, "2+5", dict)
+    assert report.ran[-3:] == ["7", "2", "5"] and report.failed == ["7"]
+    assert _lines(report)["bytes per entry"].split(" | ")[1] == "failed (see notes)"
+    assert report.details["2+5"] == {} and "section 7 failed" in report.notes[-1]
