@@ -6,11 +6,22 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from indexer.engines.base import Prompt
-from indexer.engines.vllm import frames, hashing, native, render, wire
+from indexer.engines.vllm import frames, native, render, wire
 from indexer.engines.zmq_framing import ZmqFraming
+
+if TYPE_CHECKING:  # hashing (hashlib, pickle) loads on first use: ingest and replay need none
+    from indexer.engines.vllm import hashing
+
+
+def _hashing() -> ModuleType:
+    """vLLM's block hashing, imported on first use (a tenth of replay's start-up)."""
+    from indexer.engines.vllm import hashing
+
+    return hashing
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +35,7 @@ class VllmHasher:
         return self.spec.reproducible
 
     def digests(self, prompt: Prompt) -> list[bytes]:
-        return hashing.block_hashes(
+        return _hashing().block_hashes(
             self.spec,
             prompt.tokens,
             lora_name=prompt.lora_name,
@@ -35,13 +46,13 @@ class VllmHasher:
         )
 
     def published(self, digests: list[bytes]) -> list[int]:
-        return hashing.published_ints(digests)
+        return _hashing().published_ints(digests)
 
 
 @functools.lru_cache(maxsize=256)
 def _hasher(algo: str, seed: str | None, block_size: int) -> VllmHasher:
     """Cached: building a spec hashes the chain seed."""
-    return VllmHasher(hashing.HashSpec(algo, seed, block_size))
+    return VllmHasher(_hashing().HashSpec(algo, seed, block_size))
 
 
 def _untag(key: tuple[Any, ...]) -> Any:
@@ -90,13 +101,16 @@ class VllmAdapter(ZmqFraming):
     """Maps (or positional arrays) in msgpack, seq-numbered ZMQ frames, vLLM's hashes."""
 
     name = "vllm"
-    hash_algos = hashing.HASH_ALGOS
     compiled = VllmCompiled()
     renderer = VllmRenderer()
 
     batch_ts = staticmethod(wire.batch_ts)
     decode = staticmethod(wire.decode_batch)
     encode = staticmethod(wire.encode_batch)
+
+    @property
+    def hash_algos(self) -> tuple[str, ...]:
+        return _hashing().HASH_ALGOS
 
     def hasher(self, algo: str, seed: str | None, block_size: int) -> VllmHasher:
         return _hasher(algo, seed, block_size)
@@ -107,7 +121,7 @@ class VllmAdapter(ZmqFraming):
         events give ``name``, ``(id, offset)``, ``salt``."""
         lora = ("lora", prompt.lora_name, None) if prompt.lora_name is not None else None
         n_blocks = len(prompt.tokens) // block_size
-        keys = hashing.block_extra_keys(
+        keys = _hashing().block_extra_keys(
             n_blocks, block_size, lora, prompt.cache_salt, prompt.mm_features
         )
         return [tuple(map(_untag, extra)) if extra else None for extra in keys]
