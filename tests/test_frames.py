@@ -198,6 +198,10 @@ def test_mutated_and_truncated_batches(payload: bytes) -> None:
     _check(payload)
 
 
+def _nested(depth: int) -> list:
+    return [_nested(depth - 1)] if depth else []
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -230,6 +234,7 @@ def test_mutated_and_truncated_batches(payload: bytes) -> None:
             [1.0, [{"type": "AllBlocksCleared", "x": msgspec.msgpack.Ext(1, b"")}]]
         ),
         msgspec.msgpack.encode({"ts": 1.0}),
+        msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared", "x": _nested(40)}]]),
         # a key repeated, a string that is no UTF-8 (read and skipped)
         b"\x92\xcb" + b"\x00" * 8 + b"\x91\x83\xa4type\xacBlockRemoved\xacblock_hashes\x91\x01"
         b"\xacblock_hashes\x91\x02",

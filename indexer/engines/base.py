@@ -104,7 +104,9 @@ class EngineAdapter(Protocol):
         """A payload's batch timestamp, as cheaply as the format allows."""
 
     def decode(self, payload: bytes, *, tokens: bool = True) -> EventBatch:
-        """A payload's events; ``tokens=False`` may skip what only the token index reads."""
+        """A payload's events; ``tokens=False`` may skip what only the token index reads,
+        and give events as the index counts them: a stretch of alike ones as one, in
+        the order :func:`~indexer.core.residency.plan_batch` would apply them."""
 
     def encode(self, batch: EventBatch) -> bytes:
         """A batch as the engine would publish it (the producer side of :meth:`decode`)."""
