@@ -6,7 +6,9 @@
   hashes, as replicas serving one popular prompt set would). Ingest is
   block-ops/s (and the decode floor of the same bytes); query is the p50 of
   a 512-block prefix match with every engine listed, on the compiled core
-  and on the pure-Python reference core (the figure before it was compiled).
+  and on the pure-Python reference core (the figure before it was compiled);
+  the details say how many ranks a query answers (those matching something:
+  the clones of the engines holding the chain grow with the fleet).
 - Prompt length (blocks): query p50 on the fleet's store (and Dynamo's), and
   ingest of an engine storing a prompt of that length in one event and then
   evicting it block by block, as vLLM does.
@@ -55,6 +57,7 @@ def by_engines(fleet: Fleet, counts: list[int], batches: int, queries: int) -> d
             "kvindex": ours(store, listed),
             "reference": ours(reference_store(stream), listed),
         }
+        answered = sum(len(candidates["kvindex"](chain)) for chain in chains) / len(chains)
         samples = timed_calls(candidates, chains, 3)
         out[engines] = {
             "block_ops": ops,
@@ -62,6 +65,7 @@ def by_engines(fleet: Fleet, counts: list[int], batches: int, queries: int) -> d
             "decode_floor_us_per_op": 1e6 * times["floor"] / ops,
             "query_512": latency_ms(samples["kvindex"]),
             "query_512_reference": latency_ms(samples["reference"]),
+            "ranks_answered_per_query": answered,
         }
     return out
 

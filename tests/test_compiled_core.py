@@ -261,3 +261,50 @@ def test_only_ranks_matching_something_are_answered_on_both_cores() -> None:
     fast, slow = asyncio.run(run(MemoryStore())), asyncio.run(run(MemoryStore(compiled.REFERENCE)))
     assert fast == slow
     assert 0 < len(fast[0]) < 200  # not vacuous: answered and left out ranks alike
+
+
+def test_a_listing_changed_in_place_or_by_the_store_is_read_afresh() -> None:
+    """The compiled index keeps each slot's size from the last ``chunk_blocks`` while a
+    query passes the same keys and values in the same order; a dict changed in place
+    between queries, a slot named for another rank and a chunk size learned meanwhile
+    are all seen, as the reference sees them."""
+    chain = list(range(1, 17))
+    a0, b0, newcomer = RankId("a", 0), RankId("b", 0), RankId("c", 0)
+    placeholder = stored([chain[3]], CPU, block_size=0)  # chunk 0's end at size 4
+
+    async def run(store: MemoryStore) -> list[dict]:
+        engines: dict[str, int | None] = {"a": None, "b": 2}
+        await apply_events(store, a0, 0, EventBatch(0.0, [stored(chain[:2]), placeholder], 0))
+        await apply_events(store, b0, 0, EventBatch(0.0, [stored(chain[:4], CPU)], 0))
+        found = [await store.prefix_match(chain, engines)]
+        engines["a"] = 4  # a's placeholder now ends its first chunk
+        found.append(await store.prefix_match(chain, engines))
+        del engines["b"]
+        found.append(await store.prefix_match(chain, engines))
+        engines["b"] = None  # b's learned 4 blocks per chunk
+        found.append(await store.prefix_match(chain, engines))
+        bit = store._ranks[b0].bit
+        await store.forget(b0)
+        await apply_events(store, newcomer, 0, EventBatch(0.0, [stored(chain[:4], CPU)], 0))
+        assert store._ranks[newcomer].bit == bit
+        found.append(await store.prefix_match(chain, engines))  # on b's slot, not listed
+        engines["c"] = engines.pop("b")  # the same value object
+        found.append(await store.prefix_match(chain, engines))
+        engines["a"] = None
+        await apply_events(store, a0, 1, EventBatch(0.0, [stored(chain[4:8], CPU)], 0))
+        found.append(await store.prefix_match(chain, engines))  # a learned 4 meanwhile
+        return found
+
+    fast, slow = asyncio.run(run(MemoryStore())), asyncio.run(run(MemoryStore(compiled.REFERENCE)))
+    assert fast == slow
+    assert [sorted(r.engine for r in answer) for answer in fast] == [
+        ["a", "b"],
+        ["a", "b"],
+        ["a"],
+        ["a", "b"],
+        ["a"],
+        ["a", "c"],
+        ["a", "c"],
+    ]
+    assert fast[1][a0].cpu_blocks == 4 and fast[0][a0].cpu_blocks == 0
+    assert fast[6][a0].cpu_blocks == 8  # its placeholder and the chunk it stored

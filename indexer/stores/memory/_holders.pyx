@@ -18,6 +18,12 @@ Layout, chosen for the query pattern (one chain, every rank at once):
 - A chain's hashes are all known before the walk, so the walk computes the slot
   of a position a few positions ahead and prefetches it: the misses of a walk
   overlap, where a tree pays one dependent miss per position.
+- A query costs what the ranks holding the chain's start cost, not the fleet: the
+  index knows each slot's rank and learned chunk size, only the slots holding the
+  first block on GPU (or, per chunk size asked, the first chunk's end on CPU or
+  STORAGE) are looked up in ``chunk_blocks``, and a rank matching nothing is left
+  out of the answer. What was looked up is kept per slot while the next query's
+  ``chunk_blocks`` has the same entries (compared by identity, in order).
 
 Memory comes from Python's allocator, so ``tracemalloc`` counts it.
 """
@@ -73,10 +79,32 @@ cdef enum:
     FIELDS = 7  # PrefixMatch's fields
 
 
-ctypedef struct Entry:
-    uint64_t key
-    uint32_t val  # a rank set's id, or a refcount; 0: a free slot
-    uint32_t tag  # 0: the key is the hash itself; else 1 + the hash's place in the side list
+cdef extern from *:
+    """
+    /* A key table's slot of a mixed key: multiply-high maps it onto any capacity, so a
+       table grows by GROW_NUM / GROW_DEN, not by doubling. */
+    #define KV_HOME(mixed, cap) ((Py_ssize_t)(((unsigned __int128)(mixed) * (cap)) >> 64))
+    #define KV_SIDE 0x80000000u
+    #define KV_VALUE 0x7FFFFFFFu
+    """
+    Py_ssize_t KV_HOME(uint64_t mixed, Py_ssize_t cap) nogil
+    # an entry's val bit: its key is the hash's place in the side list, not the hash
+    const uint32_t KV_SIDE
+    const uint32_t KV_VALUE  # the rest of val
+
+
+ctypedef packed struct Entry:
+    uint64_t key  # the hash itself, or (KV_SIDE) its place in the side list
+    uint32_t val  # a rank set's id or a refcount, and KV_SIDE; 0: a free slot
+
+
+cdef enum:
+    # a key table grows past LOAD_NUM / LOAD_DEN full, by GROW_NUM / GROW_DEN: it stays
+    # between their quotient and that load
+    LOAD_NUM = 17
+    LOAD_DEN = 20
+    GROW_NUM = 3
+    GROW_DEN = 2
 
 
 ctypedef struct Answer:
@@ -320,38 +348,55 @@ cdef class KeyTable:
     """
 
     cdef Entry *entries
-    cdef Py_ssize_t mask, count
-    cdef list side  # tag - 1 -> the hash (None: free)
+    cdef Py_ssize_t cap, count
+    cdef list side  # a side key's place -> the hash (None: free)
     cdef list side_free
+    cdef uint64_t *side_hash  # a side key's place -> the hash's Python hash
+    cdef Py_ssize_t side_cap
 
     def __cinit__(self, *args):
-        self.mask, self.count = 7, 0
-        self.entries = <Entry *>PyMem_Malloc(8 * sizeof(Entry))
+        self.cap, self.count = 8, 0
+        self.entries = <Entry *>PyMem_Malloc(self.cap * sizeof(Entry))
         if not self.entries:
             raise MemoryError()
-        memset(self.entries, 0, 8 * sizeof(Entry))
+        memset(self.entries, 0, self.cap * sizeof(Entry))
         self.side, self.side_free = [], []
 
     def __dealloc__(self):
         PyMem_Free(self.entries)
+        PyMem_Free(self.side_hash)
+
+    cdef inline Py_ssize_t home(self, uint64_t mixed) noexcept nogil:
+        """Where the probe for a key (``mixed``: its mix()) starts."""
+        return KV_HOME(mixed, self.cap)
+
+    cdef inline Py_ssize_t after(self, Py_ssize_t i) noexcept nogil:
+        """The slot probed after ``i``: linear probing, wrapping at the capacity."""
+        i += 1
+        return 0 if i == self.cap else i
+
+    cdef inline uint64_t hashed(self, const Entry *e) noexcept nogil:
+        """The key an entry's home comes from: a side key's Python hash, else the key."""
+        return self.side_hash[e.key] if e.val & KV_SIDE else e.key
+
+    cdef inline uint32_t val_at(self, Py_ssize_t i) noexcept nogil:
+        return self.entries[i].val & KV_VALUE
 
     cdef inline bint same(self, const Entry *e, uint64_t key, PyObject *obj) except -1:
-        if e.key != key:
-            return False
         if obj == NULL:
-            return e.tag == 0
-        if e.tag == 0:
+            return e.key == key and not (e.val & KV_SIDE)
+        if not (e.val & KV_SIDE) or self.side_hash[e.key] != key:
             return False
-        cdef object held = self.side[e.tag - 1]
+        cdef object held = self.side[e.key]
         return <PyObject *>held == obj or PyObject_RichCompareBool(held, <object>obj, Py_EQ)
 
     cdef Py_ssize_t find(self, uint64_t key, PyObject *obj, uint64_t h) except? -2:
         """Where the hash is (or -1 - the free slot where it would go)."""
-        cdef Py_ssize_t i = h & self.mask
+        cdef Py_ssize_t i = self.home(h)
         while self.entries[i].val:
             if self.same(&self.entries[i], key, obj):
                 return i
-            i = (i + 1) & self.mask
+            i = self.after(i)
         return -1 - i
 
     cdef Py_ssize_t locate(self, object h, uint64_t *key, PyObject **obj) except? -2:
@@ -364,50 +409,64 @@ cdef class KeyTable:
 
     cdef int rehash(self, Py_ssize_t cap) except -1:
         cdef Entry *old = self.entries
-        cdef Py_ssize_t n = self.mask + 1, i, j
+        cdef Py_ssize_t n = self.cap, i, j
         self.entries = <Entry *>PyMem_Malloc(cap * sizeof(Entry))
         if not self.entries:
             self.entries = old
             raise MemoryError()
         memset(self.entries, 0, cap * sizeof(Entry))
-        self.mask = cap - 1
+        self.cap = cap
         for i in range(n):
             if old[i].val:
-                j = mix(old[i].key) & self.mask
+                j = self.home(mix(self.hashed(&old[i])))
                 while self.entries[j].val:
-                    j = (j + 1) & self.mask
+                    j = self.after(j)
                 self.entries[j] = old[i]
         PyMem_Free(old)
         return 0
 
-    cdef int insert(self, Py_ssize_t free, uint64_t key, PyObject *obj, uint32_t id) except -1:
-        cdef Py_ssize_t tag = 0
+    cdef Py_ssize_t side_place(self, PyObject *obj, uint64_t key) except -1:
+        """Where the side list keeps hash ``obj`` (``key``: its Python hash)."""
+        cdef Py_ssize_t place, n
+        cdef void *grown
+        if self.side_free:
+            place = self.side_free.pop()
+            self.side[place] = <object>obj
+        else:
+            place = len(self.side)
+            if place == self.side_cap:
+                n = max(8, 2 * self.side_cap)
+                grown = PyMem_Realloc(self.side_hash, n * 8)
+                if not grown:
+                    raise MemoryError()
+                self.side_hash, self.side_cap = <uint64_t *>grown, n
+            self.side.append(<object>obj)
+        self.side_hash[place] = key
+        return place
+
+    cdef int insert(self, Py_ssize_t free, uint64_t key, PyObject *obj, uint32_t val) except -1:
+        """Hold a new hash at ``free``, the free slot find() gave (sought again on growth)."""
+        cdef uint64_t stored = key
         if obj != NULL:
-            if self.side_free:
-                tag = self.side_free.pop()
-                self.side[tag - 1] = <object>obj
-            else:
-                self.side.append(<object>obj)
-                tag = len(self.side)
-        if (self.count + 1) * 4 > (self.mask + 1) * 3:
-            self.rehash((self.mask + 1) * 2)
+            stored = <uint64_t>self.side_place(obj, key)
+            val |= KV_SIDE
+        if (self.count + 1) * LOAD_DEN > self.cap * LOAD_NUM:
+            self.rehash(self.cap * GROW_NUM // GROW_DEN)
             free = -1 - self.find(key, obj, mix(key))
-        self.entries[free].key, self.entries[free].val = key, id
-        self.entries[free].tag = <uint32_t>tag
+        self.entries[free].key, self.entries[free].val = stored, val
         self.count += 1
         return 0
 
     cdef int remove(self, Py_ssize_t i) except -1:
-        cdef uint32_t tag = self.entries[i].tag
-        if tag:
-            self.side[tag - 1] = None
-            self.side_free.append(tag)
-        cdef Py_ssize_t j = i, home, m = self.mask
+        if self.entries[i].val & KV_SIDE:
+            self.side[self.entries[i].key] = None
+            self.side_free.append(self.entries[i].key)
+        cdef Py_ssize_t j = i, home
         while True:  # backward-shift deletion: no tombstones
-            j = (j + 1) & m
+            j = self.after(j)
             if not self.entries[j].val:
                 break
-            home = mix(self.entries[j].key) & m
+            home = self.home(mix(self.hashed(&self.entries[j])))
             if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
                 self.entries[i] = self.entries[j]
                 i = j
@@ -416,8 +475,8 @@ cdef class KeyTable:
         return 0
 
     cdef inline object key_at(self, Py_ssize_t i):
-        if self.entries[i].tag:
-            return self.side[self.entries[i].tag - 1]
+        if self.entries[i].val & KV_SIDE:
+            return self.side[self.entries[i].key]
         return self.entries[i].key
 
     cdef object value(self, uint32_t val):
@@ -427,7 +486,7 @@ cdef class KeyTable:
         cdef uint64_t key
         cdef PyObject *obj
         cdef Py_ssize_t i = self.locate(h, &key, &obj)
-        return default if i < 0 else self.value(self.entries[i].val)
+        return default if i < 0 else self.value(self.val_at(i))
 
     def __getitem__(self, h):
         found = self.get(h)
@@ -446,14 +505,14 @@ cdef class KeyTable:
     def items(self) -> list:
         cdef Py_ssize_t i
         return [
-            (self.key_at(i), self.value(self.entries[i].val))
-            for i in range(self.mask + 1)
+            (self.key_at(i), self.value(self.val_at(i)))
+            for i in range(self.cap)
             if self.entries[i].val
         ]
 
     def keys(self) -> list:
         cdef Py_ssize_t i
-        return [self.key_at(i) for i in range(self.mask + 1) if self.entries[i].val]
+        return [self.key_at(i) for i in range(self.cap) if self.entries[i].val]
 
     def __iter__(self):
         return iter(self.keys())
@@ -613,6 +672,15 @@ cdef class HolderIndex:
     cdef PyObject **cans
     cdef Py_ssize_t *asked
     cdef Py_ssize_t asked_cap
+    # the last ``chunk_blocks`` seen, entry by entry (key and value, held): a query
+    # passing the same objects in the same order (the same dict, or one built alike
+    # from the same registry) keeps what earlier ones resolved, per slot: its declared
+    # size (0: none, -1: not listed) as of snapshot ``slot_seen`` (0: never)
+    cdef PyObject **snap
+    cdef Py_ssize_t snap_n, snap_cap
+    cdef uint64_t snap_id
+    cdef uint64_t *slot_seen
+    cdef Py_ssize_t *slot_declared
     # the chain's window set ids (NO_ID: not read): per block on GPU, then per chunk on
     # CPU and on STORAGE; per slot its hybrid kind, window and block size, as last seen
     cdef uint32_t *wids
@@ -637,6 +705,7 @@ cdef class HolderIndex:
         self.win_storage = self.windows[STORAGE]
         self.free_slots = []
         self.learned_sizes = {}
+        self.snap_id = 1  # the empty snapshot
         self.acap = 2 * ANSWERS_KEPT
         self.answers = <Answer *>PyMem_Malloc(self.acap * sizeof(Answer))
         if not self.answers:
@@ -648,6 +717,8 @@ cdef class HolderIndex:
         for slot in range(self.named_cap):
             Py_XDECREF(self.slot_rank[slot])
             Py_XDECREF(self.slot_engine[slot])
+        self.release_snapshot()
+        PyMem_Free(self.snap)
         self.forget_answers()
         PyMem_Free(self.answers)
         PyMem_Free(self.wkey)
@@ -660,6 +731,8 @@ cdef class HolderIndex:
         PyMem_Free(self.slot_engine)
         PyMem_Free(self.slot_hash)
         PyMem_Free(self.slot_learned)
+        PyMem_Free(self.slot_seen)
+        PyMem_Free(self.slot_declared)
         PyMem_Free(self.cslot)
         PyMem_Free(self.csize)
         PyMem_Free(self.cans)
@@ -696,8 +769,11 @@ cdef class HolderIndex:
             self.slot_hash = <Py_hash_t *>PyMem_Realloc(self.slot_hash, n * sizeof(Py_hash_t))
             self.slot_learned = <Py_ssize_t *>PyMem_Realloc(self.slot_learned,
                                                            n * sizeof(Py_ssize_t))
+            self.slot_seen = <uint64_t *>PyMem_Realloc(self.slot_seen, n * 8)
+            self.slot_declared = <Py_ssize_t *>PyMem_Realloc(self.slot_declared,
+                                                            n * sizeof(Py_ssize_t))
             if not (self.slot_rank and self.slot_engine and self.slot_hash
-                    and self.slot_learned):
+                    and self.slot_learned and self.slot_seen and self.slot_declared):
                 raise MemoryError()
             memset(self.slot_rank + was, 0, (n - was) * sizeof(PyObject *))
             memset(self.slot_engine + was, 0, (n - was) * sizeof(PyObject *))
@@ -726,6 +802,7 @@ cdef class HolderIndex:
         Py_XDECREF(self.slot_rank[slot])
         Py_XDECREF(self.slot_engine[slot])
         self.slot_rank[slot] = self.slot_engine[slot] = NULL
+        self.slot_seen[slot] = 0
         return 0
 
     cdef int forget_learned(self, Py_ssize_t slot) except -1:
@@ -1056,12 +1133,16 @@ cdef class HolderIndex:
     cdef Py_ssize_t sizes_asked(self, dict chunk_blocks) except -1:
         """The distinct chunk sizes ``chunk_blocks`` gives its engines (0: GPU only), those
         learned too where it gives none: every size a listed rank can be matched with."""
-        cdef Py_ssize_t pos = 0, count = 0, size
+        cdef Py_ssize_t pos = 0, count = 0, size, i = 0
         cdef PyObject *key
         cdef PyObject *value
         cdef PyObject *seen = NULL
-        cdef bint learned = False
+        cdef PyObject **snap = self.snap
+        cdef bint learned = False, same = len(chunk_blocks) == self.snap_n
         while PyDict_Next(chunk_blocks, &pos, &key, &value):
+            if same and (snap[2 * i] != key or snap[2 * i + 1] != value):
+                same = False
+            i += 1
             if value != seen:  # most engines share one size object
                 seen = value
                 size = <object>value or 0
@@ -1069,11 +1150,39 @@ cdef class HolderIndex:
                     count = self.ask(count, size)
                 else:
                     learned = True
+        if not same:
+            self.snapshot(chunk_blocks)
         if learned:
             count = self.ask(count, 0)
             for size in self.learned_sizes:
                 count = self.ask(count, size)
         return count
+
+    cdef int snapshot(self, dict chunk_blocks) except -1:
+        """Hold ``chunk_blocks``' entries as the snapshot that slots' sizes are kept for."""
+        cdef Py_ssize_t pos = 0, n = len(chunk_blocks), i = 0
+        cdef PyObject *key
+        cdef PyObject *value
+        self.release_snapshot()
+        if 2 * n > self.snap_cap:
+            self.snap_cap = max(2 * n, 2 * self.snap_cap)
+            self.snap = <PyObject **>PyMem_Realloc(self.snap, self.snap_cap * sizeof(PyObject *))
+            if not self.snap:
+                raise MemoryError()
+        while PyDict_Next(chunk_blocks, &pos, &key, &value):
+            Py_INCREF(<object>key)
+            Py_INCREF(<object>value)
+            self.snap[2 * i], self.snap[2 * i + 1] = key, value
+            i += 1
+        self.snap_n = n
+        self.snap_id += 1
+        return 0
+
+    cdef void release_snapshot(self) noexcept:
+        cdef Py_ssize_t i
+        for i in range(2 * self.snap_n):
+            Py_DECREF(<object>self.snap[i])
+        self.snap_n = 0
 
     cdef Py_ssize_t ask(self, Py_ssize_t count, Py_ssize_t size) except -1:
         cdef Py_ssize_t i
@@ -1131,16 +1240,21 @@ cdef class HolderIndex:
             while word:
                 slot = k * 64 + KV_CTZ(word)
                 word &= word - 1
-                found = NULL
-                if slot < self.named_cap and self.slot_rank[slot] != NULL:
-                    found = PyDict_GetItemWithError(chunk_blocks,
-                                                    <object>self.slot_engine[slot])
-                if found == NULL:  # not listed
+                if slot >= self.named_cap or self.slot_rank[slot] == NULL:
                     cand[k] &= ~(1ULL << (slot & 63))
                     continue
-                if found != seen:
-                    seen, seen_size = found, <object>found or 0
-                size = seen_size or self.slot_learned[slot]
+                if self.slot_seen[slot] != self.snap_id:
+                    found = PyDict_GetItemWithError(chunk_blocks,
+                                                    <object>self.slot_engine[slot])
+                    if found != seen and found != NULL:
+                        seen, seen_size = found, <object>found or 0
+                    self.slot_declared[slot] = -1 if found == NULL else seen_size
+                    self.slot_seen[slot] = self.snap_id
+                size = self.slot_declared[slot]
+                if size < 0:  # not listed
+                    cand[k] &= ~(1ULL << (slot & 63))
+                    continue
+                size = size or self.slot_learned[slot]
                 self.cslot[count], self.csize[count] = <int32_t>slot, size
                 self.cans[count] = NULL
                 count += 1
