@@ -3,7 +3,8 @@
 Everything replays the same fleet payloads (in the order an indexer would
 receive them) from bytes in memory: no sockets, no sequencing beyond the
 store's own watermark check. Candidates run in turn, repeated, and each
-figure is a median:
+figure is a median of CPU seconds (as item 14's: on the shared machine, wall
+time is partly waiting for a core):
 
 - kvindex: :func:`~indexer.engines.vllm.wire.decode_batch` then
   :func:`~indexer.stores.apply_events` into a :class:`~indexer.stores.MemoryStore`,
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 import msgspec
 
 from bench import dynamo
-from bench.measure import interleaved
+from bench.measure import cpu_clock, interleaved
 from bench.naive import naive
 from bench.report import Figure, Goal, Report
 from indexer.core.events import EventBatch, RankId
@@ -66,7 +67,7 @@ def run(report: Report, stream: Stream, repeats: int) -> dict:
         "decode_floor": lambda: decode_floor(stream),
         "indexed_floor": lambda: decode_floor(stream, IndexedBatch),
     }
-    times = interleaved(repeats, candidates)
+    times = interleaved(repeats, candidates, cpu_clock)
     rates = {name: ops / t for name, t in times.items()}
     details: dict = {"batches": len(stream), "block_ops": ops, "block_ops_per_s": rates}
     what = "block-ops/s, decode + apply"
@@ -103,5 +104,5 @@ def _dynamo_rate(stream: Stream, repeats: int) -> tuple[float, int, int]:
         last[:] = [dynamo.Tree()]
         last[0].apply(events)
 
-    seconds = interleaved(repeats, {"dynamo": apply})["dynamo"]
+    seconds = interleaved(repeats, {"dynamo": apply}, cpu_clock)["dynamo"]
     return dynamo.block_ops(events) / seconds, len(events), last[0].refused
