@@ -7,13 +7,17 @@ Same interface and answers as :class:`indexer.stores.memory.holders.HolderIndex`
 Layout, chosen for the query pattern (one chain, every rank at once):
 
 - Per medium an open-addressing table (linear probing, backward-shift deletion)
-  of 16-byte entries: the 64-bit key, the id of its rank set, and a tag. An int
-  hash below 2**64 is its own key (tag 0); any other hash (raw digest bytes) is
-  keyed by its Python hash and kept in a side list, compared on every hit (tag:
-  its place there), so a bytes hash never meets an int of the same bits.
+  of 12-byte entries: the 64-bit key and a 32-bit value (the id of its rank set)
+  whose top bit says what the key is. An int hash below 2**64 is its own key;
+  any other hash (raw digest bytes) is kept in a side list, with its Python hash
+  beside it, and keyed by its place there (compared on every hit), so a bytes
+  hash never meets an int of the same bits. A key's slot is its mixed bits
+  multiplied onto the capacity (the high word), so a table can have any size:
+  it grows by half past 85% full, and stays 57-85% full (doubling at 3/4 left
+  it 37-75% full, bytes per entry swinging 2x with the fleet's size).
 - Rank sets are interned: one bitset of ``width`` 64-bit words per distinct set,
   refcounted by the entries naming it. A hash held by one rank names that rank's
-  singleton, so most entries cost 16 bytes whatever the number of ranks, and a
+  singleton, so most entries cost 12 bytes whatever the number of ranks, and a
   walk compares runs of one set by id, reading the words only where it changes.
 - A chain's hashes are all known before the walk, so the walk computes the slot
   of a position a few positions ahead and prefetches it: the misses of a walk
@@ -559,7 +563,7 @@ cdef class HolderTable(KeyTable):
                         sets.take(new)
                         self.insert(-1 - i, key, obj, new)
                     continue
-                old = self.entries[i].val
+                old = self.val_at(i)
                 if sets.has(old, slot) == on:
                     continue
                 if old != was:
@@ -575,7 +579,7 @@ cdef class HolderTable(KeyTable):
                 new = now
                 if new:
                     sets.take(new)
-                    self.entries[i].val = new
+                    self.entries[i].val = new | (self.entries[i].val & KV_SIDE)
                 else:
                     self.remove(i)
                 sets.drop(old)
@@ -620,7 +624,7 @@ cdef class CountTable(KeyTable):
             i = self.locate(<object>items[k], &key, &obj)
             if i < 0:
                 unknown += 1
-            elif self.entries[i].val > 1:
+            elif self.val_at(i) > 1:
                 self.entries[i].val -= 1
             else:
                 self.remove(i)
@@ -866,18 +870,18 @@ cdef class HolderIndex:
     cdef inline uint32_t lookup(self, HolderTable t, Py_ssize_t i) except? NO_ID:
         """The set id of position ``i`` in ``t`` (0: not there); read() it first."""
         cdef Entry *e = t.entries
-        cdef Py_ssize_t m = t.mask, j = self.wmix[i] & m
+        cdef Py_ssize_t j = t.home(self.wmix[i])
         cdef uint64_t key = self.wkey[i]
         if self.wstate[i] == 1:
             while e[j].val:
-                if e[j].key == key and e[j].tag == 0:
+                if e[j].key == key and not (e[j].val & KV_SIDE):
                     return e[j].val
-                j = (j + 1) & m
+                j = t.after(j)
             return 0
         while e[j].val:
             if t.same(&e[j], key, self.witems[i]):
-                return e[j].val
-            j = (j + 1) & m
+                return e[j].val & KV_VALUE
+            j = t.after(j)
         return 0
 
     cdef int walk(
@@ -896,13 +900,13 @@ cdef class HolderIndex:
             for j in range(ahead):
                 p = first + j * stride
                 self.read(p)
-                KV_PREFETCH(&t.entries[self.wmix[p] & t.mask])
+                KV_PREFETCH(&t.entries[t.home(self.wmix[p])])
             j = 0
             while j < count:
                 if j + ahead < count:
                     p = first + (j + ahead) * stride
                     self.read(p)
-                    KV_PREFETCH(&t.entries[self.wmix[p] & t.mask])
+                    KV_PREFETCH(&t.entries[t.home(self.wmix[p])])
                 id = self.lookup(t, first + j * stride)
                 ids[j] = id
                 if id != last:
