@@ -7,13 +7,17 @@ Same interface and answers as :class:`indexer.stores.memory.holders.HolderIndex`
 Layout, chosen for the query pattern (one chain, every rank at once):
 
 - Per medium an open-addressing table (linear probing, backward-shift deletion)
-  of 16-byte entries: the 64-bit key, the id of its rank set, and a tag. An int
-  hash below 2**64 is its own key (tag 0); any other hash (raw digest bytes) is
-  keyed by its Python hash and kept in a side list, compared on every hit (tag:
-  its place there), so a bytes hash never meets an int of the same bits.
+  of 12-byte entries: the 64-bit key and a 32-bit value (the id of its rank set)
+  whose top bit says what the key is. An int hash below 2**64 is its own key;
+  any other hash (raw digest bytes) is kept in a side list, with its Python hash
+  beside it, and keyed by its place there (compared on every hit), so a bytes
+  hash never meets an int of the same bits. A key's slot is its mixed bits
+  multiplied onto the capacity (the high word), so a table can have any size:
+  it grows by half past 85% full, and stays 57-85% full (doubling at 3/4 left
+  it 37-75% full, bytes per entry swinging 2x with the fleet's size).
 - Rank sets are interned: one bitset of ``width`` 64-bit words per distinct set,
   refcounted by the entries naming it. A hash held by one rank names that rank's
-  singleton, so most entries cost 16 bytes whatever the number of ranks, and a
+  singleton, so most entries cost 12 bytes whatever the number of ranks, and a
   walk compares runs of one set by id, reading the words only where it changes.
 - A chain's hashes are all known before the walk, so the walk computes the slot
   of a position a few positions ahead and prefetches it: the misses of a walk
@@ -79,10 +83,32 @@ cdef enum:
     FIELDS = 7  # PrefixMatch's fields
 
 
-ctypedef struct Entry:
-    uint64_t key
-    uint32_t val  # a rank set's id, or a refcount; 0: a free slot
-    uint32_t tag  # 0: the key is the hash itself; else 1 + the hash's place in the side list
+cdef extern from *:
+    """
+    /* A key table's slot of a mixed key: multiply-high maps it onto any capacity, so a
+       table grows by GROW_NUM / GROW_DEN, not by doubling. */
+    #define KV_HOME(mixed, cap) ((Py_ssize_t)(((unsigned __int128)(mixed) * (cap)) >> 64))
+    #define KV_SIDE 0x80000000u
+    #define KV_VALUE 0x7FFFFFFFu
+    """
+    Py_ssize_t KV_HOME(uint64_t mixed, Py_ssize_t cap) nogil
+    # an entry's val bit: its key is the hash's place in the side list, not the hash
+    const uint32_t KV_SIDE
+    const uint32_t KV_VALUE  # the rest of val
+
+
+ctypedef packed struct Entry:
+    uint64_t key  # the hash itself, or (KV_SIDE) its place in the side list
+    uint32_t val  # a rank set's id or a refcount, and KV_SIDE; 0: a free slot
+
+
+cdef enum:
+    # a key table grows past LOAD_NUM / LOAD_DEN full, by GROW_NUM / GROW_DEN: it stays
+    # between their quotient and that load
+    LOAD_NUM = 17
+    LOAD_DEN = 20
+    GROW_NUM = 3
+    GROW_DEN = 2
 
 
 ctypedef struct Answer:
@@ -326,38 +352,55 @@ cdef class KeyTable:
     """
 
     cdef Entry *entries
-    cdef Py_ssize_t mask, count
-    cdef list side  # tag - 1 -> the hash (None: free)
+    cdef Py_ssize_t cap, count
+    cdef list side  # a side key's place -> the hash (None: free)
     cdef list side_free
+    cdef uint64_t *side_hash  # a side key's place -> the hash's Python hash
+    cdef Py_ssize_t side_cap
 
     def __cinit__(self, *args):
-        self.mask, self.count = 7, 0
-        self.entries = <Entry *>PyMem_Malloc(8 * sizeof(Entry))
+        self.cap, self.count = 8, 0
+        self.entries = <Entry *>PyMem_Malloc(self.cap * sizeof(Entry))
         if not self.entries:
             raise MemoryError()
-        memset(self.entries, 0, 8 * sizeof(Entry))
+        memset(self.entries, 0, self.cap * sizeof(Entry))
         self.side, self.side_free = [], []
 
     def __dealloc__(self):
         PyMem_Free(self.entries)
+        PyMem_Free(self.side_hash)
+
+    cdef inline Py_ssize_t home(self, uint64_t mixed) noexcept nogil:
+        """Where the probe for a key (``mixed``: its mix()) starts."""
+        return KV_HOME(mixed, self.cap)
+
+    cdef inline Py_ssize_t after(self, Py_ssize_t i) noexcept nogil:
+        """The slot probed after ``i``: linear probing, wrapping at the capacity."""
+        i += 1
+        return 0 if i == self.cap else i
+
+    cdef inline uint64_t hashed(self, const Entry *e) noexcept nogil:
+        """The key an entry's home comes from: a side key's Python hash, else the key."""
+        return self.side_hash[e.key] if e.val & KV_SIDE else e.key
+
+    cdef inline uint32_t val_at(self, Py_ssize_t i) noexcept nogil:
+        return self.entries[i].val & KV_VALUE
 
     cdef inline bint same(self, const Entry *e, uint64_t key, PyObject *obj) except -1:
-        if e.key != key:
-            return False
         if obj == NULL:
-            return e.tag == 0
-        if e.tag == 0:
+            return e.key == key and not (e.val & KV_SIDE)
+        if not (e.val & KV_SIDE) or self.side_hash[e.key] != key:
             return False
-        cdef object held = self.side[e.tag - 1]
+        cdef object held = self.side[e.key]
         return <PyObject *>held == obj or PyObject_RichCompareBool(held, <object>obj, Py_EQ)
 
     cdef Py_ssize_t find(self, uint64_t key, PyObject *obj, uint64_t h) except? -2:
         """Where the hash is (or -1 - the free slot where it would go)."""
-        cdef Py_ssize_t i = h & self.mask
+        cdef Py_ssize_t i = self.home(h)
         while self.entries[i].val:
             if self.same(&self.entries[i], key, obj):
                 return i
-            i = (i + 1) & self.mask
+            i = self.after(i)
         return -1 - i
 
     cdef Py_ssize_t locate(self, object h, uint64_t *key, PyObject **obj) except? -2:
@@ -370,50 +413,64 @@ cdef class KeyTable:
 
     cdef int rehash(self, Py_ssize_t cap) except -1:
         cdef Entry *old = self.entries
-        cdef Py_ssize_t n = self.mask + 1, i, j
+        cdef Py_ssize_t n = self.cap, i, j
         self.entries = <Entry *>PyMem_Malloc(cap * sizeof(Entry))
         if not self.entries:
             self.entries = old
             raise MemoryError()
         memset(self.entries, 0, cap * sizeof(Entry))
-        self.mask = cap - 1
+        self.cap = cap
         for i in range(n):
             if old[i].val:
-                j = mix(old[i].key) & self.mask
+                j = self.home(mix(self.hashed(&old[i])))
                 while self.entries[j].val:
-                    j = (j + 1) & self.mask
+                    j = self.after(j)
                 self.entries[j] = old[i]
         PyMem_Free(old)
         return 0
 
-    cdef int insert(self, Py_ssize_t free, uint64_t key, PyObject *obj, uint32_t id) except -1:
-        cdef Py_ssize_t tag = 0
+    cdef Py_ssize_t side_place(self, PyObject *obj, uint64_t key) except -1:
+        """Where the side list keeps hash ``obj`` (``key``: its Python hash)."""
+        cdef Py_ssize_t place, n
+        cdef void *grown
+        if self.side_free:
+            place = self.side_free.pop()
+            self.side[place] = <object>obj
+        else:
+            place = len(self.side)
+            if place == self.side_cap:
+                n = max(8, 2 * self.side_cap)
+                grown = PyMem_Realloc(self.side_hash, n * 8)
+                if not grown:
+                    raise MemoryError()
+                self.side_hash, self.side_cap = <uint64_t *>grown, n
+            self.side.append(<object>obj)
+        self.side_hash[place] = key
+        return place
+
+    cdef int insert(self, Py_ssize_t free, uint64_t key, PyObject *obj, uint32_t val) except -1:
+        """Hold a new hash at ``free``, the free slot find() gave (sought again on growth)."""
+        cdef uint64_t stored = key
         if obj != NULL:
-            if self.side_free:
-                tag = self.side_free.pop()
-                self.side[tag - 1] = <object>obj
-            else:
-                self.side.append(<object>obj)
-                tag = len(self.side)
-        if (self.count + 1) * 4 > (self.mask + 1) * 3:
-            self.rehash((self.mask + 1) * 2)
+            stored = <uint64_t>self.side_place(obj, key)
+            val |= KV_SIDE
+        if (self.count + 1) * LOAD_DEN > self.cap * LOAD_NUM:
+            self.rehash(self.cap * GROW_NUM // GROW_DEN)
             free = -1 - self.find(key, obj, mix(key))
-        self.entries[free].key, self.entries[free].val = key, id
-        self.entries[free].tag = <uint32_t>tag
+        self.entries[free].key, self.entries[free].val = stored, val
         self.count += 1
         return 0
 
     cdef int remove(self, Py_ssize_t i) except -1:
-        cdef uint32_t tag = self.entries[i].tag
-        if tag:
-            self.side[tag - 1] = None
-            self.side_free.append(tag)
-        cdef Py_ssize_t j = i, home, m = self.mask
+        if self.entries[i].val & KV_SIDE:
+            self.side[self.entries[i].key] = None
+            self.side_free.append(self.entries[i].key)
+        cdef Py_ssize_t j = i, home
         while True:  # backward-shift deletion: no tombstones
-            j = (j + 1) & m
+            j = self.after(j)
             if not self.entries[j].val:
                 break
-            home = mix(self.entries[j].key) & m
+            home = self.home(mix(self.hashed(&self.entries[j])))
             if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
                 self.entries[i] = self.entries[j]
                 i = j
@@ -422,8 +479,8 @@ cdef class KeyTable:
         return 0
 
     cdef inline object key_at(self, Py_ssize_t i):
-        if self.entries[i].tag:
-            return self.side[self.entries[i].tag - 1]
+        if self.entries[i].val & KV_SIDE:
+            return self.side[self.entries[i].key]
         return self.entries[i].key
 
     cdef object value(self, uint32_t val):
@@ -433,7 +490,7 @@ cdef class KeyTable:
         cdef uint64_t key
         cdef PyObject *obj
         cdef Py_ssize_t i = self.locate(h, &key, &obj)
-        return default if i < 0 else self.value(self.entries[i].val)
+        return default if i < 0 else self.value(self.val_at(i))
 
     def __getitem__(self, h):
         found = self.get(h)
@@ -452,14 +509,14 @@ cdef class KeyTable:
     def items(self) -> list:
         cdef Py_ssize_t i
         return [
-            (self.key_at(i), self.value(self.entries[i].val))
-            for i in range(self.mask + 1)
+            (self.key_at(i), self.value(self.val_at(i)))
+            for i in range(self.cap)
             if self.entries[i].val
         ]
 
     def keys(self) -> list:
         cdef Py_ssize_t i
-        return [self.key_at(i) for i in range(self.mask + 1) if self.entries[i].val]
+        return [self.key_at(i) for i in range(self.cap) if self.entries[i].val]
 
     def __iter__(self):
         return iter(self.keys())
@@ -506,7 +563,7 @@ cdef class HolderTable(KeyTable):
                         sets.take(new)
                         self.insert(-1 - i, key, obj, new)
                     continue
-                old = self.entries[i].val
+                old = self.val_at(i)
                 if sets.has(old, slot) == on:
                     continue
                 if old != was:
@@ -522,7 +579,7 @@ cdef class HolderTable(KeyTable):
                 new = now
                 if new:
                     sets.take(new)
-                    self.entries[i].val = new
+                    self.entries[i].val = new | (self.entries[i].val & KV_SIDE)
                 else:
                     self.remove(i)
                 sets.drop(old)
@@ -567,7 +624,7 @@ cdef class CountTable(KeyTable):
             i = self.locate(<object>items[k], &key, &obj)
             if i < 0:
                 unknown += 1
-            elif self.entries[i].val > 1:
+            elif self.val_at(i) > 1:
                 self.entries[i].val -= 1
             else:
                 self.remove(i)
@@ -813,18 +870,18 @@ cdef class HolderIndex:
     cdef inline uint32_t lookup(self, HolderTable t, Py_ssize_t i) except? NO_ID:
         """The set id of position ``i`` in ``t`` (0: not there); read() it first."""
         cdef Entry *e = t.entries
-        cdef Py_ssize_t m = t.mask, j = self.wmix[i] & m
+        cdef Py_ssize_t j = t.home(self.wmix[i])
         cdef uint64_t key = self.wkey[i]
         if self.wstate[i] == 1:
             while e[j].val:
-                if e[j].key == key and e[j].tag == 0:
+                if e[j].key == key and not (e[j].val & KV_SIDE):
                     return e[j].val
-                j = (j + 1) & m
+                j = t.after(j)
             return 0
         while e[j].val:
             if t.same(&e[j], key, self.witems[i]):
-                return e[j].val
-            j = (j + 1) & m
+                return e[j].val & KV_VALUE
+            j = t.after(j)
         return 0
 
     cdef int walk(
@@ -843,13 +900,13 @@ cdef class HolderIndex:
             for j in range(ahead):
                 p = first + j * stride
                 self.read(p)
-                KV_PREFETCH(&t.entries[self.wmix[p] & t.mask])
+                KV_PREFETCH(&t.entries[t.home(self.wmix[p])])
             j = 0
             while j < count:
                 if j + ahead < count:
                     p = first + (j + ahead) * stride
                     self.read(p)
-                    KV_PREFETCH(&t.entries[self.wmix[p] & t.mask])
+                    KV_PREFETCH(&t.entries[t.home(self.wmix[p])])
                 id = self.lookup(t, first + j * stride)
                 ids[j] = id
                 if id != last:
