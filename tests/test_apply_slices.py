@@ -10,6 +10,7 @@ a chain's prefix match once the burst is under way.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
@@ -19,6 +20,7 @@ import uvicorn
 
 from api import ApiSettings, create_app
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.ingest.slices import Slices
 from indexer.ingest.sockets import YIELD_EVERY
 from indexer.ingest.subscriber import Subscriber
 from indexer.registry import EngineRegistry, EngineSpec
@@ -29,7 +31,6 @@ from producer.publisher import Publisher
 from .conftest import free_ports, wait_until
 from .test_subscriber import RecordingStore, assert_in_order_once, tuned
 
-pytestmark = pytest.mark.slow  # a few thousand batches through sockets and an HTTP server
 RANK = RankId("e", 0)
 
 
@@ -70,6 +71,49 @@ async def _answers_by_prefix(payloads: list[bytes], chain: list[int]) -> list[in
     return hits
 
 
+def _busy(seconds: float) -> None:
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+async def _batches_before_a_query(slices: Slices) -> int:
+    """Batches a consumer applied (1 ms each, under ``slices``) from a query's bytes
+    reaching a socket, mid-slice, until the handler its read callback starts runs."""
+    loop = asyncio.get_running_loop()
+    reader, writer = socket.socketpair()
+    applied, sent_at, handled_at, handlers = 0, 0, [], []
+
+    async def handle() -> None:
+        handled_at.append(applied)
+
+    def read() -> None:  # as uvicorn's read callback starts a request's handler
+        reader.recv(1)
+        handlers.append(loop.create_task(handle()))
+
+    loop.add_reader(reader, read)
+    try:
+        while not handled_at:
+            _busy(0.001)
+            applied += 1
+            if applied == 3:  # the first pause opened the slice at batch 1
+                writer.send(b"q")
+                sent_at = applied
+            await slices.pause_if_spent()
+    finally:
+        loop.remove_reader(reader)
+        reader.close()
+        writer.close()
+    return handled_at[0] - sent_at
+
+
+async def test_a_query_read_mid_slice_is_handled_before_the_next_slice() -> None:
+    # the rest of its slice (3 batches of 1 ms, and one over), not the next slice or
+    # two as well (8 to 13 batches here when consumers resumed ahead of the handler)
+    assert await _batches_before_a_query(Slices(budget=0.005)) <= 4
+
+
+@pytest.mark.slow  # a few thousand batches through sockets and an HTTP server
 async def test_a_query_is_answered_mid_burst_from_whole_batches() -> None:
     payloads, chain = _batches()
     payloads = payloads * 3  # long enough for several queries to go in mid-burst
