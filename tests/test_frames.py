@@ -10,6 +10,8 @@ generated vLLM batches of every event kind and field, and those mutated.
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 from indexer.core.events import AllBlocksCleared, BlockRemoved, EventBatch, WireError
 from indexer.core.residency import plan_batch
 from indexer.core.routed import confirmations
-from indexer.engines import base
+from indexer.engines import base, catalog
 from indexer.engines.vllm import frames, wire
 from indexer.ingest.trace import load_trace, map_trace
 
@@ -302,3 +304,17 @@ def test_a_mapped_trace_refuses_what_is_no_trace(tmp_path) -> None:
         path.write_bytes(data)
         with pytest.raises(msgspec.MsgspecError):
             map_trace(path)
+
+
+def test_a_missing_scanner_is_reported_and_warned_through_the_catalog(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(frames, "AVAILABLE", False)
+    monkeypatch.setattr(frames, "IMPORT_ERROR", "ImportError: no _frames")
+    with caplog.at_level(logging.WARNING, logger="kvindex.native"):
+        assert catalog.warn_if_unavailable("serve") is False
+    assert [(r.role, r.import_error) for r in caplog.records] == [
+        ("serve", "ImportError: no _frames")
+    ]
+    assert "payload scanner" in caplog.records[0].getMessage()
+    assert catalog.compiled_statuses() == [
+        {"compiled_core": False, "compiled_core_error": "ImportError: no _frames"}
+    ]
