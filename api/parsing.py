@@ -11,11 +11,13 @@ item by item, to parse it or to name the culprit.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, TypeVar
 
 import msgspec
+import msgspec.inspect
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from starlette.requests import Request
@@ -27,6 +29,7 @@ from api.schemas import HASH_PATTERN, MAX_TOKEN, MAX_UINT64, Token
 from indexer.core.events import BlockHash
 
 T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
 
 _TOKEN = re.compile(r"[0-9]{1,19}")
 _HASH = re.compile(HASH_PATTERN)
@@ -71,14 +74,16 @@ def _decimals(items: list[str], max_digits: int) -> list[int] | None:
 
 
 def parse_tokens(text: str, limit: int) -> list[int]:
-    """``"1,2,3"`` to token ids; 413 past ``limit`` tokens, 422 on a bad item."""
-    check_size(text.count(",") + 1 if text else 0, "tokens", limit)
-    if not text:
-        return []
+    """``"1,2,3"`` to token ids; 413 past ``limit`` tokens, 422 on a bad item (a
+    prompt over the limit is a 413 whatever its items: it is counted first)."""
     tokens = _json_ints(text, _TOKEN_LIST)
     if tokens is not None:
+        check_size(len(tokens), "tokens", limit)
         return tokens
-    items = text.split(",")
+    items = split_list(text)
+    check_size(len(items), "tokens", limit)
+    if not items:
+        return []
     tokens = _decimals(items, 19)
     if tokens is None or max(tokens) > MAX_TOKEN:
         raise _first_bad_token(items)
@@ -115,17 +120,35 @@ def parse_hash(item: int | str, where: str = "hash") -> BlockHash:
     return value
 
 
+def hash_items(text: str) -> list[int | str]:
+    """A GET ``block_hashes`` as the body's list: every item an int when all are
+    decimals (parsed at once, in C), else the items as given, for :func:`parse_hashes`
+    to parse one by one or name the bad one."""
+    values: list[int | str] | None = _json_ints(text, _HASH_LIST)  # None: not all decimals
+    return split_list(text) if values is None else values
+
+
 def parse_hashes(items: list[int | str], limit: int) -> list[BlockHash]:
     """Block hashes of a query; 413 past ``limit`` blocks."""
     check_size(len(items), "blocks", limit)
-    kinds = set(map(type, items))
-    if kinds == {int} and max(items) <= MAX_UINT64:  # JSON numbers, checked >= 0 already
+    if _all_uint64(items):  # JSON numbers (checked >= 0 already), or a GET's decimals
         return list(items)
-    if kinds == {str}:  # GET: try the all-decimal case
+    if all(type(item) is str for item in items):  # decimal strings of a JSON body
         values = _json_ints(",".join(items), _HASH_LIST) or _decimals(items, 20)
         if values is not None and max(values) <= MAX_UINT64:
             return values
     return [parse_hash(item, f"block_hashes[{i}]") for i, item in enumerate(items)]
+
+
+def _all_uint64(items: list[int | str]) -> bool:
+    """Whether every item is an int of at most 64 bits (``max`` compares an int with a
+    str only to raise: a list that starts with an int and has a max is all ints)."""
+    if not items or type(items[0]) is not int:
+        return False
+    try:
+        return max(items) <= MAX_UINT64  # type: ignore[type-var]
+    except TypeError:
+        return False
 
 
 def hash_text(block_hash: BlockHash) -> str:
@@ -141,6 +164,54 @@ async def decode_body(request: Request, decode: Callable[[bytes], T], what: str)
         raise ApiError(422, f"invalid {what}: {e}") from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"body is not JSON: {e}") from None
+
+
+def parse_query(request: Request, struct: type[S]) -> S:
+    """A route's query parameters as ``struct``, in one msgspec pass (FastAPI parses
+    parameter by parameter, which for prefix-match cost more than the match itself);
+    422 naming the malformed one. An integer is plain ASCII digits, as tokens are
+    (msgspec's own str-to-int takes ``1e3`` and ``null``). The last of a repeated
+    parameter counts, as FastAPI's did."""
+    given: dict[str, Any] = dict(request.query_params)
+    for name in _int_fields(struct):
+        value = given.get(name)
+        if value is not None and value.isascii() and value.isdigit():
+            given[name] = int(value)
+    try:
+        return msgspec.convert(given, struct)
+    except msgspec.ValidationError as e:
+        raise ApiError(422, f"invalid query parameter: {e}") from None
+
+
+@functools.cache
+def _int_fields(struct: type[msgspec.Struct]) -> tuple[str, ...]:
+    fields = msgspec.inspect.type_info(struct).fields  # type: ignore[attr-defined]
+    return tuple(f.name for f in fields if _takes_int(f.type))
+
+
+def _takes_int(t: msgspec.inspect.Type) -> bool:
+    options = t.types if isinstance(t, msgspec.inspect.UnionType) else (t,)
+    return any(isinstance(option, msgspec.inspect.IntType) for option in options)
+
+
+def query_parameters(struct: type[msgspec.Struct]) -> dict[str, Any]:
+    """``openapi_extra`` listing the query parameters :func:`parse_query` reads into
+    ``struct`` (every one optional), laid out as FastAPI lays out its own: a field's
+    description beside the parameter and, with its pattern, atop its schema."""
+    _, components = msgspec.json.schema_components([struct])
+    fields = components[struct.__name__]["properties"]
+    return {"parameters": [_parameter(name, schema) for name, schema in fields.items()]}
+
+
+def _parameter(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    schema = {key: value for key, value in schema.items() if key != "default"}
+    given = schema.get("anyOf", [schema])[0]
+    lifted = {key: given.pop(key) for key in ("description", "pattern") if key in given}
+    parameter = {"in": "query", "name": name, "required": False}
+    if "description" in lifted:
+        parameter["description"] = lifted["description"]
+    title = name.replace("_", " ").title()
+    return {**parameter, "schema": {**schema, **lifted, "title": title}}
 
 
 _UNKNOWN_QUERY = "an unknown query parameter"
@@ -166,7 +237,8 @@ class StrictQueryRoute(APIRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
-        known = _query_names(self.dependant)
+        listed = (self.openapi_extra or {}).get("parameters", [])  # see query_parameters
+        known = _query_names(self.dependant) | {p["name"] for p in listed if p["in"] == "query"}
 
         async def strict_handler(request: Request) -> Response:
             unknown = [name for name in dict.fromkeys(request.query_params) if name not in known]

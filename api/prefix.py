@@ -13,7 +13,7 @@ import time
 from typing import Annotated, Literal
 
 import msgspec
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from api.chains import Overrides, Prompt
 from api.context import ApiContext
@@ -26,13 +26,16 @@ from api.parsing import (
     StrictQueryRoute,
     check_size,
     decode_body,
+    hash_items,
     parse_hashes,
+    parse_query,
     parse_tokens,
+    query_parameters,
     split_list,
 )
 from api.schemas import (
     HASH_PATTERN,
-    MAX_BLOCK_SIZE,
+    BlockSize,
     HashAlgo,
     PrefixMatchBody,
     PrefixMatchResponse,
@@ -100,8 +103,35 @@ it in `routed_to`.
 """
 _TOKENS_DOC = "comma-separated token ids; kvindex hashes them as each engine does"
 _HASHES_DOC = "comma-separated block hashes: decimal uint64, or 0x-hex for raw-digest engines"
+_WEIGHTS_DOC = "per-query tier weights: gpu:1,cpu:0.5,routed:0.8"
 _CSV_TOKENS = r"^([0-9]{1,19}(,[0-9]{1,19})*)?$"
 _CSV_HASHES = "^({0}(,{0})*)?$".format(HASH_PATTERN.strip("^$"))
+
+
+def _listed(doc: str, pattern: str) -> msgspec.Meta:
+    """A comma-separated list's documentation; the pattern is checked item by item later,
+    to name the bad item (and not over the whole of an 8k-token prompt in a regex)."""
+    return msgspec.Meta(description=doc, extra_json_schema={"pattern": pattern})
+
+
+class GetQuery(msgspec.Struct, kw_only=True):
+    """``GET /prefix-match``'s query parameters, lists comma-separated: parsed in one
+    pass and documented from this one definition (:func:`api.parsing.parse_query`).
+    ``tokens`` and ``block_hashes`` are checked item by item later, naming the item."""
+
+    block_hashes: Annotated[str, _listed(_HASHES_DOC, _CSV_HASHES)] | None = None
+    tokens: Annotated[str, _listed(_TOKENS_DOC, _CSV_TOKENS)] | None = None
+    model: Annotated[str, msgspec.Meta(description="only engines serving this model")] | None = None
+    engines: Annotated[str, msgspec.Meta(description="comma-separated engine names")] | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    block_size: BlockSize | None = None
+    hash_algo: HashAlgo | None = None
+    hash_seed: str | None = None
+    weights: Annotated[str, msgspec.Meta(description=_WEIGHTS_DOC)] | None = None
+    route: Literal["best"] | None = None
+    ttl_ms: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 #: The fields that say which prompt a request is about: exactly one is given.
@@ -212,46 +242,29 @@ def router(ctx: ApiContext) -> APIRouter:
     @routes.get(
         "/prefix-match",
         responses=_ANSWERS,
+        openapi_extra=query_parameters(GetQuery),
         summary="Prefix held by each engine",
         description=_CONTRACT,
     )
-    async def prefix_match_get(
-        block_hashes: Annotated[
-            str | None, Query(description=_HASHES_DOC, json_schema_extra={"pattern": _CSV_HASHES})
-        ] = None,
-        tokens: Annotated[
-            str | None, Query(description=_TOKENS_DOC, json_schema_extra={"pattern": _CSV_TOKENS})
-        ] = None,
-        model: Annotated[str | None, Query(description="only engines serving this model")] = None,
-        engines: Annotated[str | None, Query(description="comma-separated engine names")] = None,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        cache_salt: str | None = None,
-        block_size: Annotated[int | None, Query(ge=1, le=MAX_BLOCK_SIZE)] = None,
-        hash_algo: HashAlgo | None = None,
-        hash_seed: str | None = None,
-        weights: Annotated[
-            str | None, Query(description="per-query tier weights: gpu:1,cpu:0.5,routed:0.8")
-        ] = None,
-        route: Literal["best"] | None = None,
-        ttl_ms: Annotated[int | None, Query(ge=1)] = None,
-    ) -> Response:
-        q = PrefixMatchBody(
-            block_hashes=split_list(block_hashes) if block_hashes is not None else None,
-            tokens=parse_tokens(tokens, settings.max_prompt_tokens) if tokens is not None else None,
-            model=model,
-            engines=split_list(engines) if engines is not None else None,
-            lora_name=lora_name,
-            lora_path=lora_path,
-            cache_salt=cache_salt,
-            block_size=block_size,
-            hash_algo=hash_algo,
-            hash_seed=hash_seed,
-            weights=parse_weights(weights) if weights is not None else None,
-            route=route,
-            ttl_ms=ttl_ms,
+    async def prefix_match_get(request: Request) -> Response:
+        q = parse_query(request, GetQuery)
+        tokens, limit = q.tokens, settings.max_prompt_tokens
+        body = PrefixMatchBody(
+            block_hashes=hash_items(q.block_hashes) if q.block_hashes is not None else None,
+            tokens=parse_tokens(tokens, limit) if tokens is not None else None,
+            model=q.model,
+            engines=split_list(q.engines) if q.engines is not None else None,
+            lora_name=q.lora_name,
+            lora_path=q.lora_path,
+            cache_salt=q.cache_salt,
+            block_size=q.block_size,
+            hash_algo=q.hash_algo,
+            hash_seed=q.hash_seed,
+            weights=parse_weights(q.weights) if q.weights is not None else None,
+            route=q.route,
+            ttl_ms=q.ttl_ms,
         )
-        return await answer(q)
+        return await answer(body)
 
     @routes.post(
         "/prefix-match",
