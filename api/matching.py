@@ -11,9 +11,12 @@ chain, which ``route: "best"`` turns into the atomic pick-and-record.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import Any
+
+import msgspec
 
 from api.chains import ChainComputer, Overrides, Prompt
 from api.context import ApiContext
@@ -26,9 +29,9 @@ from indexer.core.routed import score as routed_score
 from indexer.registry import EngineSpec, RankStatus, UnknownEngine, is_degraded
 
 _NO_MATCH = PrefixMatch()
-_NONE: frozenset[int] = frozenset()
 _name = attrgetter("name")
 _score = attrgetter("score")
+_encode = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class PrefixMatcher:
         self._weights = ctx.settings.weights
         self._routed = ctx.routed
         self._rules = ctx.settings.routed
+        self._zero_rows = ZeroRows()
 
     async def match(self, query: Query) -> PrefixMatchResponse:
         specs = self._select(query.model, query.engines)
@@ -229,54 +233,131 @@ class PrefixMatcher:
     ) -> PrefixMatchResponse:
         """One entry per rank, best score first, then by engine and rank.
 
-        Runs per query for every rank of the fleet: entries are built in
-        (engine, rank) order so that one stable sort by score alone orders
-        them, and ranks are looked up by plain ``(engine, dp_rank)`` tuples
-        (equal to, and hashed like, :class:`RankId`).
+        Runs per query for every rank of the fleet, most of which match
+        nothing: an engine none of whose ranks the store or the routed entries
+        answered takes its rows pre-encoded (:class:`ZeroRows`); the others'
+        rows are built. Rows are made in (engine, rank) order, so the scored
+        ones, stably sorted by score, then every row scoring 0 in that order,
+        are the order of one stable sort by score.
         """
-        extra: dict[str, set[int]] = {}  # ranks answered beyond the declared ones
-        for engine, dp_rank in found:
-            extra.setdefault(engine, set()).add(dp_rank)
-        entries, sizes = [], set()
+        answered: dict[str, set[int]] = {}  # the ranks of each engine the store or routed answer
+        for engine, dp_rank in (*found, *routed):
+            answered.setdefault(engine, set()).add(dp_rank)
+        rows: list[EngineMatch | msgspec.Raw] = []  # scoring 0, in (engine, rank) order
+        scored: list[EngineMatch] = []
+        sizes = set()
         for spec in sorted(specs, key=_name):
-            name, model, block_size = spec.name, spec.model, query.overrides.block_size_of(spec)
+            block_size = query.overrides.block_size_of(spec)
             sizes.add(block_size)
-            # An engine without events has no connection to lose: its rows are approximate.
-            approximate = not spec.events
-            degraded = {s.dp_rank: is_degraded(s) and spec.events for s in statuses[name]}
-            # A rank whose store lost data may hold older state: it matches nothing until rebuilt.
-            lost = [s.dp_rank for s in statuses[name] if s.store_loss is not None]
-            dp_ranks = range(spec.dp_ranks)
-            if not extra.get(name, _NONE).issubset(dp_ranks):
-                dp_ranks = sorted(extra[name].union(dp_ranks))
-            for dp_rank in dp_ranks:
-                m = _NO_MATCH if lost and dp_rank in lost else found.get((name, dp_rank), _NO_MATCH)
-                routed_blocks = routed.get((name, dp_rank), 0)
-                if routed_blocks > m.gpu_blocks:
-                    score = routed_score(m, routed_blocks, weights)
-                else:  # no routed block beyond the exact GPU run: the exact score
-                    routed_blocks, score = m.gpu_blocks, m.score(weights)
-                entries.append(
-                    EngineMatch(
-                        name,
-                        dp_rank,
-                        model,
-                        block_size,
-                        m.gpu_blocks,
-                        m.cpu_blocks,
-                        m.storage_blocks,
-                        m.prefix_blocks,
-                        m.prefix_blocks * block_size,
-                        round(score, 6),
-                        degraded.get(dp_rank, not approximate),
-                        m.gpu_blocks_full_attention,
-                        routed_blocks,
-                        approximate,
-                    )
-                )
-        entries.sort(key=_score, reverse=True)  # stable: ties keep (engine, rank) order
+            flags = _degraded_flags(spec, statuses[spec.name])
+            zeros = self._zero_rows.of(spec, block_size, flags)
+            ranks = answered.get(spec.name)
+            if ranks is None:
+                rows.extend(zeros)
+                continue
+            ranks.update(range(spec.dp_ranks))
+            for row in self._rows(
+                spec, block_size, statuses[spec.name], ranks, found, routed, weights
+            ):
+                if type(row) is int:
+                    rows.append(zeros[row])
+                elif row.score > 0:
+                    scored.append(row)
+                else:
+                    rows.append(row)
+        scored.sort(key=_score, reverse=True)  # stable: ties keep (engine, rank) order
         block_size = next(iter(sizes)) if len(sizes) == 1 else query.overrides.block_size
-        return PrefixMatchResponse(block_size, _num_blocks(query, block_size), entries)
+        engines: list[Any] = [*scored, *rows]  # msgspec.Raw rows encode as they are
+        return PrefixMatchResponse(block_size, _num_blocks(query, block_size), engines)
+
+    def _rows(
+        self,
+        spec: EngineSpec,
+        block_size: int,
+        statuses: list[RankStatus],
+        ranks: set[int],
+        found: dict[RankId, PrefixMatch],
+        routed: dict[RankId, int],
+        weights: TierWeights,
+    ) -> Iterator[EngineMatch | int]:
+        """An engine's rows over ``ranks`` in order: the entry, or (a declared rank
+        matching nothing) its rank, for the caller to take its pre-encoded row."""
+        name, events = spec.name, spec.events
+        degraded = {s.dp_rank: is_degraded(s) and events for s in statuses}
+        # A rank whose store lost data may hold older state: it matches nothing until rebuilt.
+        lost = {s.dp_rank for s in statuses if s.store_loss is not None}
+        for dp_rank in sorted(ranks):
+            m = _NO_MATCH if dp_rank in lost else found.get((name, dp_rank), _NO_MATCH)
+            routed_blocks = routed.get((name, dp_rank), 0)
+            if m is _NO_MATCH and not routed_blocks and dp_rank < spec.dp_ranks:
+                yield dp_rank
+                continue
+            if routed_blocks > m.gpu_blocks:
+                score = routed_score(m, routed_blocks, weights)
+            else:  # no routed block beyond the exact GPU run: the exact score
+                routed_blocks, score = m.gpu_blocks, m.score(weights)
+            yield EngineMatch(
+                name,
+                dp_rank,
+                spec.model,
+                block_size,
+                m.gpu_blocks,
+                m.cpu_blocks,
+                m.storage_blocks,
+                m.prefix_blocks,
+                m.prefix_blocks * block_size,
+                round(score, 6),
+                # An engine without events has no connection to lose: its rows are approximate.
+                degraded.get(dp_rank, events),
+                m.gpu_blocks_full_attention,
+                routed_blocks,
+                not events,
+            )
+
+
+def _degraded_flags(spec: EngineSpec, statuses: list[RankStatus]) -> tuple[bool, ...]:
+    """Each declared rank's ``degraded``: by its status, and a rank without one is not
+    connected; an engine without events is never degraded (its rows are approximate)."""
+    if not spec.events:
+        return (False,) * spec.dp_ranks
+    flags = [True] * spec.dp_ranks
+    for status in statuses:
+        if status.dp_rank < spec.dp_ranks:
+            flags[status.dp_rank] = is_degraded(status)
+    return tuple(flags)
+
+
+class ZeroRows:
+    """The answer rows of ranks that match nothing, encoded once per engine, block size
+    and degraded flags (the only fields such a row has besides zeros).
+
+    Most of a fleet matches any one prompt not at all (bench 6: 51 of 64 ranks),
+    and building their entries was most of the API's own cost of a query. An
+    engine registered again with other fields is a new spec: its rows are made
+    again.
+    """
+
+    LIMIT = 4096  # kept rows sets; past it, all are dropped (block size overrides vary)
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[str, int, tuple[bool, ...]], tuple[EngineSpec, list[msgspec.Raw]]]
+        self._rows = {}
+
+    def of(self, spec: EngineSpec, block_size: int, flags: tuple[bool, ...]) -> list[msgspec.Raw]:
+        """The rows of ranks ``0..len(flags)-1``, each rank degraded as ``flags`` says."""
+        key = (spec.name, block_size, flags)
+        kept = self._rows.get(key)
+        if kept is not None and kept[0] is spec:
+            return kept[1]
+        if len(self._rows) >= self.LIMIT:
+            self._rows.clear()
+        rows = [
+            msgspec.Raw(_encode(EngineMatch(spec.name, dp_rank, spec.model, block_size, 0, 0, 0,
+                                            0, 0, 0.0, degraded, 0, 0, not spec.events)))
+            for dp_rank, degraded in enumerate(flags)
+        ]  # fmt: skip
+        self._rows[key] = (spec, rows)
+        return rows
 
 
 def _num_blocks(query: Query, block_size: int | None) -> int | None:

@@ -55,13 +55,14 @@ _TIERS = (
 def observe_answer(answer: PrefixMatchResponse) -> None:
     """Count how deep the rank a router would pick hits, per tier.
 
-    An answer without ranks (no engine selected) says nothing about hits.
+    An answer without ranks (no engine selected) says nothing about hits. A row
+    pre-encoded (``msgspec.Raw``, see :class:`api.matching.ZeroRows`) matches nothing.
     """
     if not answer.engines:
         return
     best = answer.engines[0]
     for child, field in _TIERS:
-        child.observe(getattr(best, field))
+        child.observe(getattr(best, field, 0))
     if answer.num_blocks is not None:
         PROMPT_BLOCKS.observe(answer.num_blocks)
 
