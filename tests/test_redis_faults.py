@@ -131,9 +131,11 @@ async def test_cancelled_apply_tasks_then_redelivery(redis_server: RedisServer) 
     while True:
         async with reopened(config) as store:
             task = asyncio.create_task(apply_trace(store, RANK, trace))
-            # A window of a few batches at most (one takes ~0.2 ms on a quiet machine),
-            # so every attempt is cut somewhere and the trace needs many of them.
-            await asyncio.wait([task], timeout=rng.uniform(0.0, 0.002))
+            # A window of a few loop turns (the task advances one await a turn at most,
+            # however loaded the machine and late its timers), so every attempt is cut
+            # within a few batches and the trace needs many of them.
+            for _ in range(rng.randrange(1, 16)):
+                await asyncio.sleep(0)
             while not task.done():
                 task.cancel()
                 await asyncio.wait([task], timeout=0.001)
