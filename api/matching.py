@@ -11,7 +11,7 @@ chain, which ``route: "best"`` turns into the atomic pick-and-record.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -26,12 +26,15 @@ from indexer.core.events import BlockHash, RankId
 from indexer.core.matching import PrefixMatch, TierWeights
 from indexer.core.routed import Candidate
 from indexer.core.routed import score as routed_score
+from indexer.engines.base import BlockHasher
 from indexer.registry import EngineSpec, RankStatus, UnknownEngine, is_degraded
 
 _NO_MATCH = PrefixMatch()
 _name = attrgetter("name")
 _score = attrgetter("score")
 _encode = msgspec.json.Encoder().encode
+#: Entries a cache per query input keeps (overrides, block sizes vary): past it, all go.
+_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,7 @@ class PrefixMatcher:
         self._routed = ctx.routed
         self._rules = ctx.settings.routed
         self._zero_rows = ZeroRows()
+        self._hashers: dict[Overrides, dict[str, tuple[EngineSpec, BlockHasher | None]]] = {}
 
     async def match(self, query: Query) -> PrefixMatchResponse:
         specs = self._select(query.model, query.engines)
@@ -174,10 +178,14 @@ class PrefixMatcher:
         computer = ChainComputer(prompt)
         shared: dict[tuple, _Lookup] = {}
         lookups: list[_Lookup] = []
+        hashers = self._hashers_of(overrides)
         for spec in specs:
             if self._misdeclared is not None and self._misdeclared.excluded(spec.name):
                 continue  # its events contradict its block size or hashing: it answers zeros
-            hashing = overrides.hashing_of(spec)
+            kept = hashers.get(spec.name)
+            if kept is None or kept[0] is not spec:
+                kept = hashers[spec.name] = (spec, overrides.hashing_of(spec))
+            hashing = kept[1]
             if hashing is None:
                 lookups.extend(self._learned_lookups(prompt, overrides, spec))
                 continue
@@ -188,6 +196,16 @@ class PrefixMatcher:
                 lookup = shared[hashing, as_bytes] = _Lookup(chain, {})
             lookup.chunk_blocks[spec.name] = spec.blocks_per_chunk
         return [*shared.values(), *lookups]
+
+    def _hashers_of(self, overrides: Overrides) -> dict[str, tuple[EngineSpec, BlockHasher | None]]:
+        """Each engine's hasher under ``overrides``, by name, with the spec it is of:
+        asking the adapter for it anew was a third of a query's cost per engine."""
+        hashers = self._hashers.get(overrides)
+        if hashers is None or len(hashers) > _KEPT:
+            if len(self._hashers) > _KEPT:
+                self._hashers.clear()
+            hashers = self._hashers[overrides] = {}
+        return hashers
 
     def _learned_lookups(
         self, prompt: Prompt, overrides: Overrides, spec: EngineSpec
@@ -255,48 +273,52 @@ class PrefixMatcher:
             if ranks is None:
                 rows.extend(zeros)
                 continue
-            ranks.update(range(spec.dp_ranks))
-            for row in self._rows(
-                spec, block_size, statuses[spec.name], ranks, found, routed, weights
-            ):
-                if type(row) is int:
-                    rows.append(zeros[row])
-                elif row.score > 0:
-                    scored.append(row)
+            status = statuses[spec.name]
+            built = self._entries(spec, block_size, status, flags, ranks, found, routed, weights)
+            for dp_rank in _rank_order(spec, ranks):
+                entry = built.get(dp_rank)
+                if entry is None:
+                    rows.append(zeros[dp_rank])
+                elif entry.score > 0:
+                    scored.append(entry)
                 else:
-                    rows.append(row)
+                    rows.append(entry)
         scored.sort(key=_score, reverse=True)  # stable: ties keep (engine, rank) order
         block_size = next(iter(sizes)) if len(sizes) == 1 else query.overrides.block_size
         engines: list[Any] = [*scored, *rows]  # msgspec.Raw rows encode as they are
         return PrefixMatchResponse(block_size, _num_blocks(query, block_size), engines)
 
-    def _rows(
+    def _entries(
         self,
         spec: EngineSpec,
         block_size: int,
         statuses: list[RankStatus],
+        flags: tuple[bool, ...],
         ranks: set[int],
         found: dict[RankId, PrefixMatch],
         routed: dict[RankId, int],
         weights: TierWeights,
-    ) -> Iterator[EngineMatch | int]:
-        """An engine's rows over ``ranks`` in order: the entry, or (a declared rank
-        matching nothing) its rank, for the caller to take its pre-encoded row."""
-        name, events = spec.name, spec.events
-        degraded = {s.dp_rank: is_degraded(s) and events for s in statuses}
+    ) -> dict[int, EngineMatch]:
+        """The entries of an engine's ``ranks`` (those the store or routed entries
+        answered), by rank; a declared rank left out takes its pre-encoded row."""
+        name, events, declared = spec.name, spec.events, spec.dp_ranks
         # A rank whose store lost data may hold older state: it matches nothing until rebuilt.
-        lost = {s.dp_rank for s in statuses if s.store_loss is not None}
-        for dp_rank in sorted(ranks):
+        lost = [s.dp_rank for s in statuses if s.store_loss is not None]
+        entries = {}
+        for dp_rank in ranks:
             m = _NO_MATCH if dp_rank in lost else found.get((name, dp_rank), _NO_MATCH)
             routed_blocks = routed.get((name, dp_rank), 0)
-            if m is _NO_MATCH and not routed_blocks and dp_rank < spec.dp_ranks:
-                yield dp_rank
-                continue
+            if dp_rank < declared:
+                if m is _NO_MATCH and not routed_blocks:
+                    continue
+                degraded = flags[dp_rank]
+            else:  # a rank the engine does not declare: by its status if it has one
+                degraded = events and all(is_degraded(s) for s in statuses if s.dp_rank == dp_rank)
             if routed_blocks > m.gpu_blocks:
                 score = routed_score(m, routed_blocks, weights)
             else:  # no routed block beyond the exact GPU run: the exact score
                 routed_blocks, score = m.gpu_blocks, m.score(weights)
-            yield EngineMatch(
+            entries[dp_rank] = EngineMatch(
                 name,
                 dp_rank,
                 spec.model,
@@ -307,12 +329,19 @@ class PrefixMatcher:
                 m.prefix_blocks,
                 m.prefix_blocks * block_size,
                 round(score, 6),
-                # An engine without events has no connection to lose: its rows are approximate.
-                degraded.get(dp_rank, events),
+                degraded,
                 m.gpu_blocks_full_attention,
                 routed_blocks,
-                not events,
+                not events,  # an engine without events has no connection to lose
             )
+        return entries
+
+
+def _rank_order(spec: EngineSpec, ranks: set[int]) -> Iterable[int]:
+    """An engine's rows' ranks: its declared ones, and any other that was answered."""
+    if max(ranks) < spec.dp_ranks:
+        return range(spec.dp_ranks)
+    return sorted(ranks.union(range(spec.dp_ranks)))
 
 
 def _degraded_flags(spec: EngineSpec, statuses: list[RankStatus]) -> tuple[bool, ...]:
@@ -320,6 +349,8 @@ def _degraded_flags(spec: EngineSpec, statuses: list[RankStatus]) -> tuple[bool,
     connected; an engine without events is never degraded (its rows are approximate)."""
     if not spec.events:
         return (False,) * spec.dp_ranks
+    if spec.dp_ranks == len(statuses) == 1 and statuses[0].dp_rank == 0:  # the common case
+        return (is_degraded(statuses[0]),)
     flags = [True] * spec.dp_ranks
     for status in statuses:
         if status.dp_rank < spec.dp_ranks:
@@ -337,8 +368,6 @@ class ZeroRows:
     again.
     """
 
-    LIMIT = 4096  # kept rows sets; past it, all are dropped (block size overrides vary)
-
     def __init__(self) -> None:
         self._rows: dict[tuple[str, int, tuple[bool, ...]], tuple[EngineSpec, list[msgspec.Raw]]]
         self._rows = {}
@@ -349,7 +378,7 @@ class ZeroRows:
         kept = self._rows.get(key)
         if kept is not None and kept[0] is spec:
             return kept[1]
-        if len(self._rows) >= self.LIMIT:
+        if len(self._rows) >= _KEPT:
             self._rows.clear()
         rows = [
             msgspec.Raw(_encode(EngineMatch(spec.name, dp_rank, spec.model, block_size, 0, 0, 0,

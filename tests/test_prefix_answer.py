@@ -102,6 +102,24 @@ async def test_rows_of_ranks_matching_nothing_follow_every_change(fleet: Api) ->
     assert (await _rows(fleet))[-1] == row("c", 0, model="m2", block_size=32, degraded=True)
 
 
+async def test_a_rank_whose_store_lost_data_matches_nothing_and_others_are_answered(
+    fleet: Api,
+) -> None:
+    fleet.consumers.statuses["a"] = [
+        RankStatus(dp_rank=0, connected=True),
+        RankStatus(dp_rank=1, connected=True, degraded=True, store_loss="flushed"),
+    ]
+    gpu = BlockStored(block_hashes=[5], parent_block_hash=None, medium="GPU")
+    await fleet.consumers.apply(RankId("a", 3), 0, EventBatch(1.0, [gpu], 0))  # not declared
+    assert await _rows(fleet) == [
+        row("a", 3, gpu_blocks=1, degraded=True),  # no status: not connected
+        row("a", 0),
+        row("a", 1, degraded=True),  # holds block 5, but may hold older state
+        row("b", 0, approximate=True),
+        row("c", 0),
+    ]
+
+
 async def test_get_and_post_answer_alike(fleet: Api) -> None:
     for params in ({}, {"engines": "c,a"}, {"block_size": "4", "model": "m"}):
         got = await fleet.client.get("/prefix-match", params={"block_hashes": "5,6"} | params)
