@@ -30,6 +30,7 @@ from api.schemas import (
     RankState,
     Stats,
 )
+from indexer.compiled import Status, combined
 from indexer.core.events import MEDIA, RankId
 from indexer.engines import catalog
 from indexer.leases import HandRegistered
@@ -187,16 +188,10 @@ def hand_registered(name: str) -> ApiError:
     )
 
 
-def _compiled_status() -> dict[str, bool | str | None]:
+def _compiled_status() -> Status:
     """The compiled core is in use when every compiled part is (each engine adapter's,
-    such as vLLM's token hashing, and the embedded store's holder index); the errors of
-    those that are not."""
-    parts = (*catalog.compiled_statuses(), holder_core.status())
-    errors = [e for part in parts if (e := part["compiled_core_error"])]
-    return {
-        "compiled_core": all(part["compiled_core"] for part in parts),
-        "compiled_core_error": "; ".join(errors) or None,
-    }
+    such as vLLM's token hashing, and the embedded store's holder index)."""
+    return combined([*catalog.compiled_statuses(), holder_core.PART.status()])
 
 
 def _by_engine(ranks: list[RankId]) -> dict[str, set[int]]:

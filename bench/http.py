@@ -251,7 +251,7 @@ def run(
                    "ratio a server with a core to itself would give"),
         )  # fmt: skip
     hashing = hashing_us_per_1k_tokens()
-    core = "compiled" if native.AVAILABLE else "NOT compiled (extension missing)"
+    core = "compiled" if native.PART.available else "NOT compiled (extension missing)"
     for algo, us in hashing.items():
         report.add(
             Figure(SECTION, f"token hashing, {algo}, {core}", us["compiled"], "us/1k tokens",
@@ -263,5 +263,5 @@ def run(
         "requests": requests,
         "scenarios": results,
         "hash_us_per_1k_tokens": hashing,
-        "compiled_core": native.status(),
+        "compiled_core": native.PART.status(),
     }

@@ -60,7 +60,7 @@ async def serve(
     embedded); ``settings``: the API's (default the config file's); ``discover``:
     ``--discover`` URLs, after the config file's."""
     catalog.warn_if_unavailable("serve")
-    compiled.warn_if_unavailable("serve")
+    compiled.PART.warn_if_unavailable("serve")
     config.check_binds(engines)
     sources = config.discovery_sources(discover)
     settings = settings or config.api_settings()

@@ -38,7 +38,7 @@ ENGINES = {"e0": 2, "e1": None, "e2": 3, "e3": 2}
 
 
 def test_the_compiled_holder_index_is_in_use() -> None:
-    assert compiled.AVAILABLE, f"the holder index did not build or load: {compiled.IMPORT_ERROR}"
+    assert compiled.PART.available, f"the holder index did not build or load: {compiled.PART.error}"
     module_file = Path(compiled.core.__file__)
     assert module_file.parent == REPO / "indexer" / "stores" / "memory"
     assert any(module_file.name.endswith(suffix) for suffix in EXTENSION_SUFFIXES)
@@ -64,7 +64,7 @@ def test_without_the_extension_the_store_runs_the_reference_and_says_why() -> No
         "import json\n"
         "from indexer.stores import MemoryStore\n"
         "from indexer.stores.memory import compiled\n"
-        "print(json.dumps([compiled.status(), type(MemoryStore()._holders).__module__]))\n"
+        "print(json.dumps([compiled.PART.status(), type(MemoryStore()._holders).__module__]))\n"
     )
     assert run_without(EXTENSION, script) == "indexer.stores.memory.holders"
 
@@ -75,8 +75,8 @@ async def test_stats_say_when_the_holder_index_is_not_compiled(
     api = Api()
     try:
         assert (await api.client.get("/stats")).json()["compiled_core"] is True
-        monkeypatch.setattr(compiled, "AVAILABLE", False)
-        monkeypatch.setattr(compiled, "IMPORT_ERROR", "ImportError: no _holders")
+        monkeypatch.setattr(compiled.PART, "module", None)
+        monkeypatch.setattr(compiled.PART, "error", "ImportError: no _holders")
         stats = (await api.client.get("/stats")).json()
         assert stats["compiled_core"] is False
         assert stats["compiled_core_error"] == "ImportError: no _holders"

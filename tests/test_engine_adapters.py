@@ -335,8 +335,8 @@ def test_each_adapters_compiled_part_is_reported_and_warned_through_the_catalog(
     assert catalog.compiled_statuses() == [VLLM.compiled.status()]
     assert catalog.compiled_statuses()[0]["compiled_core"] is True
     assert catalog.warn_if_unavailable("serve") is True
-    monkeypatch.setattr(native, "AVAILABLE", False)
-    monkeypatch.setattr(native, "IMPORT_ERROR", "ImportError: gone")
+    monkeypatch.setattr(native.PART, "module", None)
+    monkeypatch.setattr(native.PART, "error", "ImportError: gone")
     with caplog.at_level(logging.WARNING, logger="kvindex.native"):
         assert catalog.warn_if_unavailable("indexer") is False
     assert [(r.role, r.import_error) for r in caplog.records] == [("indexer", "ImportError: gone")]

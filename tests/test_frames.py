@@ -58,7 +58,7 @@ def _check(payload: bytes) -> tuple:
 
 
 def test_the_scanner_is_built_and_in_use() -> None:
-    assert frames.AVAILABLE, frames.IMPORT_ERROR
+    assert frames.PART.available, frames.PART.error
     assert wire._scan is not None
 
 
@@ -307,8 +307,8 @@ def test_a_mapped_trace_refuses_what_is_no_trace(tmp_path) -> None:
 
 
 def test_a_missing_scanner_is_reported_and_warned_through_the_catalog(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(frames, "AVAILABLE", False)
-    monkeypatch.setattr(frames, "IMPORT_ERROR", "ImportError: no _frames")
+    monkeypatch.setattr(frames.PART, "module", None)
+    monkeypatch.setattr(frames.PART, "error", "ImportError: no _frames")
     with caplog.at_level(logging.WARNING, logger="kvindex.native"):
         assert catalog.warn_if_unavailable("serve") is False
     assert [(r.role, r.import_error) for r in caplog.records] == [

@@ -23,8 +23,8 @@ EXTENSION = "indexer.engines.vllm._chainhash"
 
 
 def test_the_compiled_core_is_in_use() -> None:
-    assert native.AVAILABLE, f"the compiled core did not build or load: {native.IMPORT_ERROR}"
-    assert native.IMPORT_ERROR is None
+    assert native.PART.available, f"the compiled core did not build or load: {native.PART.error}"
+    assert native.PART.error is None
     module_file = Path(native.chainhash.__file__)
     assert module_file.parent == REPO / "indexer" / "engines" / "vllm"
     assert any(module_file.name.endswith(suffix) for suffix in EXTENSION_SUFFIXES)
@@ -51,7 +51,7 @@ def test_without_the_extension_hashes_stay_exact_and_status_says_why() -> None:
         "import json\n"
         "from indexer.engines.vllm import native\n"
         "from indexer.engines.vllm.hashing import HashSpec, block_hashes\n"
-        "print(json.dumps([native.status(), block_hashes(HashSpec('sha256', None, 16), "
+        "print(json.dumps([native.PART.status(), block_hashes(HashSpec('sha256', None, 16), "
         "list(range(48)))]))\n"
     )
     spec = hashing.HashSpec("sha256", None, 16)
@@ -65,7 +65,7 @@ def test_serve_warns_on_start_without_the_extension() -> None:
 
 def test_warning_is_silent_when_the_core_is_in_use(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="kvindex.native"):
-        assert native.warn_if_unavailable("serve") is True
+        assert native.PART.warn_if_unavailable("serve") is True
     assert caplog.records == []
 
 
@@ -77,8 +77,8 @@ async def test_stats_report_whether_the_compiled_core_is_in_use(
         stats = (await api.client.get("/stats")).json()
         assert stats["compiled_core"] is True
         assert stats["compiled_core_error"] is None
-        monkeypatch.setattr(native, "AVAILABLE", False)
-        monkeypatch.setattr(native, "IMPORT_ERROR", "ImportError: no _chainhash")
+        monkeypatch.setattr(native.PART, "module", None)
+        monkeypatch.setattr(native.PART, "error", "ImportError: no _chainhash")
         stats = (await api.client.get("/stats")).json()
         assert stats["compiled_core"] is False
         assert stats["compiled_core_error"] == "ImportError: no _chainhash"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Protocol
 
+from indexer.compiled import Status
 from indexer.core.events import EventBatch, WireError, normalise_medium
 from indexer.engines.prompts import Renderer
 
@@ -72,7 +73,7 @@ class CompiledPart(Protocol):
     """An adapter's compiled extension: correct without it, only many times slower,
     so every role says on start when it is missing and ``/stats`` reports it."""
 
-    def status(self) -> dict[str, bool | str | None]:
+    def status(self) -> Status:
         """``compiled_core``: whether it is in use; ``compiled_core_error``: why not."""
 
     def warn_if_unavailable(self, role: str) -> bool:

@@ -14,6 +14,7 @@ import importlib.util
 import pkgutil
 
 import indexer.engines
+from indexer.compiled import Status
 from indexer.engines.base import CompiledPart, EngineAdapter
 from indexer.engines.prompts import Renderer
 
@@ -51,7 +52,7 @@ def _compiled_parts() -> list[CompiledPart]:
     return [part for name in names() if (part := adapter(name).compiled) is not None]
 
 
-def compiled_statuses() -> list[dict[str, bool | str | None]]:
+def compiled_statuses() -> list[Status]:
     """Each adapter's compiled part's status (what ``/stats`` folds into its own)."""
     return [part.status() for part in _compiled_parts()]
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from indexer.compiled import Status, combined
 from indexer.engines.base import Prompt
 from indexer.engines.vllm import frames, native, render, wire
 from indexer.engines.zmq_framing import ZmqFraming
@@ -82,15 +83,10 @@ class VllmRenderer:
 class VllmCompiled:
     """vLLM's compiled parts, reported as one: the hashing core and the payload scanner."""
 
-    parts = (native, frames)
+    parts = (native.PART, frames.PART)
 
-    def status(self) -> dict[str, bool | str | None]:
-        statuses = [part.status() for part in self.parts]
-        errors = [s["compiled_core_error"] for s in statuses if s["compiled_core_error"]]
-        return {
-            "compiled_core": all(s["compiled_core"] for s in statuses),
-            "compiled_core_error": "; ".join(errors) or None,
-        }
+    def status(self) -> Status:
+        return combined(part.status() for part in self.parts)
 
     def warn_if_unavailable(self, role: str) -> bool:
         in_use = [part.warn_if_unavailable(role) for part in self.parts]  # each warns

@@ -9,27 +9,19 @@ reports it. ``tests/test_frames.py`` fails the run when the build is missing.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from importlib import import_module
-from types import ModuleType
 
+from indexer.compiled import CompiledModule
 from indexer.core.events import EventBatch
 from indexer.engines.base import MAX_HASHES_PER_EVENT
 
-log = logging.getLogger("kvindex.native")
-
-
-def _import_scanner() -> tuple[ModuleType | None, str | None]:
-    try:
-        return import_module("indexer.engines.vllm._frames"), None
-    except ImportError as error:
-        return None, f"{type(error).__name__}: {error}"
-
-
+PART = CompiledModule(
+    "indexer.engines.vllm._frames",
+    "compiled payload scanner not in use: ingest decodes through msgspec, several "
+    "times slower; reinstall with a C compiler (pip install -e .)",
+)
 #: The compiled scanner's module, or None when it did not build or load.
-scanner, IMPORT_ERROR = _import_scanner()
-AVAILABLE: bool = scanner is not None
+scanner = PART.module
 
 
 def index_decoder(
@@ -42,19 +34,3 @@ def index_decoder(
     if scanner is None:
         return None
     return scanner.IndexDecoder(stored, removed, cleared, batch, MAX_HASHES_PER_EVENT)
-
-
-def status() -> dict[str, bool | str | None]:
-    """Whether the scanner is in use, and the import error: part of ``/stats``."""
-    return {"compiled_core": AVAILABLE, "compiled_core_error": IMPORT_ERROR}
-
-
-def warn_if_unavailable(role: str) -> bool:
-    """Log a WARNING when the scanner is missing; True if it is in use."""
-    if not AVAILABLE:
-        log.warning(
-            "compiled payload scanner not in use: ingest decodes through msgspec, several "
-            "times slower; reinstall with a C compiler (pip install -e .)",
-            extra={"role": role, "import_error": IMPORT_ERROR},
-        )
-    return AVAILABLE
