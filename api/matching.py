@@ -263,17 +263,15 @@ class PrefixMatcher:
             answered.setdefault(engine, set()).add(dp_rank)
         rows: list[EngineMatch | msgspec.Raw] = []  # scoring 0, in (engine, rank) order
         scored: list[EngineMatch] = []
-        sizes = set()
+        override, zero_rows = query.overrides.block_size, self._zero_rows
         for spec in sorted(specs, key=_name):
-            block_size = query.overrides.block_size_of(spec)
-            sizes.add(block_size)
-            flags = _degraded_flags(spec, statuses[spec.name])
-            zeros = self._zero_rows.of(spec, block_size, flags)
+            block_size, status = override or spec.block_size, statuses[spec.name]
+            flags = _degraded_flags(spec, status)
+            zeros = zero_rows.of(spec, block_size, flags)
             ranks = answered.get(spec.name)
             if ranks is None:
                 rows.extend(zeros)
                 continue
-            status = statuses[spec.name]
             built = self._entries(spec, block_size, status, flags, ranks, found, routed, weights)
             for dp_rank in _rank_order(spec, ranks):
                 entry = built.get(dp_rank)
@@ -284,7 +282,8 @@ class PrefixMatcher:
                 else:
                     rows.append(entry)
         scored.sort(key=_score, reverse=True)  # stable: ties keep (engine, rank) order
-        block_size = next(iter(sizes)) if len(sizes) == 1 else query.overrides.block_size
+        sizes = {override} if override else {spec.block_size for spec in specs}
+        block_size = next(iter(sizes)) if len(sizes) == 1 else override
         engines: list[Any] = [*scored, *rows]  # msgspec.Raw rows encode as they are
         return PrefixMatchResponse(block_size, _num_blocks(query, block_size), engines)
 
