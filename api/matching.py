@@ -33,8 +33,10 @@ _NO_MATCH = PrefixMatch()
 _name = attrgetter("name")
 _score = attrgetter("score")
 _encode = msgspec.json.Encoder().encode
-#: Entries a cache per query input keeps (overrides, block sizes vary): past it, all go.
-_KEPT = 4096
+#: Engines a cache keeps entries for (names of removed ones linger): past it, all go.
+_ENGINES = 1 << 16
+#: Hashing overrides the engines' hashers are kept for: past it, all go.
+_OVERRIDES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,8 +203,8 @@ class PrefixMatcher:
         """Each engine's hasher under ``overrides``, by name, with the spec it is of:
         asking the adapter for it anew was a third of a query's cost per engine."""
         hashers = self._hashers.get(overrides)
-        if hashers is None or len(hashers) > _KEPT:
-            if len(self._hashers) > _KEPT:
+        if hashers is None or len(hashers) > _ENGINES:
+            if len(self._hashers) > _OVERRIDES:
                 self._hashers.clear()
             hashers = self._hashers[overrides] = {}
         return hashers
@@ -362,29 +364,27 @@ class ZeroRows:
     and degraded flags (the only fields such a row has besides zeros).
 
     Most of a fleet matches any one prompt not at all (bench 6: 51 of 64 ranks),
-    and building their entries was most of the API's own cost of a query. An
-    engine registered again with other fields is a new spec: its rows are made
-    again.
+    and building their entries was most of the API's own cost of a query. Each
+    engine keeps its latest rows: a status that changes, or a query overriding
+    the block size, has them made again, at what building the entries cost.
     """
 
     def __init__(self) -> None:
-        self._rows: dict[tuple[str, int, tuple[bool, ...]], tuple[EngineSpec, list[msgspec.Raw]]]
-        self._rows = {}
+        self._rows: dict[str, tuple[EngineSpec, int, tuple[bool, ...], list[msgspec.Raw]]] = {}
 
     def of(self, spec: EngineSpec, block_size: int, flags: tuple[bool, ...]) -> list[msgspec.Raw]:
         """The rows of ranks ``0..len(flags)-1``, each rank degraded as ``flags`` says."""
-        key = (spec.name, block_size, flags)
-        kept = self._rows.get(key)
-        if kept is not None and kept[0] is spec:
-            return kept[1]
-        if len(self._rows) >= _KEPT:
+        kept = self._rows.get(spec.name)
+        if kept is not None and kept[0] is spec and kept[1] == block_size and kept[2] == flags:
+            return kept[3]
+        if len(self._rows) >= _ENGINES:
             self._rows.clear()
         rows = [
             msgspec.Raw(_encode(EngineMatch(spec.name, dp_rank, spec.model, block_size, 0, 0, 0,
                                             0, 0, 0.0, degraded, 0, 0, not spec.events)))
             for dp_rank, degraded in enumerate(flags)
         ]  # fmt: skip
-        self._rows[key] = (spec, rows)
+        self._rows[spec.name] = (spec, block_size, flags, rows)
         return rows
 
 
