@@ -5,8 +5,9 @@ not count in the memory of the consumer under test. Scenarios:
 
 - ``oversize``: batches 0-9, one 200 MB frame as seq 10, then (once the
   consumer has reconnected) batches 11-19.
-- ``held``: batches 0-4, then 1,500 batches of 1 MB as seqs 6-1505 (5 is
-  lost, and the replay endpoint has nothing listening: all are held).
+- ``held``: batches 0-4, then 500 batches of 1 MB as seqs 6-505 (5 is
+  lost, and the replay endpoint has nothing listening: all are held), built
+  before the first is sent, so they come faster than the consumer applies.
 - ``flood``: nothing live; every replay request is answered with 1 MB
   batches from the asked seq to 1499, as fast as ZeroMQ takes them.
 """
@@ -28,6 +29,7 @@ MB = 1 << 20
 #: Token ids of five bytes each (above 65,535): a 1 MB batch of one block.
 _BIG_TOKEN = 70_000
 FLOOD = 1500
+HELD = 500
 
 
 def batch(seq: int, nbytes: int = 0) -> bytes:
@@ -65,11 +67,11 @@ def held(ctx: zmq.Context, pub: int) -> list[zmq.Socket]:
     xpub = ctx.socket(zmq.XPUB)
     xpub.setsockopt(zmq.SNDHWM, 0)
     xpub.bind(f"tcp://127.0.0.1:{pub}")
+    frames = [_frame(seq, batch(seq, MB if seq > 5 else 0)) for seq in range(6 + HELD)]
+    del frames[5]
     _subscribed(xpub)
-    for seq in range(5):
-        xpub.send_multipart(_frame(seq, batch(seq)))
-    for seq in range(6, 6 + FLOOD):
-        xpub.send_multipart(_frame(seq, batch(seq, MB)))
+    for frame in frames:
+        xpub.send_multipart(frame)
     return [xpub]
 
 

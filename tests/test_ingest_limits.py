@@ -3,9 +3,10 @@
 Each scenario runs the engine in a process of its own (:mod:`tests.flood`)
 over real ZMQ sockets and reads this process's peak resident memory (VmHWM,
 reset before the scenario). Unbounded, the 200 MB frame costs twice its
-size, the 1,500 batches of 1 MB held behind a gap 1.5 GB, and the replay
-flood about as much; bounded, each stays within a few hundred MB, the
-state is exact but for the lost seqs, and those are reported.
+size, the 500 batches of 1 MB sent faster than a slow store applies them
+as much as ZeroMQ queues (all of them), and the replay flood 1.5 GB;
+bounded, each stays within what its settings promise, the state is exact
+but for the lost seqs, and those are reported.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 
 from indexer.core.events import GPU, RankId
 from indexer.ingest.rank_consumer import RankConsumer
+from indexer.ingest.settings import SubscriberSettings
 from indexer.ingest.subscriber import Subscriber
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
@@ -101,12 +103,34 @@ async def test_a_frame_over_the_size_limit_is_never_read() -> None:
     assert (await store.block_counts(RANK))[GPU] == 19  # every batch but the oversize one
 
 
+#: Limits small beside the 500 MB the engine sends, so that a queue they miss shows.
+HELD_LIMITS = {
+    "intake_bytes": 32 * MB,
+    "pending_bytes": 32 * MB,
+    "max_message_bytes": 2 * MB,
+    "queue_bytes": 16 * MB,
+}
+#: The interpreter's own growth while it consumes (allocator slack, the decoded batch).
+SLACK = 64 * MB
+
+
+def promised(settings: SubscriberSettings) -> int:
+    """The bytes of received batches a rank may hold, as the settings' docstring
+    states it: the intake, the held batches and ZeroMQ's queue, each up to its
+    limit plus one message, and the two readers' and the sequencer's in hand."""
+    queued = settings.receive_hwm(settings.sub_hwm) * settings.max_message_bytes
+    over = 6 * settings.max_message_bytes
+    return settings.intake_bytes + settings.pending_bytes + queued + over
+
+
 @pytest.mark.slow
 async def test_batches_held_behind_a_gap_are_bounded_in_bytes() -> None:
     pub, replay = free_ports(), free_ports()  # nothing listens on the replay port
-    store = MemoryStore()
-    last = 5 + flood.FLOOD
-    sub, _ = await consume(store, spec(pub, replay), replay_timeout=60.0)
+    # The store is slower than the engine: the readers pause on a full intake, and
+    # ZeroMQ's I/O thread queues what keeps coming until its high-water mark.
+    store = SlowStore()
+    last = 5 + flood.HELD
+    sub, _ = await consume(store, spec(pub, replay), **HELD_LIMITS, replay_timeout=60.0)
     try:
         before = reset_peak()
         async with engine_process("held", pub, replay):
@@ -115,10 +139,22 @@ async def test_batches_held_behind_a_gap_are_bounded_in_bytes() -> None:
         st = sub.rank_status("e")[0]
     finally:
         await sub.stop()
-    assert grew < 500 * MB, f"peak grew {grew / MB:.0f} MB holding 1.5 GB of batches"
+    bound = promised(SubscriberSettings(**HELD_LIMITS))
+    assert grew < bound + SLACK, (
+        f"peak grew {grew / MB:.0f} MB for 500 MB of batches; the settings promise"
+        f" {bound / MB:.0f} MB (+{SLACK / MB:.0f} MB slack)"
+    )
     assert st.degraded and [(g.first, g.last) for g in st.missing] == [(5, 5)]
-    assert (await store.block_counts(RANK))[GPU] == last  # 0-4 and 6-1505
+    assert (await store.block_counts(RANK))[GPU] == last  # 0-4 and 6-505: nothing else lost
     assert [r.count for r in await store.block_residency(last + 1)] == [1]
+
+
+def test_zeromq_queues_at_most_queue_bytes_of_the_largest_messages() -> None:
+    assert SubscriberSettings(**HELD_LIMITS).receive_hwm(10_000) == 8  # 16 MB of 2 MB
+    assert SubscriberSettings().receive_hwm(10_000) == 16  # 1 GiB of 64 MiB
+    assert SubscriberSettings(queue_bytes=MB).receive_hwm(100) == 1  # one fits always
+    assert SubscriberSettings(max_message_bytes=MB).receive_hwm(100) == 100  # the cap
+    assert SubscriberSettings(max_message_bytes=MB).receive_hwm(0) == 1024  # no cap
 
 
 @pytest.mark.slow

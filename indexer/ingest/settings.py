@@ -55,9 +55,20 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
       cache group, and as much again for the CPU offload's copy and the
       evictions it causes: a few MB, ~10 MB for a hybrid model with several
       groups. 64 MiB leaves room for six times that.
-    - ``sub_hwm``, ``replay_hwm``: ZMQ receive high-water marks (messages)
-      of each SUB and replay DEALER socket; with ``max_message_bytes`` they
-      bound what ZeroMQ itself queues while the readers pause.
+    - ``queue_bytes``: what ZeroMQ itself may queue per connection of a SUB
+      or replay DEALER socket. ZeroMQ's I/O thread reads TCP into the
+      socket's queue whether or not the readers read it (they pause while
+      the intake is full, or the loop is busy), until the queue holds its
+      receive high-water mark, counted in messages: the mark is therefore
+      this over ``max_message_bytes`` (at least one message), so the queue
+      stays within it whatever the messages' sizes. Past the mark ZeroMQ
+      stops reading the connection: the engine's own queue holds the rest,
+      and what its PUB drops becomes a gap that replay fills.
+    - ``sub_hwm``, ``replay_hwm``: caps, in messages, on those marks (0: no
+      cap but ``queue_bytes``). A low mark costs the readers CPU when batches
+      queue (fewer are read per wake-up): a catch-up of 2 KB batches took
+      ~1.1x the CPU at the default's mark of 16 (1 GiB over 64 MiB), ~1.3x
+      at 8, ~1.6x at 4, as much at 32 as at 10,000.
     - ``reconnect_max``: ZeroMQ retries a connection that fails after 0.1 s,
       doubling the wait up to this many seconds.
     - ``no_publisher_after``: seconds without any peer before a rank that
@@ -70,6 +81,17 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     - ``max_missing``: unfilled ranges kept per rank for operators.
     - ``bind``: where engines with ``bind: true`` may make kvindex listen
       (:class:`~indexer.registry.BindPolicy`; default: loopback tcp only).
+
+    Each rank's received batches are thus bounded in bytes whatever the load:
+    the intake holds under ``intake_bytes`` plus one message (and each of the
+    live and replay readers one in hand), the held batches under
+    ``pending_bytes`` plus one, and ZeroMQ, per connection, the mark's
+    messages plus the one it is reading (:meth:`receive_hwm`); the sequencer
+    decodes one batch at a time. A
+    message is counted as ``max_message_bytes``, its largest frame: that holds
+    for the wire's messages (a short topic and seq, then the batch), not for a
+    peer sending more or padded frames (ZeroMQ bounds frames, not messages).
+    A bound SUB socket (``bind: true``) has a queue per engine connected.
     """
 
     replay_timeout: Seconds = 2.0
@@ -83,6 +105,7 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     max_pending: Count = 20_000
     pending_bytes: Count = 128 << 20
     max_message_bytes: Count = 64 << 20
+    queue_bytes: Count = 1 << 30
     sub_hwm: Annotated[int, msgspec.Meta(ge=0)] = 10_000
     replay_hwm: Count = 100
     reconnect_max: Seconds = 10.0
@@ -98,6 +121,13 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         replay endpoint)."""
         limits = {name: getattr(self, name) for name in _RULE_LIMITS}
         return Rules(has_replay=has_replay, **limits)
+
+    def receive_hwm(self, cap: int) -> int:
+        """The receive high-water mark of a consumer socket (``cap``: ``sub_hwm`` or
+        ``replay_hwm``): the messages of ``max_message_bytes`` that fit in
+        ``queue_bytes``, at least one, at most ``cap`` (0: no cap)."""
+        fits = max(1, self.queue_bytes // self.max_message_bytes)
+        return min(fits, cap) if cap else fits
 
 
 @dataclass(slots=True)

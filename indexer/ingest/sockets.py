@@ -1,7 +1,8 @@
 """The ZeroMQ sockets of a rank consumer: limits, the SUB and its monitor, draining reads.
 
-Every consumer socket has the same limits (receive high-water mark, no
-linger, ``max_message_bytes``, reconnect backoff), and running out of
+Every consumer socket has the same limits (a receive high-water mark
+bounding its queue in bytes, no linger, ``max_message_bytes``, reconnect
+backoff), and running out of
 sockets or files is an error that names both limits and the fixes.
 """
 
@@ -46,12 +47,14 @@ def socket_limit(context: zmq.Context) -> Iterator[None]:
 
 
 def open_socket(
-    context: zmq.asyncio.Context, settings: SubscriberSettings, kind: int, hwm: int
+    context: zmq.asyncio.Context, settings: SubscriberSettings, kind: int, hwm_cap: int
 ) -> zmq.asyncio.Socket:
-    """A socket with the limits every consumer socket has."""
+    """A socket with the limits every consumer socket has; its receive high-water
+    mark keeps what ZeroMQ queues per connection within ``queue_bytes``
+    (:meth:`~indexer.ingest.settings.SubscriberSettings.receive_hwm`)."""
     with socket_limit(context):
         sock = context.socket(kind)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, settings.receive_hwm(hwm_cap))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, round(settings.reconnect_max * 1000))
