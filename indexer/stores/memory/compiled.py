@@ -32,7 +32,7 @@ core = PART.module
 
 class CompiledResidency(IndexedResidency):
     """A rank's residency whose count tables are compiled (``hash -> refcount`` in
-    16-byte slots: no Python int per hash held); counted by the same rules."""
+    12-byte slots: no Python int per hash held); counted by the same rules."""
 
     def new_table(self) -> TierTable:
         return TierTable(core.CountTable())
