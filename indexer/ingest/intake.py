@@ -17,8 +17,9 @@ class Intake:
     """Received items for the sequencer, bounded in count and in payload bytes.
 
     A reader waits while either bound is reached, so its socket stops being
-    read (ZeroMQ's high-water mark then bounds what queues behind it). One
-    item always fits in an empty intake: ``max_message_bytes`` bounds it.
+    read (ZeroMQ's receive high-water mark, derived from ``queue_bytes``,
+    then bounds in bytes what queues behind it). One item always fits in an
+    empty intake: ``max_message_bytes`` bounds it.
     Wake-ups are put without waiting: they carry no payload.
     """
 
