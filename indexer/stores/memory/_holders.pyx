@@ -1315,6 +1315,8 @@ cdef class HolderIndex:
         cdef int64_t last[FIELDS]  # the last answer's fields: most ranks repeat one or two
         cdef PyObject *last_answer = NULL
         cdef PyObject **ans = self.cans
+        cdef PyObject *empty = <PyObject *>EMPTY
+        cdef dict out = _PyDict_NewPresized(nc)
         while done < nc:
             chosen = False
             memset(active, 0, width * 8)
@@ -1367,24 +1369,25 @@ cdef class HolderIndex:
                     memcpy(last, f, FIELDS * 8)
                 ans[c] = last_answer
                 done += 1
-        cdef list walked = []  # answers of ranks walked on their own tables, held here
-        cdef PyObject *empty = <PyObject *>EMPTY
+                if hkind == NULL and last_answer != empty:  # final: no hybrid rule to come
+                    self.put_answer(out, slot, last_answer)
+        if hkind == NULL:
+            return out
         cdef object one = 1
-        if hkind != NULL:
-            for c in range(nc):
-                slot = cslot[c]
-                if slot < self.hcap and (hkind[slot] == LONELY
-                                         or (hkind[slot] == WALKED and ans[c] != empty)):
-                    match = hybrids.walk(one << slot, <object>ans[c], chain, csize[c])
-                    if match == EMPTY:
-                        ans[c] = empty
-                    else:
-                        walked.append(match)
-                        ans[c] = <PyObject *>match
-        cdef dict out = _PyDict_NewPresized(nc)
         for c in range(nc):
+            slot = cslot[c]
+            if slot < self.hcap and (hkind[slot] == LONELY
+                                     or (hkind[slot] == WALKED and ans[c] != empty)):
+                match = hybrids.walk(one << slot, <object>ans[c], chain, csize[c])
+                if match == EMPTY:
+                    ans[c] = empty
+                else:
+                    ans[c] = <PyObject *>match  # held by ``match`` until ``out`` has it
             if ans[c] != empty:
-                slot = cslot[c]
-                KV_SET_KNOWN(out, <object>self.slot_rank[slot], <object>ans[c],
-                             self.slot_hash[slot])
+                self.put_answer(out, slot, ans[c])
         return out
+
+    cdef inline int put_answer(self, dict out, Py_ssize_t slot, PyObject *answer) except -1:
+        """``slot``'s rank answered ``answer`` in ``out`` (its hash known)."""
+        return KV_SET_KNOWN(out, <object>self.slot_rank[slot], <object>answer,
+                            self.slot_hash[slot])
