@@ -61,6 +61,20 @@ async def test_a_shared_pipeline_holds_at_most_most_commands(redis_server: Redis
         await client.close()
 
 
+async def test_a_shared_pipeline_holds_at_most_most_bytes(redis_server: RedisServer) -> None:
+    client = RedisClient(redis_config(redis_server.url))
+    sent = Sent(client)
+    shared = Coalescer(sent, most_bytes=2500)
+    try:
+        keys = [f"{client.layout.prefix}:b{i}" for i in range(5)]
+        value = b"x" * 1000  # each writer sends ~1 kB: two fit in 2.5 kB, three do not
+        replies = await asyncio.gather(*(shared.execute([("SET", k, value)]) for k in keys))
+        assert replies == [[True]] * 5
+        assert sorted(len(p) for p in sent.pipelines) == [1, 2, 2]
+    finally:
+        await client.close()
+
+
 async def test_a_failed_pipeline_fails_every_writer_in_it() -> None:
     config = RedisConfig(f"redis://127.0.0.1:{free_port()}/0", retries=0, connect_timeout=0.5)
     client = RedisClient(config)

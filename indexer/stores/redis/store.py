@@ -82,6 +82,11 @@ def _guard(rank: RankId, fence: int | None) -> dict[str, bytes]:
     return {} if fence is None else {fence_field(rank): str(fence).encode()}
 
 
+def _argument_bytes(commands: Sequence[tuple]) -> int:
+    """About what ``commands`` send: their bytes and str arguments (a batch's packed ops)."""
+    return sum(len(a) for c in commands for a in c if isinstance(a, bytes | str))
+
+
 class Coalescer:
     """Commands of concurrent writers sent together: every writer that is ready in the
     same turn of the event loop shares one pipeline, so each server reads them in one
@@ -91,13 +96,21 @@ class Coalescer:
     and ~18% off the client's (bench item 2's fleet stream, 16 ranks).
 
     Only for commands that may run twice: when one command of a shared pipeline finds
-    its script missing, the gateway sends the whole pipeline again. ``most``: commands
-    per shared pipeline (more writers share several), so that one stays short.
+    its script missing, the gateway sends the whole pipeline again. ``most``: commands,
+    and ``most_bytes``: bytes of their arguments, per shared pipeline (more writers
+    share several), so that one stays short: a server answers a pipeline when it has
+    run all of it, so a pipeline of many large batches (a bulk load's) could keep
+    every writer in it waiting past the socket timeout.
     """
 
-    def __init__(self, run: Callable[[Sequence[tuple]], Awaitable[list]], most: int = 1024) -> None:
+    def __init__(
+        self,
+        run: Callable[[Sequence[tuple]], Awaitable[list]],
+        most: int = 1024,
+        most_bytes: int = 1 << 20,
+    ) -> None:
         self._run = run
-        self._most = most
+        self._most, self._most_bytes = most, most_bytes
         self._waiting: list[tuple[Sequence[tuple], asyncio.Future]] = []
         self._sending: set[asyncio.Task] = set()  # referenced until done
 
@@ -113,13 +126,15 @@ class Coalescer:
     def _send(self) -> None:
         waiting, self._waiting = self._waiting, []
         shared: list[tuple[Sequence[tuple], asyncio.Future]] = []
-        size = 0
+        size = nbytes = 0
         for commands, replies in waiting:
-            if shared and size + len(commands) > self._most:
+            weight = _argument_bytes(commands)
+            full = size + len(commands) > self._most or nbytes + weight > self._most_bytes
+            if shared and full:
                 self._answer_soon(shared)
-                shared, size = [], 0
+                shared, size, nbytes = [], 0, 0
             shared.append((commands, replies))
-            size += len(commands)
+            size, nbytes = size + len(commands), nbytes + weight
         self._answer_soon(shared)
 
     def _answer_soon(self, shared: list[tuple[Sequence[tuple], asyncio.Future]]) -> None:
