@@ -33,4 +33,11 @@ FRAMES = Extension(
     extra_compile_args=["-O3"],
 )
 
-setup(ext_modules=cythonize([CHAIN_HASH, HOLDERS, FRAMES], language_level=3))
+# GET prompts' comma-separated decimals read into ints in one pass.
+INTLIST = Extension(
+    "indexer.engines._intlist",
+    ["indexer/engines/_intlist.pyx"],
+    extra_compile_args=["-O3"],
+)
+
+setup(ext_modules=cythonize([CHAIN_HASH, HOLDERS, FRAMES, INTLIST], language_level=3))

@@ -32,7 +32,7 @@ from api.schemas import (
 )
 from indexer.compiled import Status, combined
 from indexer.core.events import MEDIA, RankId
-from indexer.engines import catalog
+from indexer.engines import catalog, intlist
 from indexer.leases import HandRegistered
 from indexer.registry import (
     BindRefused,
@@ -190,8 +190,10 @@ def hand_registered(name: str) -> ApiError:
 
 def _compiled_status() -> Status:
     """The compiled core is in use when every compiled part is (each engine adapter's,
-    such as vLLM's token hashing, and the embedded store's holder index)."""
-    return combined([*catalog.compiled_statuses(), holder_core.PART.status()])
+    such as vLLM's token hashing, the embedded store's holder index and GET prompts' reader)."""
+    return combined(
+        [*catalog.compiled_statuses(), holder_core.PART.status(), intlist.PART.status()]
+    )
 
 
 def _by_engine(ranks: list[RankId]) -> dict[str, set[int]]:

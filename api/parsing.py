@@ -2,11 +2,12 @@
 
 ``int()`` alone would accept ``" 12"``, ``"1_000"`` and non-ASCII digits;
 a router sending those has a bug worth a 422 that points at the item.
-A long GET prompt is parsed whole by msgspec's JSON decoder (a C loop,
-five times ``map(int, ...)``'s speed) once whole-string checks have ruled
-out what JSON allows and a decimal list does not; anything else (leading
-zeros, which ``int()`` takes and JSON does not, or a bad item) is walked
-item by item, to parse it or to name the culprit.
+A long GET prompt is read whole in C (:mod:`indexer.engines.intlist`), which
+takes exactly what the per-item rules take; without that build, by msgspec's
+JSON decoder (five times ``map(int, ...)``'s speed) once whole-string checks
+have ruled out what JSON allows and a decimal list does not. Anything else
+(leading zeros, which ``int()`` takes and JSON does not, or a bad item) is
+walked item by item, to parse it or to name the culprit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from api.errors import ApiError, ErrorBody
 from api.openapi import answers
 from api.schemas import HASH_PATTERN, MAX_TOKEN, MAX_UINT64, Token
 from indexer.core.events import BlockHash
+from indexer.engines import intlist
 
 T = TypeVar("T")
 S = TypeVar("S", bound=msgspec.Struct)
@@ -53,6 +55,16 @@ _TOKEN_LIST = msgspec.json.Decoder(list[Token])
 _HASH_LIST = msgspec.json.Decoder(list[Annotated[int, msgspec.Meta(ge=0)]])
 
 
+def _whole(text: str, digits: int, ceiling: int, decoder: msgspec.json.Decoder) -> list[int] | None:
+    """``text``'s comma-separated decimals of 1..``digits`` digits up to ``ceiling``, read
+    at once (in C); None if it is not only those, or if only the item-by-item walk can
+    tell (the caller then takes that walk)."""
+    compiled = intlist.PART.module
+    if compiled is not None:
+        return compiled.decimals(text, digits, ceiling)
+    return _json_ints(text, decoder)
+
+
 def _json_ints(text: str, decoder: msgspec.json.Decoder) -> list[int] | None:
     """``text``'s comma-separated decimals, parsed in C; None if it is not exactly that
     (or a value is out of the decoder's range): the caller then goes item by item."""
@@ -76,7 +88,7 @@ def _decimals(items: list[str], max_digits: int) -> list[int] | None:
 def parse_tokens(text: str, limit: int) -> list[int]:
     """``"1,2,3"`` to token ids; 413 past ``limit`` tokens, 422 on a bad item (a
     prompt over the limit is a 413 whatever its items: it is counted first)."""
-    tokens = _json_ints(text, _TOKEN_LIST)
+    tokens = _whole(text, 19, MAX_TOKEN, _TOKEN_LIST)
     if tokens is not None:
         check_size(len(tokens), "tokens", limit)
         return tokens
@@ -109,6 +121,8 @@ def parse_hash(item: int | str, where: str = "hash") -> BlockHash:
             raise ApiError(422, f"{where} is out of range for a uint64: {item}")
         return item
     if _HASH.fullmatch(item) is None:
+        if _past_uint64(item):  # said as of a JSON number, which a GET item may have been
+            raise ApiError(422, f"{where} is out of range for a uint64: {item}")
         raise ApiError(
             422, f"{where} is neither a decimal uint64 nor 0x-hex bytes: {str(item)[:80]!r}"
         )
@@ -120,11 +134,18 @@ def parse_hash(item: int | str, where: str = "hash") -> BlockHash:
     return value
 
 
+def _past_uint64(item: str) -> bool:
+    """Whether ``item`` is ASCII digits of a value past the uint64 range."""
+    digits = item.lstrip("0")
+    decimal = item.isascii() and item.isdigit()
+    return decimal and (len(digits) > 20 or int(digits or "0") > MAX_UINT64)
+
+
 def hash_items(text: str) -> list[int | str]:
     """A GET ``block_hashes`` as the body's list: every item an int when all are
     decimals (parsed at once, in C), else the items as given, for :func:`parse_hashes`
     to parse one by one or name the bad one."""
-    values: list[int | str] | None = _json_ints(text, _HASH_LIST)  # None: not all decimals
+    values: list[int | str] | None = _whole(text, 20, MAX_UINT64, _HASH_LIST)
     return split_list(text) if values is None else values
 
 
@@ -134,9 +155,9 @@ def parse_hashes(items: list[int | str], limit: int) -> list[BlockHash]:
     if _all_uint64(items):  # JSON numbers (checked >= 0 already), or a GET's decimals
         return list(items)
     if all(type(item) is str for item in items):  # decimal strings of a JSON body
-        values = _json_ints(",".join(items), _HASH_LIST) or _decimals(items, 20)
-        if values is not None and max(values) <= MAX_UINT64:
-            return values
+        values = _whole(",".join(items), 20, MAX_UINT64, _HASH_LIST) or _decimals(items, 20)
+        if values is not None and len(values) == len(items) and max(values) <= MAX_UINT64:
+            return values  # (an item holding a comma reads as two: the walk refuses it)
     return [parse_hash(item, f"block_hashes[{i}]") for i, item in enumerate(items)]
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer import discovery, metrics
-from indexer.engines import catalog
+from indexer.engines import catalog, intlist
 from indexer.ingest.subscriber import Subscriber
 from indexer.leases import Leases
 from indexer.registry import EngineRegistry, EngineSpec
@@ -61,6 +61,7 @@ async def serve(
     ``--discover`` URLs, after the config file's."""
     catalog.warn_if_unavailable("serve")
     compiled.PART.warn_if_unavailable("serve")
+    intlist.PART.warn_if_unavailable("serve")
     config.check_binds(engines)
     sources = config.discovery_sources(discover)
     settings = settings or config.api_settings()
