@@ -79,6 +79,9 @@ class Misdeclared:
         self._on_flag = on_flag
         self._checked_stores = checked_stores
         self._checks: dict[str, _Check] = {}
+        #: Engines ever flagged in a way that leaves them out; the others are not, which
+        #: every tokens query asks of every engine (a set look-up, not a registry one).
+        self._flagged: set[str] = set()
 
     def reasons(self, engine: str) -> list[str]:
         """Why the engine's events contradict its declaration (empty: they agree so far)."""
@@ -87,8 +90,13 @@ class Misdeclared:
 
     def excluded(self, engine: str) -> bool:
         """Whether tokens queries must leave the engine out (its hashes cannot be trusted)."""
+        if engine not in self._flagged:
+            return False
         check = self._current(engine)
-        return check is not None and excludes(check.reasons)
+        if check is not None and excludes(check.reasons):
+            return True
+        self._flagged.discard(engine)  # registered anew, or gone, since
+        return False
 
     def reads_tokens(self, engine: str) -> bool:
         """Whether batches of the engine must keep token ids: while it is being checked."""
@@ -120,6 +128,8 @@ class Misdeclared:
         if kind in check.reasons:
             return
         check.reasons[kind] = reason
+        if excludes(check.reasons):
+            self._flagged.add(check.spec.name)
         metrics.MISDECLARED.labels(check.spec.name, kind).inc()
         log.warning(
             "engine misdeclared: its events contradict its declared config",

@@ -128,8 +128,10 @@ async def test_a_new_registration_is_checked_afresh(live):
     assert (await live.client.delete("/engines/e")).status_code == 200
     for publisher in live.publishers:
         publisher.close()
-    await _publish(live, "e", SimConfig(block_size=32), 2, block_size=32)
+    served = await _publish(live, "e", SimConfig(block_size=32), 2, block_size=32)
     assert (await live.client.get("/engines/e")).json()["misdeclared"] == []
+    answer = (await live.client.post("/prefix-match", json={"tokens": list(served[0])})).json()
+    assert answer["engines"][0]["gpu_blocks"] > 0  # no longer left out of tokens matching
 
 
 @pytest.mark.slow
