@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer.engines.vllm import native
 from indexer.engines.vllm.hashing import (
     HASH_ALGOS,
     HashSpec,
@@ -20,6 +21,7 @@ from indexer.engines.vllm.hashing import (
     NotReproducible,
     UnknownHashAlgo,
     block_hashes,
+    published_ints,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.33.0"
@@ -75,6 +77,18 @@ def test_block_digests_match_vllm(case: dict, hashes) -> None:
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_published_ints_match_vllm(case: dict, hashes) -> None:
     assert _hash_case(case, as_bytes=False, hashes=hashes) == case["block_hashes_int64"]
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "reference"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_digests_convert_to_the_ints_vllm_publishes(
+    case: dict, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a tokens query matches int-publishing engines with: digests, then ints."""
+    if not compiled:
+        monkeypatch.setattr(native, "chainhash", None)
+    digests = [bytes.fromhex(d) for d in case["block_hashes_hex"]]
+    assert published_ints(digests) == case["block_hashes_int64"]
 
 
 @pytest.mark.parametrize("hashes", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS)

@@ -16,10 +16,10 @@ caller's ``fallback`` so exactness never depends on what is implemented here.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.list cimport PyList_GET_SIZE
+from cpython.list cimport PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.long cimport PyLong_FromUnsignedLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from cpython.ref cimport PyObject
+from cpython.ref cimport Py_INCREF, PyObject
 from cpython.sequence cimport PySequence_Fast_ITEMS
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy
@@ -260,10 +260,10 @@ cdef inline void sha256_into(uint8_t* digest, const uint8_t* data, Py_ssize_t le
 
 
 cdef inline uint64_t low_64(const uint8_t* digest, Py_ssize_t length) noexcept nogil:
-    """What vLLM publishes for a digest: its last 8 bytes, big-endian."""
+    """What vLLM publishes for a digest: its last 8 bytes (all, if fewer), big-endian."""
     cdef uint64_t value = 0
     cdef Py_ssize_t i
-    for i in range(length - 8, length):
+    for i in range(max(length - 8, 0), length):
         value = (value << 8) | digest[i]
     return value
 
@@ -329,4 +329,20 @@ def chain(
                 out.append(PyBytes_FromStringAndSize(<const char*>parent, digest_len))
     finally:
         PyMem_Free(buf)
+    return out
+
+
+def published(list digests):
+    """Each digest as vLLM publishes it, its low 64 bits (last 8 bytes, big-endian): a
+    tokens query asks this of every digest it matches engines publishing ints with."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(digests)
+    cdef list out = PyList_New(n)
+    cdef bytes digest
+    for i in range(n):
+        digest = digests[i]
+        item = PyLong_FromUnsignedLongLong(
+            low_64(<const uint8_t*>PyBytes_AS_STRING(digest), PyBytes_GET_SIZE(digest))
+        )
+        Py_INCREF(item)  # SET_ITEM steals a reference: the list's own
+        PyList_SET_ITEM(out, i, item)
     return out
