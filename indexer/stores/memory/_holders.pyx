@@ -22,7 +22,8 @@ Layout, chosen for the query pattern (one chain, every rank at once):
   walk compares runs of one set by id, reading the words only where it changes.
 - A chain's hashes are all known before the walk, so the walk computes the slot
   of a position a few positions ahead and prefetches it: the misses of a walk
-  overlap, where a tree pays one dependent miss per position.
+  overlap, where a tree pays one dependent miss per position. A batch of updates
+  (a rank's counts, its bits) prefetches a few hashes ahead the same way.
 - A query costs what the ranks holding the chain's start cost, not the fleet: the
   index knows each slot's rank and learned chunk size, only the slots holding the
   first block on GPU (or, per chunk size asked, the first chunk's end on CPU or
@@ -117,8 +118,15 @@ ctypedef struct Answer:
     PyObject *obj  # NULL: a free slot
 
 
+ctypedef struct Probe:
+    uint64_t key  # as locate() gives it
+    PyObject *obj
+    uint64_t mixed  # mix(key)
+
+
 cdef enum:
     LOOKAHEAD = 16  # positions prefetched ahead of a walk
+    BATCH_AHEAD = 16  # hashes of a batch prefetched ahead of their update (a power of 2)
     ANSWERS_KEPT = 4096  # answer objects kept between queries
     NO_ID = 0xFFFFFFFF  # a set id not read yet
     # how a slot's answer is taken to vLLM's hybrid rule
@@ -405,12 +413,43 @@ cdef class KeyTable:
         return -1 - i
 
     cdef Py_ssize_t locate(self, object h, uint64_t *key, PyObject **obj) except? -2:
-        if int_key(<PyObject *>h, key):
-            obj[0] = NULL
+        cdef Probe p
+        self.probe(<PyObject *>h, &p)
+        return self.found(&p, key, obj)
+
+    cdef inline Py_ssize_t found(self, const Probe *p, uint64_t *key, PyObject **obj) except? -2:
+        """Where a probed hash is (as find()), its key and object given out."""
+        key[0], obj[0] = p.key, p.obj
+        return self.find(p.key, p.obj, p.mixed)
+
+    cdef int probe(self, PyObject *h, Probe *p) except -1:
+        """A hash's key (itself for an int below 2**64, else its Python hash, ``obj``
+        kept) and mix; its home slot is prefetched."""
+        if int_key(h, &p.key):
+            p.obj = NULL
         else:
-            key[0] = <uint64_t>PyObject_Hash(h)
-            obj[0] = <PyObject *>h
-        return self.find(key[0], obj[0], mix(key[0]))
+            p.key = <uint64_t>PyObject_Hash(<object>h)
+            p.obj = h
+        p.mixed = mix(p.key)
+        KV_PREFETCH(&self.entries[self.home(p.mixed)])
+        return 0
+
+    cdef Py_ssize_t locate_batch(
+        self, PyObject **items, Py_ssize_t n, Py_ssize_t k, Probe *ring,
+        uint64_t *key, PyObject **obj,
+    ) except? -2:
+        """locate() of ``items[k]``, for k = 0, 1, ... n - 1 in turn (``ring``: BATCH_AHEAD
+        probes). A table past the cache costs a miss per hash: probing BATCH_AHEAD hashes
+        ahead overlaps a batch's misses. Only the mix is kept, never a slot, so an
+        update or a rehash between a probe and its use costs at most a wasted prefetch."""
+        cdef Py_ssize_t j
+        if k == 0:
+            for j in range(min(<Py_ssize_t>BATCH_AHEAD, n)):
+                self.probe(items[j], &ring[j])
+        cdef Probe p = ring[k & (BATCH_AHEAD - 1)]
+        if k + BATCH_AHEAD < n:
+            self.probe(items[k + BATCH_AHEAD], &ring[k & (BATCH_AHEAD - 1)])
+        return self.found(&p, key, obj)
 
     cdef int rehash(self, Py_ssize_t cap) except -1:
         cdef Entry *old = self.entries
@@ -555,9 +594,10 @@ cdef class HolderTable(KeyTable):
         cdef PyObject *obj
         cdef uint32_t old, new, was = 0, now = 0
         cdef RankSets sets = self.sets
+        cdef Probe ring[BATCH_AHEAD]
         try:
             for k in range(n):
-                i = self.locate(<object>items[k], &key, &obj)
+                i = self.locate_batch(items, n, k, ring, &key, &obj)
                 if i < 0:
                     if on:
                         new = sets.singleton(slot)
@@ -603,8 +643,9 @@ cdef class CountTable(KeyTable):
         cdef uint64_t key
         cdef PyObject *obj
         cdef list fresh = []
+        cdef Probe ring[BATCH_AHEAD]
         for k in range(n):
-            i = self.locate(<object>items[k], &key, &obj)
+            i = self.locate_batch(items, n, k, ring, &key, &obj)
             if i >= 0:
                 self.entries[i].val += 1
             else:
@@ -621,8 +662,9 @@ cdef class CountTable(KeyTable):
         cdef uint64_t key
         cdef PyObject *obj
         cdef list gone = []
+        cdef Probe ring[BATCH_AHEAD]
         for k in range(n):
-            i = self.locate(<object>items[k], &key, &obj)
+            i = self.locate_batch(items, n, k, ring, &key, &obj)
             if i < 0:
                 unknown += 1
             elif self.val_at(i) > 1:
