@@ -22,6 +22,8 @@ from api.parsing import hash_items, parse_hashes, parse_tokens
 from api.schemas import MAX_TOKEN, MAX_UINT64
 from indexer.engines import intlist
 
+from .conftest import run_without, serve_warning_without
+
 #: Both whole-text readers: the compiled one, and msgspec's (what runs without the build).
 READERS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "msgspec"])
 
@@ -57,6 +59,19 @@ def outcome(parse: Callable[[], list[int]]) -> list[int] | tuple[int, str]:
 def test_the_compiled_reader_is_built() -> None:
     assert intlist.PART.available, f"the decimal-list reader did not build: {intlist.PART.error}"
     assert intlist.PART.status() == {"compiled_core": True, "compiled_core_error": None}
+
+
+@pytest.mark.slow
+def test_without_the_build_serve_warns_and_stats_say_why() -> None:
+    module = "indexer.engines._intlist"
+    assert serve_warning_without(module).startswith("compiled decimal-list reader not in use")
+    script = (
+        "import json\n"
+        "from api.operators import _compiled_status\n"
+        "from api.parsing import parse_tokens\n"
+        "print(json.dumps([_compiled_status(), parse_tokens('1,007,2', 10)]))\n"
+    )
+    assert run_without(module, script) == [1, 7, 2]  # the status /stats reports names it
 
 
 def strict(items: list[str], max_digits: int, ceiling: int) -> list[int] | int:
