@@ -1,4 +1,4 @@
-"""Concurrent writers' commands share pipelines (store.Coalescer), each writer keeping its own
+"""Concurrent writers' commands share pipelines (coalescer.Coalescer), each writer keeping its own
 replies, failures and cancellation; a cluster store's ranks share their bucket calls."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from indexer.core.events import GPU, RankId
 from indexer.stores import StoreUnavailable
 from indexer.stores.conformance import apply, counts, stored
 from indexer.stores.redis import RedisClient, RedisConfig, RedisStore
+from indexer.stores.redis.coalescer import Coalescer
 from indexer.stores.redis.scripts import APPLY_OPS
-from indexer.stores.redis.store import Coalescer
 
 from .conftest import redis_config
 from .servers import LocalCluster, RedisServer, free_port
