@@ -19,8 +19,7 @@ if [ "$(cat "$VENV/.tier-deps" 2>/dev/null)" != "$deps" ]; then
     "$VENV/bin/pip" install -q --no-deps -r "$REQS"
     echo "$deps" >"$VENV/.tier-deps"
 fi
-own="$(cat pyproject.toml setup.py indexer/engines/vllm/_chainhash.pyx \
-    indexer/stores/memory/_holders.pyx | sha256sum | cut -d' ' -f1) $(pwd)"
+own="$(cat pyproject.toml setup.py $(git ls-files '*.pyx') | sha256sum | cut -d' ' -f1) $(pwd)"
 if [ "$(cat "$VENV/.tier-kvindex" 2>/dev/null)" != "$own" ]; then
     echo "== vLLM tier: kvindex from $(pwd) into $VENV (its plugin's entry point, kvindex serve)"
     "$VENV/bin/pip" install -q --no-deps -e .
