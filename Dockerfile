@@ -23,7 +23,7 @@ COPY producer ./producer
 COPY kvindex ./kvindex
 # The build fails here, not at run time, if the compiled core did not build.
 RUN pip install . \
-    && cd / && python -c "from indexer import native; assert native.AVAILABLE, native.IMPORT_ERROR"
+    && cd / && python -c "from api.operators import compiled_status as s; assert s()['compiled_core'], s()"
 
 FROM python:3.11-slim-bookworm
 

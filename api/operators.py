@@ -153,7 +153,7 @@ class Operators:
             anomalies=_total(anomalies),
             token_index_entries=len(self.token_index),
             routed=await self.routed.counts(),
-            **_compiled_status(),
+            **compiled_status(),
         )
 
 
@@ -188,7 +188,7 @@ def hand_registered(name: str) -> ApiError:
     )
 
 
-def _compiled_status() -> Status:
+def compiled_status() -> Status:
     """The compiled core is in use when every compiled part is (each engine adapter's,
     such as vLLM's token hashing, the embedded store's holder index and GET prompts' reader)."""
     return combined(

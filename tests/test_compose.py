@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -184,6 +186,16 @@ def test_the_image_holds_what_the_package_installs() -> None:
     for package in ("indexer", "api", "producer"):
         assert f"COPY {package} ./{package}" in dockerfile
     assert "RUN pip install ." in dockerfile
+
+
+def test_the_image_build_checks_every_compiled_part() -> None:
+    """The build stage's check (the one Python line after ``pip install .``) runs and
+    passes here, where every compiled part built: it names modules that exist."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    (check,) = re.findall(r'python -c "([^"]+)"', dockerfile)
+    assert "compiled_status" in check
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_redis_persists_the_index(services: dict[str, dict]) -> None:

@@ -67,9 +67,9 @@ def test_without_the_build_serve_warns_and_stats_say_why() -> None:
     assert serve_warning_without(module).startswith("compiled decimal-list reader not in use")
     script = (
         "import json\n"
-        "from api.operators import _compiled_status\n"
+        "from api.operators import compiled_status\n"
         "from api.parsing import parse_tokens\n"
-        "print(json.dumps([_compiled_status(), parse_tokens('1,007,2', 10)]))\n"
+        "print(json.dumps([compiled_status(), parse_tokens('1,007,2', 10)]))\n"
     )
     assert run_without(module, script) == [1, 7, 2]  # the status /stats reports names it
 
