@@ -188,12 +188,23 @@ def hand_registered(name: str) -> ApiError:
     )
 
 
+#: The compiled parts the API runs beside the engine adapters' own: the embedded
+#: store's holder index and GET prompts' decimal-list reader.
+_API_PARTS = (holder_core.PART, intlist.PART)
+
+
 def compiled_status() -> Status:
     """The compiled core is in use when every compiled part is (each engine adapter's,
-    such as vLLM's token hashing, the embedded store's holder index and GET prompts' reader)."""
-    return combined(
-        [*catalog.compiled_statuses(), holder_core.PART.status(), intlist.PART.status()]
-    )
+    such as vLLM's token hashing, and the API's own)."""
+    return combined([*catalog.compiled_statuses(), *(part.status() for part in _API_PARTS)])
+
+
+def warn_if_unavailable(role: str) -> bool:
+    """Warn once per compiled part that is missing (what ``compiled_status`` would say
+    false for); True if every one is in use."""
+    in_use = [catalog.warn_if_unavailable(role)]
+    in_use += [part.warn_if_unavailable(role) for part in _API_PARTS]  # each warns
+    return all(in_use)
 
 
 def _by_engine(ranks: list[RankId]) -> dict[str, set[int]]:

@@ -24,6 +24,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 
+from api import operators
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer.cluster.announced import RedisBook
@@ -118,7 +119,7 @@ async def run_api(
 ) -> None:
     """Serve the HTTP API over the shared Redis state until SIGTERM or SIGINT;
     ``settings``: the API's (default the config file's)."""
-    catalog.warn_if_unavailable("api")
+    operators.warn_if_unavailable("api")
     settings = settings or config.api_settings()
     store = RedisStore(redis)
     registry = RedisRegistry(store.client)

@@ -16,16 +16,16 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from api import operators
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer import discovery, metrics
-from indexer.engines import catalog, intlist
 from indexer.ingest.subscriber import Subscriber
 from indexer.leases import Leases
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import MemoryRouted, RedisRouted, RoutedEntries
 from indexer.stores.base import Store
-from indexer.stores.memory import MemoryStore, compiled
+from indexer.stores.memory import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
 from kvindex.config import ServeConfig
 from kvindex.http import listen, serve_http, stop_signals
@@ -59,9 +59,7 @@ async def serve(
     """Run until SIGTERM or SIGINT, then stop cleanly; ``redis``: the store (default
     embedded); ``settings``: the API's (default the config file's); ``discover``:
     ``--discover`` URLs, after the config file's."""
-    catalog.warn_if_unavailable("serve")
-    compiled.PART.warn_if_unavailable("serve")
-    intlist.PART.warn_if_unavailable("serve")
+    operators.warn_if_unavailable("serve")
     config.check_binds(engines)
     sources = config.discovery_sources(discover)
     settings = settings or config.api_settings()
