@@ -4,7 +4,7 @@ replies, failures and cancellation; a cluster store's ranks share their bucket c
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -48,29 +48,31 @@ async def test_writers_ready_together_share_one_pipeline_each_with_its_replies(
         await client.close()
 
 
-async def test_a_shared_pipeline_holds_at_most_most_commands(redis_server: RedisServer) -> None:
+@pytest.mark.parametrize(
+    ("bound", "commands", "replies", "pipelines"),
+    [
+        # two commands a writer, four a pipeline: five writers take pipelines of 4, 4 and 2
+        ({"most": 4}, lambda k: [("INCR", k), ("INCR", k)], [1, 2], [2, 4, 4]),
+        # ~1 kB a writer: two fit in 2.5 kB, three do not
+        ({"most_bytes": 2500}, lambda k: [("SET", k, b"x" * 1000)], [True], [1, 2, 2]),
+    ],
+    ids=["most", "most_bytes"],
+)
+async def test_a_shared_pipeline_holds_at_most_its_bound(
+    redis_server: RedisServer,
+    bound: dict[str, int],
+    commands: Callable[[str], list[tuple]],
+    replies: list,
+    pipelines: list[int],
+) -> None:
     client = RedisClient(redis_config(redis_server.url))
     sent = Sent(client)
-    shared = Coalescer(sent, most=4)
+    shared = Coalescer(sent, **bound)
     try:
         keys = [f"{client.layout.prefix}:n{i}" for i in range(5)]
-        replies = await asyncio.gather(*(shared.execute([("INCR", k), ("INCR", k)]) for k in keys))
-        assert replies == [[1, 2]] * 5
-        assert sorted(len(p) for p in sent.pipelines) == [2, 4, 4]
-    finally:
-        await client.close()
-
-
-async def test_a_shared_pipeline_holds_at_most_most_bytes(redis_server: RedisServer) -> None:
-    client = RedisClient(redis_config(redis_server.url))
-    sent = Sent(client)
-    shared = Coalescer(sent, most_bytes=2500)
-    try:
-        keys = [f"{client.layout.prefix}:b{i}" for i in range(5)]
-        value = b"x" * 1000  # each writer sends ~1 kB: two fit in 2.5 kB, three do not
-        replies = await asyncio.gather(*(shared.execute([("SET", k, value)]) for k in keys))
-        assert replies == [[True]] * 5
-        assert sorted(len(p) for p in sent.pipelines) == [1, 2, 2]
+        answers = await asyncio.gather(*(shared.execute(commands(k)) for k in keys))
+        assert answers == [replies] * 5
+        assert sorted(len(p) for p in sent.pipelines) == pipelines
     finally:
         await client.close()
 
