@@ -87,13 +87,13 @@ def _decimals(items: list[str], max_digits: int) -> list[int] | None:
 
 def parse_tokens(text: str, limit: int) -> list[int]:
     """``"1,2,3"`` to token ids; 413 past ``limit`` tokens, 422 on a bad item (a
-    prompt over the limit is a 413 whatever its items: it is counted first)."""
+    prompt over the limit is a 413 whatever its items: it is counted first, by its
+    commas, before any item is read)."""
+    check_size(text.count(",") + 1 if text else 0, "tokens", limit)
     tokens = _whole(text, 19, MAX_TOKEN, _TOKEN_LIST)
     if tokens is not None:
-        check_size(len(tokens), "tokens", limit)
         return tokens
     items = split_list(text)
-    check_size(len(items), "tokens", limit)
     if not items:
         return []
     tokens = _decimals(items, 19)
