@@ -20,14 +20,13 @@ from api.auth import require_token
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.openapi import answers, body
-from api.operators import REFUSALS, hand_registered, register
+from api.operators import AUTH_REFUSAL, REFUSALS, hand_registered, register
 from api.parsing import StrictQueryRoute, decode_body
 from indexer.leases import Announcement, Granted, HandRegistered, Leases, StaleInstance
 from indexer.registry import UnknownEngine
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(Announcement).decode
-_AUTH = (ErrorBody, "missing or wrong bearer token (when one is configured)")
 
 
 def _json(value: Granted) -> Response:
@@ -69,7 +68,7 @@ def router(ctx: ApiContext) -> APIRouter:
         dependencies=guarded,
         responses=answers(
             _200=(Granted, "deregistered: no longer consumed, its residency dropped"),
-            _401=_AUTH,
+            _401=AUTH_REFUSAL,
             _404=(ErrorBody, "no engine of that name is registered"),
             _409=(ErrorBody, "another instance holds the lease, or the engine is hand-registered"),
             _503=(ErrorBody, "the store is unreachable"),

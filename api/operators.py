@@ -53,12 +53,12 @@ _decode_spec = msgspec.json.Decoder(EngineSpec).decode
 
 _UNAVAILABLE = (ErrorBody, "the store is unreachable")
 _UNKNOWN = (ErrorBody, "no engine of that name is registered")
-_AUTH = (ErrorBody, "missing or wrong bearer token (when one is configured)")
+AUTH_REFUSAL = (ErrorBody, "missing or wrong bearer token (when one is configured)")
 T = TypeVar("T")
 #: How a registration (``POST /engines``, an announcement) is refused (see :func:`register`).
 REFUSALS = {
     "_400": (ErrorBody, "body is not JSON"),
-    "_401": _AUTH,
+    "_401": AUTH_REFUSAL,
     "_413": (ErrorBody, "body over the configured maximum"),
     "_422": (
         ErrorBody,
@@ -282,7 +282,7 @@ def router(ctx: ApiContext) -> APIRouter:
         dependencies=guarded,
         responses=answers(
             _200=(EngineSpec, "removed: no longer consumed, its residency dropped"),
-            _401=_AUTH,
+            _401=AUTH_REFUSAL,
             _404=_UNKNOWN,
             _503=_UNAVAILABLE,
         ),
