@@ -23,13 +23,12 @@ from api.context import ApiContext
 from api.errors import ApiError
 from api.schemas import EngineMatch, PrefixMatchResponse, RankRef
 from indexer.core.events import BlockHash, RankId
-from indexer.core.matching import PrefixMatch, TierWeights
+from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
 from indexer.core.routed import Candidate
 from indexer.core.routed import score as routed_score
 from indexer.engines.base import BlockHasher
 from indexer.registry import EngineSpec, RankStatus, UnknownEngine, is_degraded
 
-_NO_MATCH = PrefixMatch()
 _name = attrgetter("name")
 _score = attrgetter("score")
 _encode = msgspec.json.Encoder().encode
@@ -148,7 +147,7 @@ class PrefixMatcher:
             Candidate(
                 spec.name,
                 dp_rank,
-                found.get(RankId(spec.name, dp_rank), _NO_MATCH),
+                found.get(RankId(spec.name, dp_rank), NO_MATCH),
                 self._rules.bound(None if spec.events else spec.gpu_blocks),
             )
             for spec in sorted(specs, key=_name)
@@ -307,10 +306,10 @@ class PrefixMatcher:
         lost = [s.dp_rank for s in statuses if s.store_loss is not None]
         entries = {}
         for dp_rank in ranks:
-            m = _NO_MATCH if dp_rank in lost else found.get((name, dp_rank), _NO_MATCH)
+            m = NO_MATCH if dp_rank in lost else found.get((name, dp_rank), NO_MATCH)
             routed_blocks = routed.get((name, dp_rank), 0)
             if dp_rank < declared:
-                if m is _NO_MATCH and not routed_blocks:
+                if m is NO_MATCH and not routed_blocks:
                     continue
                 degraded = flags[dp_rank]
             else:  # a rank the engine does not declare: by its status if it has one

@@ -61,6 +61,10 @@ class PrefixMatch:
         )
 
 
+#: What a rank matches when a store's answer leaves it out: nothing, on every tier.
+NO_MATCH = PrefixMatch()
+
+
 #: ``chunk_in(medium, j)``: is chunk ``j`` of the chain resident on that lower medium?
 ChunkLookup = Callable[[str, int], bool]
 

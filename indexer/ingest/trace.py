@@ -16,14 +16,13 @@ from pathlib import Path
 import msgspec
 
 from indexer.core.events import MEDIA, RankId
-from indexer.core.matching import PrefixMatch
+from indexer.core.matching import NO_MATCH
 from indexer.engines import catalog
 from indexer.stores.base import Store, apply_events
 
 Trace = list[tuple[int, bytes]]
 #: A trace whose payloads are views of the file (:func:`map_trace`) or bytes.
 Payloads = Sequence[tuple[int, bytes | memoryview]]
-_NO_MATCH = PrefixMatch()
 
 
 class Probe(msgspec.Struct):
@@ -119,7 +118,7 @@ async def answer_probes(
     for probe in probes:
         chain = [int(h) for h in probe.hashes]
         found = await store.prefix_match(chain, {rank.engine: engine.blocks_per_chunk})
-        match = found.get(rank, _NO_MATCH)
+        match = found.get(rank, NO_MATCH)
         answers.append(
             {
                 "gpu_tokens": match.gpu_blocks * size,

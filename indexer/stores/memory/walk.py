@@ -14,9 +14,9 @@ from itertools import compress, count
 from operator import ne
 
 from indexer.core.events import BlockHash, RankId
+from indexer.core.matching import NO_MATCH as EMPTY
 from indexer.core.matching import PrefixMatch
 
-EMPTY = PrefixMatch()
 #: Keys looked up per C pass of a walk: more passes cost Python, longer ones overshoot.
 #: A walk starts with a short pass (many end at once), or as far as it guesses it goes.
 MIN_STEP, MAX_STEP = 16, 64

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from indexer.core.events import GPU, MEDIA, BlockHash, RankId
 from indexer.core.hybrid import group_rules, hybrid_match, is_scored
-from indexer.core.matching import PrefixMatch, chunk_end, leading_run, match_prefix
+from indexer.core.matching import NO_MATCH, PrefixMatch, chunk_end, leading_run, match_prefix
 from indexer.stores.base import Residency, StoreUnavailable
 from indexer.stores.redis.client import RedisClient
 from indexer.stores.redis.layout import (
@@ -28,8 +28,6 @@ from indexer.stores.redis.layout import (
 
 #: Blocks fetched by a prefix query's first round trip; later ones double.
 FIRST_WINDOW = 128
-
-_NO_MATCH = PrefixMatch()  # what a rank left out of prefix_match's answer matches
 
 
 class RedisReads:
@@ -113,7 +111,7 @@ class RedisReads:
             window = min(2 * window, len(chain) - fetched)
             blocks = await self._run([("HGETALL", k) for k in keys[fetched : fetched + window]])
         found = ((rank, m.match(chain, fetched)) for rank, m in matchers.items())
-        return {rank: match for rank, match in found if match != _NO_MATCH}
+        return {rank: match for rank, match in found if match != NO_MATCH}
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         _, meta = await self._peek_meta(rank)
