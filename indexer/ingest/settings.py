@@ -64,8 +64,8 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
       stays within it whatever the messages' sizes. Past the mark ZeroMQ
       stops reading the connection: the engine's own queue holds the rest,
       and what its PUB drops becomes a gap that replay fills.
-    - ``sub_hwm``, ``replay_hwm``: caps, in messages, on those marks (0: no
-      cap but ``queue_bytes``). A low mark costs the readers CPU when batches
+    - ``sub_hwm``, ``replay_hwm``: caps, in messages, on those marks
+      (``sub_hwm`` 0: no cap but ``queue_bytes``). A low mark costs the readers CPU when batches
       queue (fewer are read per wake-up): a catch-up of 2 KB batches took
       ~1.1x the CPU at the default's mark of 16 (1 GiB over 64 MiB), ~1.3x
       at 8, ~1.6x at 4, as much at 32 as at 10,000.
