@@ -199,11 +199,12 @@ def compiled_status() -> Status:
     return combined([*catalog.compiled_statuses(), *(part.status() for part in _API_PARTS)])
 
 
-def warn_if_unavailable(role: str) -> bool:
-    """Warn once per compiled part that is missing (what ``compiled_status`` would say
-    false for); True if every one is in use."""
+def warn_if_unavailable(role: str, *, embedded_store: bool) -> bool:
+    """Warn once per compiled part the role runs that is missing (the holder index only
+    with ``embedded_store``: on Redis nothing uses it); True if every one is in use."""
+    parts = _API_PARTS if embedded_store else (intlist.PART,)
     in_use = [catalog.warn_if_unavailable(role)]
-    in_use += [part.warn_if_unavailable(role) for part in _API_PARTS]  # each warns
+    in_use += [part.warn_if_unavailable(role) for part in parts]  # each warns
     return all(in_use)
 
 

@@ -119,7 +119,7 @@ async def run_api(
 ) -> None:
     """Serve the HTTP API over the shared Redis state until SIGTERM or SIGINT;
     ``settings``: the API's (default the config file's)."""
-    operators.warn_if_unavailable("api")
+    operators.warn_if_unavailable("api", embedded_store=False)
     settings = settings or config.api_settings()
     store = RedisStore(redis)
     registry = RedisRegistry(store.client)

@@ -59,7 +59,7 @@ async def serve(
     """Run until SIGTERM or SIGINT, then stop cleanly; ``redis``: the store (default
     embedded); ``settings``: the API's (default the config file's); ``discover``:
     ``--discover`` URLs, after the config file's."""
-    operators.warn_if_unavailable("serve")
+    operators.warn_if_unavailable("serve", embedded_store=redis is None)
     config.check_binds(engines)
     sources = config.discovery_sources(discover)
     settings = settings or config.api_settings()
