@@ -43,10 +43,12 @@ def spread_stream(fleet: Fleet, engines: int, batches: int) -> list:
     """Every source's first ``batches`` batches over ``engines`` ranks (see the module)."""
     sources = [run.payloads[:batches] for run in fleet.runs]
     n = len(sources)
-    pairs = sorted({(e, e % n) for e in range(engines)} | {(s % engines, s) for s in range(n)})
+    replays: dict[int, set[int]] = {e: {e % n} for e in range(engines)}
+    for s in range(n):
+        replays[s % engines].add(s)
     stream = []
     for e in range(engines):
-        mine = [sources[s] for rank, s in pairs if rank == e]
+        mine = [sources[s] for s in sorted(replays[e])]
         payloads = [p[i] for i in range(batches) for p in mine if i < len(p)]
         stream += [(rank_of(e), seq, payload) for seq, payload in enumerate(payloads)]
     return stream
