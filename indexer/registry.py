@@ -74,6 +74,22 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+ReuseReports = Literal["filtered", "capped", "counted"]
+#: What each ``reuse_reports`` means. A request may ask vLLM for a reuse report
+#: (``vllm_xargs: {"kv_cache_report_mode": "full"}``): vLLM then announces every
+#: GPU block the request reused as a ``BlockStored`` exactly like a new physical
+#: copy, and nothing removes it later.
+REUSE_REPORTS = {
+    "filtered": "the engine's kvindex plugin publishes a stream without reports:"
+    " every GPU copy counted, exact",
+    "capped": "vLLM's own stream, where a report looks like a copy: at most one"
+    " reference per GPU block, so never a phantom; a second copy's eviction"
+    " is counted as an unknown removal, the block missed until it goes",
+    "counted": "the operator says no client asks for reports: every GPU store"
+    " counted as a copy (a report would leave a phantom)",
+}
+
+
 class KVGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One KV cache group of the engine's model, as its events describe it.
 
@@ -114,6 +130,8 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: blocks the engine's GPU holds (its KV cache capacity): bounds its routed entries
     gpu_blocks: Positive | None = None
     adapter: Literal[catalog.names()] = catalog.DEFAULT  # type: ignore[valid-type]
+    #: how the engine's reuse reports reach kvindex (:data:`REUSE_REPORTS`)
+    reuse_reports: ReuseReports = "capped"
 
     def __post_init__(self) -> None:
         check_kv_groups(self.kv_groups or [], self.block_size)

@@ -51,7 +51,17 @@ class Tier(NamedTuple):
 
 
 class TierOp(NamedTuple):
-    """+1 (``delta=1``) or -1 for each hash of one tier, in order.
+    """+1 (``delta=1``) or -1 for each hash of one tier, in order; ``delta=0`` (a
+    *hold*) gives a reference only to each hash that holds none.
+
+    Holds are GPU stores of an engine whose reuse reports cannot be told from
+    new copies (:data:`HOLD`): a request asking vLLM for a reuse report makes it
+    announce every GPU block it reused as a ``BlockStored`` shaped exactly like a
+    new physical copy, and no removal ever follows it. Counting one would keep a
+    block resident after its last copy is evicted; holding keeps at most one
+    reference per GPU hash, so an eviction always ends residency. The price is a
+    second physical copy's eviction arriving as an unknown removal (counted), the
+    block reported absent while that copy lived: a miss, never a phantom.
 
     ``kind`` and ``chunk_blocks`` carry what a store event teaches about the
     group (its attention kind) and the engine (blocks per offloaded chunk).
@@ -73,6 +83,9 @@ class ClearMedium(NamedTuple):
 
 Op = TierOp | ClearMedium
 
+#: The ``delta`` of a hold (see :class:`TierOp`).
+HOLD = 0
+
 
 _TIERS: dict[tuple, Tier] = {}
 _CLEAR_GPU = ClearMedium(GPU)
@@ -93,8 +106,11 @@ def _tier(medium: str | None, ownership: str | None, group_idx: int | None) -> T
     return tier
 
 
-def plan_batch(batch: EventBatch) -> list[Op]:
+def plan_batch(batch: EventBatch, *, hold_gpu: bool = False) -> list[Op]:
     """Translate a decoded batch into store operations, in event order.
+
+    ``hold_gpu``: GPU stores become holds (:class:`TierOp`), for an engine whose
+    stream may carry reuse reports that nothing tells from new copies.
 
     Consecutive events that do the same thing to the same tier become one
     operation (engines often remove blocks one event at a time). Within a
@@ -109,7 +125,7 @@ def plan_batch(batch: EventBatch) -> list[Op]:
     for _, stretch in groupby(runs, _place):
         alike = [(signature, list(run)) for signature, run in stretch]
         for signature, events in _removals_first(alike) if len(alike) > 2 else alike:
-            _plan_run(ops, signature, events)
+            _plan_run(ops, signature, events, HOLD if hold_gpu else 1)
     return ops
 
 
@@ -161,8 +177,9 @@ def _removed_after_stored(runs: list[Run], hashes: set[BlockHash]) -> bool:
     return False
 
 
-def _plan_run(ops: list[Op], signature: tuple, events: list[Event]) -> None:
-    """Append the operation of a run of alike events (several for lower-tier stores)."""
+def _plan_run(ops: list[Op], signature: tuple, events: list[Event], gpu_store: int) -> None:
+    """Append the operation of a run of alike events (several for lower-tier stores);
+    a GPU store's delta is ``gpu_store`` (1, or :data:`HOLD`)."""
     cls, medium, ownership, group_idx, locality, kind = signature
     if cls is AllBlocksCleared:
         ops.extend([_CLEAR_GPU] * len(events))
@@ -174,7 +191,9 @@ def _plan_run(ops: list[Op], signature: tuple, events: list[Event]) -> None:
     if kind == SLIDING_WINDOW:  # one group, one window: the run's first event says it
         first = events[0]
         kind = sliding_window_kind(first.kv_cache_spec_sliding_window, first.block_size)
-    if tier.medium == GPU or not is_scored(kind):
+    if tier.medium == GPU:
+        _add(ops, tier, gpu_store, events, locality, kind, None)
+    elif not is_scored(kind):
         _add(ops, tier, 1, events, locality, kind, None)
     else:  # lower-tier stores: self-describing chunks teach the chunk size
         sizes = [len(event.block_hashes) for event in events]
@@ -272,12 +291,12 @@ class RankResidency:
                 self._by_group = None
             if locality is not None:
                 table.locality = locality
-            if delta > 0:
+            if delta >= 0:
                 if self.group_kinds.get(tier.group_idx, _UNSEEN) != kind:
                     self.learn_kind(op)
                 if chunk and self.chunk_blocks is None:
                     self.chunk_blocks = chunk
-                self.add(tier, table.counts, hashes)
+                self.add(tier, table.counts, hashes if delta else unheld(table.counts, hashes))
             else:
                 self.unknown_removals += self.drop(tier, table.counts, hashes)
             applied += len(hashes)
@@ -379,6 +398,11 @@ def add_references(
         counts[h] = held + 1
         if not held and fresh is not None:
             fresh.append(h)
+
+
+def unheld(counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> list[BlockHash]:
+    """The hashes a hold gives a reference: those ``counts`` lacks, each once."""
+    return [h for h in dict.fromkeys(hashes) if h not in counts]
 
 
 def drop_references(

@@ -370,7 +370,13 @@ class RankConsumer:
                 applied = self._groups.prepended(batch)
         started = time.perf_counter()
         result = await self._store_call(
-            apply_events, self._store, self.rank, seq, applied, self._fence
+            apply_events,
+            self._store,
+            self.rank,
+            seq,
+            applied,
+            self._fence,
+            hold_gpu=self._spec.reuse_reports == "capped",
         )
         metrics.APPLY_SECONDS.observe(time.perf_counter() - started)
         self._seq.applied(seq, ts, result.applied)

@@ -182,9 +182,17 @@ class Store(Protocol):
 
 
 def apply_events(
-    store: Store, rank: RankId, seq: int, batch: EventBatch, fence: int | None = None
+    store: Store,
+    rank: RankId,
+    seq: int,
+    batch: EventBatch,
+    fence: int | None = None,
+    *,
+    hold_gpu: bool = False,
 ) -> Awaitable[ApplyResult]:
     """Plan a decoded batch and apply it: for callers holding events (consumers,
     trace replay, tests, benchmarks) rather than operations. Plans now and returns
-    the store's own call to await, so a batch pays no extra coroutine."""
-    return store.apply(rank, seq, batch.ts, plan_batch(batch), fence=fence)
+    the store's own call to await, so a batch pays no extra coroutine.
+    ``hold_gpu``: as for :func:`~indexer.core.residency.plan_batch`."""
+    ops = plan_batch(batch, hold_gpu=hold_gpu)
+    return store.apply(rank, seq, batch.ts, ops, fence=fence)

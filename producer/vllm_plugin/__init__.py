@@ -8,7 +8,8 @@ cannot be read at load time. The one process that knows everything kvindex
 needs is the engine core, once ``EngineCore._initialize_kv_caches`` has returned:
 the KV cache groups and the hash block size exist only from then on. So
 :func:`register` wraps that method (and ``shutdown``, to deregister at once on a
-clean stop); in the other processes the wrapper never runs.
+clean stop); in the other processes the wrapper never runs. It also keeps
+reuse reports out of the stream kvindex reads (:mod:`producer.vllm_plugin.reports`).
 
 Each data-parallel rank has its own engine core; rank 0 announces the engine
 with all its ranks (they publish on rank 0's ports + r). Announcing runs on a
@@ -31,10 +32,16 @@ _ATTR = "_kvindex_announcer"
 
 def register() -> None:
     """The entry point vLLM calls; loaded more than once per process, so idempotent."""
-    if PluginSettings().announce_url is None:
+    settings = PluginSettings()
+    if settings.announce_url is None:
         log.debug("KVINDEX_ANNOUNCE_URL is not set: the engine is not announced")
         return
     from vllm.v1.engine.core import EngineCore
+
+    if settings.filter_reports:
+        from producer.vllm_plugin.reports import install
+
+        install(settings.events_port_offset)
 
     if getattr(EngineCore._initialize_kv_caches, "_kvindex", False):
         return

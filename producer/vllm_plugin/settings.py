@@ -20,7 +20,11 @@ class PluginSettings(BaseSettings):
     ``KVINDEX_ANNOUNCE_TOKEN_FILE`` (its bearer token: needed to send a hash
     seed), ``KVINDEX_ANNOUNCE_LEASE_SECONDS``, ``KVINDEX_ENGINE_NAME`` (default
     ``HOST:PORT`` of the events endpoint), ``KVINDEX_ENGINE_HOST`` (the address
-    kvindex connects to where vLLM binds a wildcard; default this machine's FQDN).
+    kvindex connects to where vLLM binds a wildcard; default this machine's FQDN),
+    ``KVINDEX_FILTER_REPORTS`` (default true: kvindex reads the plugin's stream
+    without reuse reports, :mod:`producer.vllm_plugin.reports`, published at vLLM's
+    event ports + ``KVINDEX_EVENTS_PORT_OFFSET``; false: vLLM's own stream, where
+    kvindex caps each GPU block at one reference).
     """
 
     model_config = SettingsConfigDict(env_prefix="KVINDEX_", extra="ignore")
@@ -31,6 +35,8 @@ class PluginSettings(BaseSettings):
     announce_lease_seconds: float = 30.0
     engine_name: str | None = None
     engine_host: str | None = None
+    filter_reports: bool = True
+    events_port_offset: int = 1000
 
     def token(self) -> str | None:
         """The bearer token; a file is read at start so a rotated secret is picked up

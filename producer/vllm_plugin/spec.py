@@ -14,7 +14,10 @@ what the engine does, not what an operator typed:
   per-process one, which nobody outside the engine can know: "seeded", unknown;
 - endpoints: ``kv_events_config``. vLLM binds a wildcard, ipc or inproc
   endpoint and connects to any other (then kvindex binds); rank ``r`` publishes
-  on the port + ``r``, so rank 0's endpoints describe every rank;
+  on the port + ``r``, so rank 0's endpoints describe every rank. kvindex is
+  given the plugin's report-free stream beside them
+  (:mod:`producer.vllm_plugin.reports`) unless that is turned off; the name
+  stays the one of vLLM's endpoint;
 - offload chunk size: with vLLM's ``OffloadingConnector``, the
   ``blocks_per_chunk`` vLLM computes from ``kv_connector_extra_config``.
 
@@ -23,12 +26,14 @@ vLLM is imported here only inside functions: kvindex never depends on it.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from producer.vllm_plugin.settings import PluginSettings
 
+log = logging.getLogger("kvindex.vllm_plugin")
 _WILDCARDS = ("*", "0.0.0.0", "[::]", "::")
 
 
@@ -55,14 +60,18 @@ def announcement(vllm_config: Any, kv_cache_config: Any, settings: PluginSetting
     if events.publisher != "zmq":
         raise NotAnnounced(f"publisher {events.publisher!r}: kvindex reads vLLM's zmq events")
     bind = not _engine_binds(events.endpoint)
-    endpoint = events.endpoint if bind else _reachable(events.endpoint, settings)
+    name = settings.engine_name or _default_name(
+        events.endpoint if bind else _reachable(events.endpoint, settings), settings
+    )
+    stream, reuse_reports = _stream(events, settings)
+    endpoint = stream.endpoint if bind else _reachable(stream.endpoint, settings)
     _, block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     algo = vllm_config.cache_config.prefix_caching_hash_algo
     seed = os.environ.get("PYTHONHASHSEED")
     spec: dict[str, Any] = {
-        "name": settings.engine_name or _default_name(endpoint, settings),
+        "name": name,
         "endpoint": endpoint,
-        "replay_endpoint": events.replay_endpoint and _reachable(events.replay_endpoint, settings),
+        "replay_endpoint": stream.replay_endpoint and _reachable(stream.replay_endpoint, settings),
         "model": _served_name(vllm_config.model_config),
         "topic": events.topic,
         "dp_ranks": vllm_config.parallel_config.data_parallel_size,
@@ -72,8 +81,32 @@ def announcement(vllm_config: Any, kv_cache_config: Any, settings: PluginSetting
         "blocks_per_chunk": _blocks_per_chunk(vllm_config, kv_cache_config),
         "bind": bind,
         "kv_groups": [_group(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups],
+        "reuse_reports": reuse_reports,
     }
     return Announcement(spec, seeded=seed is not None or algo.startswith("xxhash"))
+
+
+@dataclass(frozen=True)
+class _Stream:
+    endpoint: str
+    replay_endpoint: str | None
+
+
+def _stream(events: Any, settings: PluginSettings) -> tuple[_Stream, str]:
+    """The stream kvindex reads and what it makes of reuse reports: the plugin's own,
+    without them, unless it is turned off or has no place beside vLLM's."""
+    vllm = _Stream(events.endpoint, events.replay_endpoint)
+    if not settings.filter_reports:
+        return vllm, "capped"
+    from producer.vllm_plugin.reports import NotMoved, moved
+
+    offset = settings.events_port_offset
+    try:
+        replay = vllm.replay_endpoint and moved(vllm.replay_endpoint, offset)
+        return _Stream(moved(vllm.endpoint, offset), replay), "filtered"
+    except NotMoved as e:
+        log.warning("kvindex: reuse reports capped, not filtered: %s", e)
+        return vllm, "capped"
 
 
 def _engine_binds(endpoint: str) -> bool:

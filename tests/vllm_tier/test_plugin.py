@@ -102,6 +102,12 @@ def start_engine_core(vllm_config) -> EngineCore:
     return core
 
 
+def beside(endpoint: str) -> str:
+    """Where the plugin's report-free stream is announced beside a vLLM endpoint."""
+    host, port = endpoint.replace("*", "127.0.0.1").rsplit(":", 1)
+    return f"{host}:{int(port) + 1000}"
+
+
 def registered(serve, name: str, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     while (answer := serve.engine(name)).status_code != 200:
@@ -141,8 +147,10 @@ def test_kvindex_registers_the_engines_real_config(serve, model_dir, monkeypatch
     assert engine["hash_algo"] == config.cache_config.prefix_caching_hash_algo == "sha256_cbor"
     assert engine["hash_seed"] == "4242"
     assert engine["dp_ranks"] == config.parallel_config.data_parallel_size == 2
-    assert engine["endpoint"] == events.endpoint.replace("*", "127.0.0.1")
-    assert engine["replay_endpoint"] == events.replay_endpoint.replace("*", "127.0.0.1")
+    # the plugin's stream without reuse reports, beside vLLM's (ports + 1000)
+    assert engine["reuse_reports"] == "filtered"
+    assert engine["endpoint"] == beside(events.endpoint)
+    assert engine["replay_endpoint"] == beside(events.replay_endpoint)
     assert engine["topic"] == events.topic
     assert engine["bind"] is False
     # 64 offloaded tokens a chunk over 16-token blocks
@@ -157,6 +165,18 @@ def test_kvindex_registers_the_engines_real_config(serve, model_dir, monkeypatch
     core.shutdown()
     assert core.model_executor.shut
     assert serve.engine("tier-hybrid").status_code == 404
+
+
+def test_with_reports_unfiltered_kvindex_reads_vllms_stream_capped(serve, model_dir, monkeypatch):
+    monkeypatch.setenv("KVINDEX_ANNOUNCE_TOKEN", TOKEN)
+    monkeypatch.setenv("KVINDEX_ENGINE_NAME", "tier-capped")
+    monkeypatch.setenv("KVINDEX_FILTER_REPORTS", "false")
+    config = engine_config(model_dir)
+    core = start_engine_core(config)
+    engine = registered(serve, "tier-capped")
+    assert engine["reuse_reports"] == "capped"
+    assert engine["endpoint"] == config.kv_events_config.endpoint.replace("*", "127.0.0.1")
+    core.shutdown()
 
 
 def test_without_a_token_kvindex_learns_only_that_a_seed_is_in_force(

@@ -91,8 +91,10 @@ async def apply(
     rank: RankId = RANK,
     ts: float = 1.0,
     fence: int | None = None,
+    hold_gpu: bool = False,
 ) -> bool:
-    return (await apply_events(store, rank, seq, batch(*events, ts=ts), fence)).applied
+    written = apply_events(store, rank, seq, batch(*events, ts=ts), fence, hold_gpu=hold_gpu)
+    return (await written).applied
 
 
 async def refused(write: Awaitable[object], what: str) -> None:

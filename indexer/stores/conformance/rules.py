@@ -117,6 +117,23 @@ async def repeated_stores_are_reference_counted(store: Store) -> None:
 
 
 @check
+async def held_gpu_stores_keep_one_reference_and_an_eviction_ends_residency(
+    store: Store,
+) -> None:
+    """A reuse report (or a second copy) of a held GPU block adds no reference;
+    lower tiers still count every store."""
+    await apply(store, 0, stored([1, 2, 1]), stored([1]), stored([3], CPU), hold_gpu=True)
+    await apply(store, 1, stored([1, 2]), stored([3], CPU), hold_gpu=True)
+    expect(await counts(store, 1), {GPU: 1}, "counts of 1 stored and reported thrice")
+    expect(await counts(store, 3), {CPU: 2}, "counts of 3 stored twice on CPU")
+    expect(await store.block_counts(RANK), blocks(2, 1), "block counts")
+    await apply(store, 2, removed([1]), removed([2, 2]), hold_gpu=True)
+    expect(await counts(store, 1), {}, "counts of 1 after its eviction")
+    expect(await store.anomalies(RANK), {"unknown_removals": 1}, "anomalies: a second copy")
+    expect(await hit(store, [1, 2]), PrefixMatch(), "prefix after the evictions")
+
+
+@check
 async def storage_tiers_with_ownership_are_separate_residencies(store: Store) -> None:
     await apply(
         store,

@@ -15,6 +15,7 @@ import msgspec
 from indexer.core.events import BlockHash
 from indexer.core.residency import ClearMedium, Op, RankResidency, TierTable
 from indexer.stores.redis.layout import BUCKETS, LOW, RankMeta, TierId, block_name, bucket_of
+from indexer.stores.redis.scripts import HOLD_MARKER
 
 #: Most block operations per script call on a standalone server (whole buckets
 #: only), so that one huge batch does not block Redis for long.
@@ -108,7 +109,8 @@ class BucketWrites:
     ``tiers``: ``[tid, gid, sibling tids...]`` each (siblings: the other tiers
     of the generation, for counting distinct hashes). ``sections``: per
     bucket, one flat list in event order: a marker (+t or -t: tier t, delta +1
-    or -1) whenever the operation changes for that bucket, then hash names.
+    or -1; t + :data:`HOLD_MARKER`: a hold) whenever the operation changes for
+    that bucket, then hash names.
     ``sizes``: block operations per bucket that has any.
     """
 
@@ -130,7 +132,7 @@ def bucket_writes(plan: Plan) -> BucketWrites:
             siblings = [str(m) for m in plan.members[gid] if m != tid]
             tiers.append([str(tid), gid, *siblings])
             t = tier_index[tid] = len(tiers)
-        marker = t if delta > 0 else -t
+        marker = t if delta > 0 else -t if delta < 0 else t + HOLD_MARKER
         try:  # block hashes are ints, except in rare deployments: one pass in C first
             buckets = [h & LOW for h in hashes]
         except TypeError:

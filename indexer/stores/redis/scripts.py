@@ -33,7 +33,8 @@ APPLY_OPS = Script(
 -- ARGV[3]: msgpack tiers, each {field, gid, sibling fields...} (siblings: the other tiers of
 --   the same rank medium generation, for distinct counting)
 -- ARGV[4]: msgpack sections, one per KEYS entry, in order: a flat list in event order of
---   markers (number t: +1 per following hash in tier t; -t: -1) and hashes (strings, each
+--   markers (number t: +1 per following hash in tier t; -t: -1; t + 16777216, a hold: +1
+--   per following hash that holds no reference in tier t) and hashes (strings, each
 --   operated on under the last marker before it); block key = KEYS[i] .. ":" .. hash
 -- ARGV[5], ARGV[6]: the store identity the writer knows, and msgpack: per KEYS entry the
 --   lowest "#w" it may hold (-1: not checked, nor counted); when any checked one does not
@@ -111,10 +112,12 @@ local applied = 0
 for i = 1, buckets do
   local bucket, section = KEYS[i], sections[i]
   local prefix, gens, unknown = KEYS[i] .. ':', {}, 0
-  local tier, field, g, stores, siblings
+  local tier, field, g, stores, holds, siblings
   for x = 1, #section do
     local v = section[x]
     if type(v) == 'number' then
+      holds = v > 16777216
+      if holds then v = v - 16777216 end
       stores = v > 0
       tier = tiers[stores and v or -v]
       field, siblings = tier[1], #tier >= 3
@@ -126,7 +129,8 @@ for i = 1, buckets do
       end
     elseif not g.skip then
       local key = prefix .. v
-      if stores then
+      if holds and call('HEXISTS', key, field) == 1 then  -- held already: no second reference
+      elseif stores then
         if call('HINCRBY', key, field, '1') == 1 and not (siblings and shared(key, tier)) then
           g.n = g.n + 1
         end
@@ -161,6 +165,10 @@ end
 return counters
 """
 )
+
+#: What APPLY_OPS adds to a tier's marker for a hold (``delta`` 0: a reference only
+#: for a hash holding none); tiers of one script call are far fewer.
+HOLD_MARKER = 16777216
 
 #: Compare-and-set fields of one hash: the rank metadata's only writer, so that
 #: concurrent indexers, clears and id allocations never overwrite each other.

@@ -1,0 +1,137 @@
+"""Reuse reports kept out of kvindex's stream, where they are made.
+
+A request may ask vLLM for a reuse report (``vllm_xargs:
+{"kv_cache_report_mode": "full"}``). The engine's block pool then announces
+every GPU block the request reused from its prefix cache
+(``BlockPool.emit_cached_block_events``) as a ``BlockStored`` of exactly the
+shape of a new physical copy's, and nothing ever removes it. On vLLM's wire the
+two cannot be told apart; counting a report as a copy keeps a block resident
+after its last copy is evicted. Inside the engine they can: the plugin marks the
+events that method appends, and publishes every batch a second time without
+them on a publisher of its own (vLLM's wire format, one batch for each of
+vLLM's, so the same seqs, with a replay buffer as deep as vLLM's), at the
+engine's endpoints moved by :func:`moved` (``KVINDEX_EVENTS_PORT_OFFSET``).
+kvindex reads that stream; vLLM's own, which other consumers read, is left byte
+for byte as it was.
+
+vLLM is imported here only inside functions: kvindex never depends on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("kvindex.vllm_plugin")
+
+_MIRROR = "_kvindex_mirror"
+#: Report events appended but not yet published, by id; holding each keeps its id
+#: from being reused by another event before its batch is published.
+_REPORTED: dict[int, Any] = {}
+_ENCODER = msgspec.msgpack.Encoder()  # vLLM's publisher encodes batches with a default one
+_MAX_PORT = 65535
+
+
+class NotMoved(ValueError):
+    """An endpoint the plugin's publisher cannot take a place beside."""
+
+
+def moved(endpoint: str, offset: int) -> str:
+    """Where the plugin publishes beside one of vLLM's endpoints: a tcp port moved by
+    ``offset`` (rank r's port + r stays rank r's), an ipc path or inproc name with a
+    ``.kvindex`` suffix. Raises :class:`NotMoved`."""
+    if not endpoint.startswith("tcp://"):
+        return f"{endpoint}.kvindex"
+    host, _, port = endpoint.rpartition(":")
+    if port == "0":
+        raise NotMoved(f"{endpoint}: port 0 (the OS picks it) has no port beside it")
+    if not 0 < int(port) + offset <= _MAX_PORT:
+        raise NotMoved(f"{endpoint}: port {port} + offset {offset} is not a port")
+    return f"{host}:{int(port) + offset}"
+
+
+def install(offset: int) -> None:
+    """Mark reports as the block pool makes them and mirror every zmq publisher of
+    this process without them. Idempotent: vLLM loads plugins more than once."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+    from vllm.v1.core.block_pool import BlockPool
+
+    if getattr(BlockPool.emit_cached_block_events, "_kvindex", False):
+        return
+    BlockPool.emit_cached_block_events = _marking(BlockPool.emit_cached_block_events)
+    ZmqEventPublisher.__init__ = _mirrored(ZmqEventPublisher.__init__, offset)
+    ZmqEventPublisher.publish = _publishing(ZmqEventPublisher.publish)
+    ZmqEventPublisher.shutdown = _closing(ZmqEventPublisher.shutdown)
+
+
+def without_reports(batch: Any) -> Any:
+    """The batch less the reports it carries (the same object when it has none)."""
+    if not _REPORTED:
+        return batch
+    kept = [event for event in batch.events if _REPORTED.pop(id(event), None) is None]
+    if len(kept) == len(batch.events):
+        return batch
+    return msgspec.structs.replace(batch, events=kept)
+
+
+def _marking(emit: Any) -> Any:
+    @functools.wraps(emit)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before = len(self.kv_event_queue)
+        result = emit(self, *args, **kwargs)
+        for event in self.kv_event_queue[before:]:
+            _REPORTED[id(event)] = event
+        return result
+
+    wrapper._kvindex = True
+    return wrapper
+
+
+def _mirrored(init: Any, offset: int) -> Any:
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        try:
+            setattr(self, _MIRROR, _mirror_of(self, offset))
+        except Exception:  # the engine publishes on vLLM's stream either way
+            log.exception("kvindex: no report-free stream beside %s", self._endpoint)
+
+    return wrapper
+
+
+def _mirror_of(publisher: Any, offset: int) -> Any:
+    """kvindex's publisher beside vLLM's, at its endpoints moved (already its rank's)."""
+    from producer.publisher import Publisher
+
+    replay = publisher._replay_endpoint
+    return Publisher(
+        moved(publisher._endpoint, offset),
+        moved(replay, offset) if replay else None,
+        topic=publisher._topic_bytes.decode(),
+        buffer_steps=publisher._buffer.maxlen,
+    )
+
+
+def _publishing(publish: Any) -> Any:
+    @functools.wraps(publish)
+    def wrapper(self: Any, events: Any) -> None:
+        publish(self, events)  # sets the batch's data-parallel rank, as both streams carry
+        mirror = getattr(self, _MIRROR, None)
+        if mirror is not None:
+            mirror.publish_encoded(_ENCODER.encode(without_reports(events)))
+
+    return wrapper
+
+
+def _closing(shutdown: Any) -> Any:
+    @functools.wraps(shutdown)
+    def wrapper(self: Any) -> None:
+        shutdown(self)
+        mirror = getattr(self, _MIRROR, None)
+        if mirror is not None:
+            mirror.close()
+
+    return wrapper
