@@ -65,9 +65,15 @@ def engine_spec(
     The engine's seed is declared only when it is one kvindex could know: a
     secret xxhash seed stays secret, and kvindex matches by tokens instead.
     An engine without ``events`` has no endpoints and declares its GPU capacity.
+    A simulated engine sends no reuse reports, so each GPU store it publishes
+    is a copy: ``reuse_reports: counted``.
     """
     where = (
-        {"endpoint": layout.endpoint(engine), "replay_endpoint": layout.replay_endpoint(engine)}
+        {
+            "endpoint": layout.endpoint(engine),
+            "replay_endpoint": layout.replay_endpoint(engine),
+            "reuse_reports": "counted",  # a simulated engine publishes none: copies are exact
+        }
         if events
         else {"events": False, "gpu_blocks": config.gpu_blocks}
     )

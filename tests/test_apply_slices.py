@@ -133,7 +133,9 @@ async def test_a_query_is_answered_mid_burst_from_whole_batches() -> None:
     serving = asyncio.create_task(server.serve())
     await subscriber.start()
     try:
-        await registry.add(EngineSpec("e", endpoint, replay_endpoint=replay))
+        # its batches repeat: copies counted, as the reference counts them
+        spec = EngineSpec("e", endpoint, replay_endpoint=replay, reuse_reports="counted")
+        await registry.add(spec)
         await wait_until(lambda: subscriber.rank_status("e")[0].connected, what="connected")
         await wait_until(lambda: server.started, what="uvicorn")
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:

@@ -280,6 +280,7 @@ def live_spec(endpoint: str, replay: str, cfg: dict) -> EngineSpec:
         replay_endpoint=replay,
         block_size=cfg["block_size"],
         blocks_per_chunk=cfg["blocks_per_chunk"],
+        reuse_reports="counted",  # vLLM's traces: every GPU store a copy, no reports
     )
 
 

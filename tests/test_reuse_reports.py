@@ -61,7 +61,7 @@ def test_an_engine_registered_by_hand_caps_its_reports() -> None:
 
 
 async def test_a_reported_prefix_ends_with_its_eviction() -> None:
-    gpu, anomalies = await gpu_prefix_after(reported_then_evicted())
+    gpu, anomalies = await gpu_prefix_after(reported_then_evicted(), reuse_reports="capped")
     assert gpu == 0, "a reported prefix outlived its eviction: a phantom"
     assert anomalies.get("unknown_removals", 0) == 0
 

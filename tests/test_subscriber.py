@@ -73,6 +73,7 @@ class Engine:
             f"tcp://127.0.0.1:{self.pub}",
             replay_endpoint=f"tcp://127.0.0.1:{self.replay}" if replay else None,
             dp_ranks=dp_ranks,
+            reuse_reports="counted",  # vLLM's traces: every GPU store a copy, no reports
         )
         self.publishers: list[Publisher] = []
 
