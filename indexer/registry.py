@@ -104,6 +104,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: Positive = 16
     hash_algo: Literal[HASH_ALGOS] | None = "sha256"  # None: not reproducible here
     hash_seed: str | None = None
+    #: tokens after each block that its hash covers (vLLM's num_hash_lookahead_tokens:
+    #: EAGLE-style drafting that drops blocks, prefix caching on, no KV connector)
+    lookahead_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     blocks_per_chunk: Positive | None = None
     bind: bool = False  # True: kvindex binds and the engine connects
     #: the model's KV cache groups by group_idx (null: learned from the events)

@@ -51,9 +51,9 @@ class VllmHasher:
 
 
 @functools.lru_cache(maxsize=256)
-def _hasher(algo: str, seed: str | None, block_size: int) -> VllmHasher:
+def _hasher(algo: str, seed: str | None, block_size: int, lookahead_tokens: int) -> VllmHasher:
     """Cached: building a spec hashes the chain seed."""
-    return VllmHasher(_hashing().HashSpec(algo, seed, block_size))
+    return VllmHasher(_hashing().HashSpec(algo, seed, block_size, lookahead_tokens))
 
 
 def _untag(key: tuple[Any, ...]) -> Any:
@@ -108,8 +108,10 @@ class VllmAdapter(ZmqFraming):
     def hash_algos(self) -> tuple[str, ...]:
         return _hashing().HASH_ALGOS
 
-    def hasher(self, algo: str, seed: str | None, block_size: int) -> VllmHasher:
-        return _hasher(algo, seed, block_size)
+    def hasher(
+        self, algo: str, seed: str | None, block_size: int, lookahead_tokens: int = 0
+    ) -> VllmHasher:
+        return _hasher(algo, seed, block_size, lookahead_tokens)
 
     def stated_extras(self, prompt: Prompt, block_size: int) -> list[tuple[Any, ...] | None]:
         """The hash-input keys untagged, as events list them: where hashing mixes in
