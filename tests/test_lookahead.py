@@ -41,11 +41,10 @@ def _query(case: dict, tokens: list[int] | None = None) -> dict:
 
 
 async def _publish(live: LiveApi, name: str, cases: list[dict], **declared) -> None:
-    """vLLM's batches of ``cases`` from an engine declared as ``declared`` says."""
-    case = cases[0]
-    (publisher,) = await live.add_published(
-        name, block_size=16, hash_algo=case["algo"], hash_seed=case["PYTHONHASHSEED"], **declared
-    )
+    """vLLM's batches of ``cases`` from an engine declared as ``declared`` says (by
+    default with the cases' hashing)."""
+    hashing = {"hash_algo": cases[0]["algo"], "hash_seed": cases[0]["PYTHONHASHSEED"]}
+    (publisher,) = await live.add_published(name, block_size=16, **hashing | declared)
     for case in cases:
         publisher.publish_encoded(bytes.fromhex(case["event_payload_hex"]))
     await live.wait_applied(name, [len(cases) - 1])
@@ -62,13 +61,18 @@ async def live() -> LiveApi:
         yield api
 
 
+@pytest.mark.parametrize("learned", [False, True], ids=["hashed", "learned"])
 @pytest.mark.parametrize(("lookahead", "algo"), [(1, "sha256"), (3, "sha256"), (3, "xxhash")])
-async def test_a_lookahead_engine_is_matched_by_tokens(live, lookahead: int, algo: str) -> None:
+async def test_a_lookahead_engine_is_matched_by_tokens(
+    live, lookahead: int, algo: str, learned: bool
+) -> None:
     """Every block vLLM hashed, plain, with a LoRA adapter, a salt or images, and none
     it could not hash yet; a prompt going on past them matches the same blocks, one
-    whose lookahead tokens differ matches none of the blocks they follow."""
+    whose lookahead tokens differ matches none of the blocks they follow. Hashed as
+    vLLM does, or (the hashing not declared) walked through the learned token index."""
     cases = _cases(lookahead, algo)
-    await _publish(live, "ahead", cases, lookahead_tokens=lookahead)
+    hashing = {"hash_algo": None} if learned else {}
+    await _publish(live, "ahead", cases, lookahead_tokens=lookahead, **hashing)
     for case in cases:
         hashed = len(case["block_hashes_hex"])
         assert await _gpu_blocks(live, "ahead", _query(case)) == hashed, case["case"]

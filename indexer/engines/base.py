@@ -138,9 +138,12 @@ class EngineAdapter(Protocol):
         """The hasher of one engine configuration (ValueError: an algorithm it lacks);
         ``lookahead_tokens``: the tokens after each block its hash covers."""
 
-    def stated_extras(self, prompt: Prompt, block_size: int) -> list[tuple[Any, ...] | None]:
-        """Each full block's extra keys as the engine's events state them (None: none),
-        so the learned token index can key a prompt's blocks as the events taught it."""
+    def stated_extras(
+        self, prompt: Prompt, block_size: int, lookahead_tokens: int = 0
+    ) -> list[tuple[Any, ...] | None]:
+        """Each hashed block's extra keys as the engine's events state them (None: none),
+        so the learned token index can key a prompt's blocks as the events taught it;
+        with ``lookahead_tokens`` only the blocks that many tokens follow are hashed."""
 
 
 _medium = attrgetter("medium")

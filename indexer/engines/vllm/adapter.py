@@ -113,14 +113,18 @@ class VllmAdapter(ZmqFraming):
     ) -> VllmHasher:
         return _hasher(algo, seed, block_size, lookahead_tokens)
 
-    def stated_extras(self, prompt: Prompt, block_size: int) -> list[tuple[Any, ...] | None]:
+    def stated_extras(
+        self, prompt: Prompt, block_size: int, lookahead_tokens: int = 0
+    ) -> list[tuple[Any, ...] | None]:
         """The hash-input keys untagged, as events list them: where hashing mixes in
         ``("lora", name, path)``, ``("mm", id, offset)``, ``("cache_salt", salt)``, the
-        events give ``name``, ``(id, offset)``, ``salt``."""
+        events give ``name``, ``(id, offset)``, ``salt`` (with lookahead, those of the
+        block and the tokens after it, as its hash)."""
         lora = ("lora", prompt.lora_name, None) if prompt.lora_name is not None else None
-        n_blocks = len(prompt.tokens) // block_size
-        keys = _hashing().block_extra_keys(
-            n_blocks, block_size, lora, prompt.cache_salt, prompt.mm_features
+        hashing = _hashing()
+        n_blocks = hashing.hashed_blocks(len(prompt.tokens), block_size, lookahead_tokens)
+        keys = hashing.block_extra_keys(
+            n_blocks, block_size, lora, prompt.cache_salt, prompt.mm_features, lookahead_tokens
         )
         return [tuple(map(_untag, extra)) if extra else None for extra in keys]
 

@@ -213,9 +213,8 @@ class HashSpec:
         return self.seed is not None or self.algo not in _RANDOM_SEED_WITHOUT_ENV
 
     def hashed_blocks(self, n_tokens: int) -> int:
-        """How many blocks of ``n_tokens`` tokens have a hash: the full ones that
-        the lookahead tokens also follow."""
-        return max(n_tokens - self.lookahead_tokens, 0) // self.block_size
+        """How many blocks of ``n_tokens`` tokens this spec hashes."""
+        return hashed_blocks(n_tokens, self.block_size, self.lookahead_tokens)
 
     @property
     def none_hash(self) -> bytes:
@@ -227,6 +226,12 @@ class HashSpec:
                 "or match by tokens instead)"
             )
         return self._none_hash
+
+
+def hashed_blocks(n_tokens: int, block_size: int, lookahead: int) -> int:
+    """How many blocks of ``n_tokens`` tokens have a hash: the full ones that
+    ``lookahead`` more tokens follow."""
+    return max(n_tokens - lookahead, 0) // block_size
 
 
 def _check_int(name: str, value: object) -> None:

@@ -149,8 +149,11 @@ class LegacyVllmAdapter(ZmqFraming):
     ) -> _NotReproduced:
         return _NOT_REPRODUCED
 
-    def stated_extras(self, prompt: Prompt, block_size: int) -> list[None]:
-        """These events state no extra keys (so they teach the token index nothing)."""
+    def stated_extras(
+        self, prompt: Prompt, block_size: int, lookahead_tokens: int = 0
+    ) -> list[None]:
+        """These events state no extra keys (so they teach the token index nothing);
+        these releases hash no lookahead."""
         return [None] * (len(prompt.tokens) // block_size)
 
 
