@@ -33,9 +33,10 @@ def _cases(lookahead: int, algo: str = "sha256") -> list[dict]:
     ]
 
 
-def _query(case: dict, tokens: list[int] | None = None) -> dict:
-    """The prefix-match body of a case's prompt (``tokens`` instead of its own)."""
-    body = {"tokens": case["tokens"] if tokens is None else tokens, "mm_features": case["mm"]}
+def _query(case: dict, tokens: list[int] | None = None, field: str = "tokens") -> dict:
+    """The prefix-match body of a case's prompt (``tokens`` instead of its own), its
+    token ids given as ``field``."""
+    body = {field: case["tokens"] if tokens is None else tokens, "mm_features": case["mm"]}
     extras = {key: case[key] for key in ("lora_name", "lora_path", "cache_salt")}
     return body | {key: value for key, value in extras.items() if value is not None}
 
@@ -76,6 +77,8 @@ async def test_a_lookahead_engine_is_matched_by_tokens(
     for case in cases:
         hashed = len(case["block_hashes_hex"])
         assert await _gpu_blocks(live, "ahead", _query(case)) == hashed, case["case"]
+        as_prompt = _query(case, field="prompt")  # a completions prompt of token ids
+        assert await _gpu_blocks(live, "ahead", as_prompt) == hashed
         longer = case["tokens"] + [7] * 40
         assert await _gpu_blocks(live, "ahead", _query(case, longer)) == hashed
         changed = case["tokens"][:]
