@@ -185,12 +185,16 @@ def test_compiled_core_hashes_as_the_reference(
     assert block_hashes(spec, tokens, as_bytes=as_bytes, **request) == want
 
 
+@pytest.mark.parametrize("lookahead", [0, 2])
 @pytest.mark.parametrize("algo", ["sha256", "xxhash"])
 @pytest.mark.parametrize("block_size", range(13_094, 13_104))
-def test_blocks_around_one_pickle_frame_hash_as_the_reference(algo: str, block_size: int) -> None:
-    """The pickler closes a frame at 64 KiB; a 5-byte-per-token block crosses it here."""
-    spec = HashSpec(algo, "0", block_size)
-    tokens = list(range(100_000, 100_000 + 2 * block_size))
+def test_blocks_around_one_pickle_frame_hash_as_the_reference(
+    algo: str, block_size: int, lookahead: int
+) -> None:
+    """The pickler closes a frame at 64 KiB; a 5-byte-per-token block crosses it here
+    (two lookahead tokens 10 bytes earlier)."""
+    spec = HashSpec(algo, "0", block_size, lookahead)
+    tokens = list(range(100_000, 100_000 + 2 * block_size + lookahead))
     assert block_hashes(spec, tokens) == reference_block_hashes(spec, tokens)
 
 

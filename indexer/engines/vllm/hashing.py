@@ -5,7 +5,8 @@ index keyed by what engines publish, kvindex must compute exactly the hashes
 the engine computed: the same serialisation (pickle protocol 5 or canonical
 CBOR), the same digest, the same chain seed (``NONE_HASH``) and the same
 per-block extra keys. The golden vectors in
-``shared/fixtures/vllm-0.33.0/hash_vectors.json`` pin all of it.
+``shared/fixtures/vllm-0.33.0/hash_vectors.json`` pin all of it, and those of
+``tests/fixtures/lookahead_hash_vectors.json`` the lookahead below.
 
 Each full block ``i`` hashes ``(parent, tokens_i, extra_keys_i)`` where
 ``parent`` is block ``i-1``'s digest, or ``NONE_HASH`` for the first block.
@@ -235,6 +236,7 @@ def hashed_blocks(n_tokens: int, block_size: int, lookahead: int) -> int:
 
 
 def _check_int(name: str, value: object) -> None:
+    """A count must be an ``int``, and ``True`` is one to ``isinstance``: refuse it too."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, not {type(value).__name__}")
 
