@@ -142,10 +142,14 @@ def vllm_case(case: dict[str, Any]) -> dict[str, Any]:
     hasher = kv_cache_utils.get_request_block_hasher(size, fn, lookahead)
     request = _request(case, hasher)
     digests = list(request.block_hashes)
+    # One block more than the request needs: the pool keeps one as its null block.
     pool = BlockPool(
-        len(digests) + 1, True, size, enable_kv_cache_events=True,
+        len(digests) + 1,
+        enable_caching=True,
+        hash_block_size=size,
+        enable_kv_cache_events=True,
         num_hash_lookahead_tokens=lookahead,
-    )  # fmt: skip
+    )
     pool.cache_full_blocks(request, pool.get_new_blocks(len(digests)), 0, len(digests), size, 0)
     batch = KVEventBatch(ts=1.0, events=pool.take_events())
     return case | {
