@@ -2,8 +2,9 @@
 
 An engine whose hashes kvindex can reproduce (its adapter computes them for
 the declared ``hash_algo``, and ``hash_seed`` where the engine would seed the
-chain at random) gets them computed exactly as the engine does, once per
-distinct hasher (adapter, algorithm, seed, block size) in the query and
+chain at random) gets them computed exactly as the engine does (with its
+declared ``lookahead_tokens``), once per distinct hasher (adapter, algorithm,
+seed, block size, lookahead tokens) in the query and
 converted to the form the engine publishes (uint64 or raw bytes). Any other
 engine is matched through the learned token index, rank by rank.
 """
@@ -37,7 +38,8 @@ class Overrides:
         if algo is None:
             return None
         seed = self.hash_seed if self.hash_seed is not None else spec.hash_seed
-        hashing = spec.engine_adapter.hasher(algo, seed, self.block_size_of(spec))
+        block_size = self.block_size_of(spec)
+        hashing = spec.engine_adapter.hasher(algo, seed, block_size, spec.lookahead_tokens)
         return hashing if hashing.reproducible else None
 
 

@@ -223,6 +223,7 @@ class PrefixMatcher:
                 cache_salt=prompt.cache_salt,
                 mm_features=prompt.mm_features,
                 adapter=spec.engine_adapter,
+                lookahead_tokens=spec.lookahead_tokens,
             )
             lookups.append(_Lookup(chain, {spec.name: spec.blocks_per_chunk}, rank))
         return lookups

@@ -7,7 +7,10 @@ kvindex cannot recompute, so tokens queries match nothing. The first events
 tell: each ``BlockStored`` says its block size (and carries a block's worth of
 token ids per hash), its KV cache group, and for the first blocks of a prompt
 (no parent, no extra keys) the hash can be recomputed from the token ids with
-the declared algorithm and seed and compared with the published one.
+the declared algorithm and seed and compared with the published one. An engine
+hashing with lookahead says so too: its stores carry, per hash, the tokens
+after the block that the hash covers (``lookahead_token_ids``), as many as the
+engine's lookahead; an engine without lookahead sends none.
 
 :class:`Misdeclared` is a subscriber observer. It reads token ids only while an
 engine's registration is young (its first ``checked_stores`` stores), so the
@@ -32,7 +35,9 @@ from indexer.registry import EngineSpec, Registry, UnknownEngine
 log = logging.getLogger("kvindex.misdeclared")
 
 #: What disagrees, the label of the metric.
-KINDS = ("block_size", "kv_groups", "hash")
+KINDS = ("block_size", "kv_groups", "hash", "lookahead_tokens")
+#: The kinds that make the engine's computed hashes wrong.
+_EXCLUDING = frozenset({"block_size", "hash", "lookahead_tokens"})
 
 
 class MisdeclaredView(Protocol):
@@ -47,7 +52,7 @@ class MisdeclaredView(Protocol):
 
 def excludes(reasons: dict[str, str]) -> bool:
     """Whether these contradictions make the engine's computed hashes wrong."""
-    return bool(reasons.keys() & {"block_size", "hash"})
+    return not _EXCLUDING.isdisjoint(reasons)
 
 
 class _Check:
@@ -58,7 +63,10 @@ class _Check:
         self.seen = 0
         self.reasons: dict[str, str] = {}  # by kind: the first contradiction found
         algo = spec.hash_algo
-        hasher = spec.engine_adapter.hasher(algo, spec.hash_seed, spec.block_size) if algo else None
+        hasher = None
+        if algo:
+            adapter = spec.engine_adapter
+            hasher = adapter.hasher(algo, spec.hash_seed, spec.block_size, spec.lookahead_tokens)
         self.hasher = hasher if hasher is not None and hasher.reproducible else None
 
 
@@ -167,6 +175,8 @@ def _contradictions(check: _Check, event: BlockStored) -> list[tuple[str, str]]:
     shown = event.block_size or _tokens_per_block(event)
     if shown and shown != size:
         found.append(("block_size", f"block_size: declared {size}, events show {shown}"))
+    elif lookahead := _lookahead_contradiction(spec.lookahead_tokens, event):
+        found.append(("lookahead_tokens", lookahead))
     elif check.hasher is not None and not _hash_agrees(check, event, size):
         found.append(
             (
@@ -178,6 +188,20 @@ def _contradictions(check: _Check, event: BlockStored) -> list[tuple[str, str]]:
             )
         )
     return found
+
+
+def _lookahead_contradiction(declared: int, event: BlockStored) -> str:
+    """How the event's ``lookahead_token_ids`` contradict the declared lookahead ("": they
+    do not): an engine hashing with L tokens of lookahead lists L tokens per hash."""
+    lists = event.lookahead_token_ids
+    if lists is None:
+        if not declared:
+            return ""
+        return f"lookahead_tokens: declared {declared}, events carry no lookahead_token_ids"
+    shown = sorted({len(ids) for ids in lists})
+    if shown == [declared] or not shown:
+        return ""
+    return f"lookahead_tokens: declared {declared}, events show {', '.join(map(str, shown))}"
 
 
 def _tokens_per_block(event: BlockStored) -> int:
@@ -198,6 +222,8 @@ def _hash_agrees(check: _Check, event: BlockStored, size: int) -> bool:
         or len(event.token_ids) != size * len(event.block_hashes)
     ):
         return True
-    digests = check.hasher.digests(Prompt(tuple(event.token_ids)))
+    # The tokens the last block's hash covers past it: the others' lie in token_ids.
+    after = event.lookahead_token_ids[-1] if event.lookahead_token_ids else []
+    digests = check.hasher.digests(Prompt((*event.token_ids, *after)))
     published = digests if type(event.block_hashes[0]) is bytes else check.hasher.published(digests)
     return list(published) == list(event.block_hashes)

@@ -39,6 +39,15 @@ Endpoint = Annotated[
     ),
 ]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+LookaheadTokens = Annotated[
+    int,
+    msgspec.Meta(
+        ge=0,
+        description="tokens after each block that its hash covers: vLLM's"
+        " num_hash_lookahead_tokens (EAGLE-style drafting that drops blocks, prefix caching"
+        " on, no KV connector); 0 for none",
+    ),
+]
 #: Every hash algorithm some engine adapter reproduces.
 HASH_ALGOS = catalog.hash_algos()
 _MAX_PORT = 65535
@@ -120,6 +129,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: Positive = 16
     hash_algo: Literal[HASH_ALGOS] | None = "sha256"  # None: not reproducible here
     hash_seed: str | None = None
+    lookahead_tokens: LookaheadTokens = 0
     blocks_per_chunk: Positive | None = None
     bind: bool = False  # True: kvindex binds and the engine connects
     #: the model's KV cache groups by group_idx (null: learned from the events)

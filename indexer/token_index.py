@@ -7,7 +7,9 @@ events still carry what defines each block — the parent hash, the block's
 token ids and its extra keys — next to the hash the engine computed.
 Remembering ``(rank, parent, tokens, extra keys) -> hash`` lets a ``tokens``
 query walk a prompt block by block, with no hash algorithm involved, and
-stop at the first block no event described.
+stop at the first block no event described. An engine hashing with lookahead
+defines a block by the tokens after it too (its events list them per hash):
+they are part of its key, and a prompt's blocks they do not follow are not walked.
 
 Only events that state every block's extra keys teach: a list with one entry
 per block (``None`` for a block without extras), naming the LoRA adapter in
@@ -94,10 +96,14 @@ class TokenIndex:
         extras = _stated_extras(event)
         if extras is None:
             return  # whose blocks these are is unknown: see the module docstring
+        ahead = event.lookahead_token_ids
+        if ahead is not None and len(ahead) != len(hashes):
+            return  # a malformed store
         parent = event.parent_block_hash
         entries = self._entries
         for i, (block_hash, extra) in enumerate(zip(hashes, extras, strict=True)):
-            key = _key(rank, parent, tokens[i * size : (i + 1) * size], _normalised(extra))
+            block = tokens[i * size : (i + 1) * size]
+            key = _key(rank, parent, block, ahead[i] if ahead else (), _normalised(extra))
             entries[key] = block_hash
             entries.move_to_end(key)
             parent = block_hash
@@ -115,21 +121,25 @@ class TokenIndex:
         cache_salt: str | None = None,
         mm_features: Sequence[MMFeature] = (),
         adapter: EngineAdapter | None = None,
+        lookahead_tokens: int = 0,
     ) -> list[BlockHash]:
         """The hashes of the prompt's leading blocks this rank's events described.
 
         ``adapter`` (the engine's; the default one if None) says which extra keys
-        the events stated for each block."""
+        the events stated for each block; ``lookahead_tokens``, the engine's, how
+        many tokens after each block its key holds."""
         toks = tokens if type(tokens) is tuple else tuple(tokens)
         prompt = Prompt(toks, lora_name, None, cache_salt, mm_features)
         adapter = adapter or catalog.adapter(catalog.DEFAULT)
-        extras = adapter.stated_extras(prompt, block_size)
+        extras = adapter.stated_extras(prompt, block_size, lookahead_tokens)
         chain: list[BlockHash] = []
         parent: BlockHash | None = None
         entries = self._entries
         starts = range(0, len(extras) * block_size, block_size)
         for start, extra in zip(starts, extras, strict=True):
-            key = _key(rank, parent, toks[start : start + block_size], _normalised(extra))
+            end = start + block_size
+            ahead = toks[end : end + lookahead_tokens]
+            key = _key(rank, parent, toks[start:end], ahead, _normalised(extra))
             parent = entries.get(key)
             if parent is None:
                 break
@@ -163,7 +173,12 @@ def _stated_extras(event: BlockStored) -> list[list | None] | None:
 
 
 def _key(
-    rank: RankId, parent: BlockHash | None, tokens: Sequence[int], extras: tuple[bytes, ...]
+    rank: RankId,
+    parent: BlockHash | None,
+    tokens: Sequence[int],
+    ahead: Sequence[int],
+    extras: tuple[bytes, ...],
 ) -> bytes:
-    material = _encode((rank.engine, rank.dp_rank, parent, tokens, extras))
+    """A block's entry: ``ahead`` the tokens after it its hash covers (empty: none)."""
+    material = _encode((rank.engine, rank.dp_rank, parent, tokens, ahead, extras))
     return hashlib.blake2b(material, digest_size=16).digest()

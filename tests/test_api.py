@@ -294,7 +294,7 @@ async def test_engines_are_registered_inspected_and_removed(api: Api) -> None:
     created = await api.client.post("/engines", json=ENGINE_BODY)
     assert created.status_code == 201
     defaults = {"bind": False, "kv_groups": None, "adapter": "vllm", "events": True}
-    defaults |= {"reuse_reports": "capped"}
+    defaults |= {"reuse_reports": "capped", "lookahead_tokens": 0}
     assert created.json() == ENGINE_BODY | defaults | {"gpu_blocks": None}
     assert (await api.client.post("/engines", json=ENGINE_BODY)).status_code == 409
     assert [e["name"] for e in (await api.client.get("/engines")).json()] == ["vllm-a"]
@@ -389,6 +389,7 @@ BAD_REQUESTS = [
     ("POST", "/engines", {"name": "x"}, 422, "endpoint"),
     ("POST", "/engines", ENGINE_BODY | {"dp_ranks": 0}, 422, "dp_ranks"),
     ("POST", "/engines", ENGINE_BODY | {"hash_algo": "md5"}, 422, "hash_algo"),
+    ("POST", "/engines", ENGINE_BODY | {"lookahead_tokens": -1}, 422, "lookahead_tokens"),
 ]
 
 

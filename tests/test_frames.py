@@ -114,7 +114,8 @@ _stored = st.builds(
             "locality": _text,
             "ownership": _text,
             "session_id": st.none() | st.text(max_size=6),
-            "lookahead_token_ids": st.none() | st.lists(st.integers(0, 2**17), max_size=4),
+            "lookahead_token_ids": st.none()
+            | st.lists(st.lists(st.integers(0, 2**17), max_size=3), max_size=4),
         }
     ),
     _unknown,

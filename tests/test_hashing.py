@@ -33,6 +33,10 @@ PROBES = [
     for expected in [json.loads(path.read_text())]
     for probe in expected["probes"]
 ]
+#: vLLM 0.33.0's lookahead hashes (tests/vllm_tier/lookahead_vectors.py wrote them).
+LOOKAHEAD_CASES = json.loads(
+    (REPO / "tests" / "fixtures" / "lookahead_hash_vectors.json").read_text()
+)
 #: block_hashes is the compiled core when it is built (tests/test_native.py fails the run
 #: if not); the reference must keep agreeing with vLLM on its own.
 reference_block_hashes = partial(block_hashes, compiled=False)
@@ -40,11 +44,21 @@ IMPLEMENTATIONS = {"compiled": block_hashes, "reference": reference_block_hashes
 
 
 def _case_id(case: dict) -> str:
-    return f"{case['algo']}-seed={case['PYTHONHASHSEED']}-bs={case['block_size']}-{case['case']}"
+    lookahead = case.get("lookahead_tokens", 0)
+    return (
+        f"{case['algo']}-seed={case['PYTHONHASHSEED']}-bs={case['block_size']}"
+        f"-L={lookahead}-n={len(case['tokens'])}-{case['case']}"
+    )
+
+
+def _spec(case: dict) -> HashSpec:
+    return HashSpec(
+        case["algo"], case["PYTHONHASHSEED"], case["block_size"], case.get("lookahead_tokens", 0)
+    )
 
 
 def _hash_case(case: dict, *, as_bytes: bool, hashes=block_hashes) -> list:
-    spec = HashSpec(case["algo"], case["PYTHONHASHSEED"], case["block_size"])
+    spec = _spec(case)
     return hashes(
         spec,
         case["tokens"],
@@ -60,21 +74,32 @@ def test_fixture_covers_every_algorithm() -> None:
     assert {case["algo"] for case in CASES} == set(HASH_ALGOS)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_lookahead_fixture_covers_its_cases() -> None:
+    """L = 1 and 3, each kind of extra keys, a lookahead past a block, and prompts whose
+    last full block vLLM leaves unhashed (its lookahead tokens do not exist yet)."""
+    kinds = {(c["lookahead_tokens"], c["case"]) for c in LOOKAHEAD_CASES}
+    assert kinds >= {(n, k) for n in (1, 3) for k in ("plain", "lora", "mm", "lora+salt+mm")}
+    assert any(c["lookahead_tokens"] > c["block_size"] for c in LOOKAHEAD_CASES)
+    unhashed = [c for c in LOOKAHEAD_CASES if len(c["tokens"]) % c["block_size"] == 0]
+    assert unhashed and all(
+        len(c["block_hashes_hex"]) < len(c["tokens"]) // c["block_size"] for c in unhashed
+    )
+
+
+@pytest.mark.parametrize("case", CASES + LOOKAHEAD_CASES, ids=_case_id)
 def test_none_hash_matches_vllm(case: dict) -> None:
-    spec = HashSpec(case["algo"], case["PYTHONHASHSEED"], case["block_size"])
-    assert spec.none_hash.hex() == case["none_hash_hex"]
+    assert _spec(case).none_hash.hex() == case["none_hash_hex"]
 
 
 @pytest.mark.parametrize("hashes", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS)
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES + LOOKAHEAD_CASES, ids=_case_id)
 def test_block_digests_match_vllm(case: dict, hashes) -> None:
     digests = _hash_case(case, as_bytes=True, hashes=hashes)
     assert [d.hex() for d in digests] == case["block_hashes_hex"]
 
 
 @pytest.mark.parametrize("hashes", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS)
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", CASES + LOOKAHEAD_CASES, ids=_case_id)
 def test_published_ints_match_vllm(case: dict, hashes) -> None:
     assert _hash_case(case, as_bytes=False, hashes=hashes) == case["block_hashes_int64"]
 
@@ -144,21 +169,32 @@ def requests_st(draw) -> dict:
     seed=st.sampled_from(["0", "42", "-"]) | st.text(max_size=6),
     request=requests_st(),
     as_bytes=st.booleans(),
+    lookahead=st.sampled_from([0, 0, 1, 3]) | st.integers(0, 50),
 )
 def test_compiled_core_hashes_as_the_reference(
-    algo: str, tokens: list, block_size: int, seed: str, request: dict, as_bytes: bool
+    algo: str,
+    tokens: list,
+    block_size: int,
+    seed: str,
+    request: dict,
+    as_bytes: bool,
+    lookahead: int,
 ) -> None:
-    spec = HashSpec(algo, seed, block_size)
+    spec = HashSpec(algo, seed, block_size, lookahead)
     want = reference_block_hashes(spec, tokens, as_bytes=as_bytes, **request)
     assert block_hashes(spec, tokens, as_bytes=as_bytes, **request) == want
 
 
+@pytest.mark.parametrize("lookahead", [0, 2])
 @pytest.mark.parametrize("algo", ["sha256", "xxhash"])
 @pytest.mark.parametrize("block_size", range(13_094, 13_104))
-def test_blocks_around_one_pickle_frame_hash_as_the_reference(algo: str, block_size: int) -> None:
-    """The pickler closes a frame at 64 KiB; a 5-byte-per-token block crosses it here."""
-    spec = HashSpec(algo, "0", block_size)
-    tokens = list(range(100_000, 100_000 + 2 * block_size))
+def test_blocks_around_one_pickle_frame_hash_as_the_reference(
+    algo: str, block_size: int, lookahead: int
+) -> None:
+    """The pickler closes a frame at 64 KiB; a 5-byte-per-token block crosses it here
+    (two lookahead tokens 10 bytes earlier)."""
+    spec = HashSpec(algo, "0", block_size, lookahead)
+    tokens = list(range(100_000, 100_000 + 2 * block_size + lookahead))
     assert block_hashes(spec, tokens) == reference_block_hashes(spec, tokens)
 
 
@@ -210,6 +246,23 @@ def test_partial_last_block_is_ignored() -> None:
 def test_non_positive_block_size_is_rejected(block_size: int) -> None:
     with pytest.raises(ValueError, match="block_size"):
         HashSpec("sha256", None, block_size)
+
+
+def test_lookahead_leaves_out_the_blocks_whose_next_tokens_are_missing() -> None:
+    """vLLM hashes a block once the L tokens after it exist: 8 tokens in blocks of 4
+    with L = 1 give one hash, and the second once a ninth token follows."""
+    spec = HashSpec("sha256", None, 4, 1)
+    assert len(block_hashes(spec, range(8))) == 1
+    assert len(block_hashes(spec, range(9))) == 2
+    assert block_hashes(spec, range(9))[0] == block_hashes(spec, range(8))[0]
+    assert block_hashes(spec, range(4)) == []
+    assert block_hashes(spec, range(9))[0] != block_hashes(HashSpec("sha256", None, 4), range(9))[0]
+
+
+@pytest.mark.parametrize(("lookahead", "error"), [(-1, ValueError), (True, TypeError)])
+def test_a_lookahead_that_is_no_count_is_rejected(lookahead: int, error: type) -> None:
+    with pytest.raises(error, match="lookahead_tokens"):
+        HashSpec("sha256", None, 16, lookahead)
 
 
 def test_integer_seed_is_rejected() -> None:

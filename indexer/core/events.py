@@ -60,7 +60,9 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", **_OPTION
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    #: the tokens after each block that its hash covers, one list per hash (vLLM 0.33
+    #: with lookahead hashing; None without)
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", **_OPTIONS):

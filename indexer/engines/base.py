@@ -52,7 +52,8 @@ class Prompt:
 
 
 class BlockHasher(Protocol):
-    """How one engine configuration (algorithm, seed, block size) hashes a prompt.
+    """How one engine configuration (algorithm, seed, block size, lookahead tokens)
+    hashes a prompt.
 
     Hashable and compared by value: a query hashes a prompt once per distinct hasher.
     """
@@ -131,12 +132,18 @@ class EngineAdapter(Protocol):
     def rank_endpoint(self, endpoint: str | None, dp_rank: int) -> str | None:
         """The address data-parallel rank ``dp_rank`` uses, given rank 0's."""
 
-    def hasher(self, algo: str, seed: str | None, block_size: int) -> BlockHasher:
-        """The hasher of one engine configuration (ValueError: an algorithm it lacks)."""
+    def hasher(
+        self, algo: str, seed: str | None, block_size: int, lookahead_tokens: int = 0
+    ) -> BlockHasher:
+        """The hasher of one engine configuration (ValueError: an algorithm it lacks);
+        ``lookahead_tokens``: the tokens after each block its hash covers."""
 
-    def stated_extras(self, prompt: Prompt, block_size: int) -> list[tuple[Any, ...] | None]:
-        """Each full block's extra keys as the engine's events state them (None: none),
-        so the learned token index can key a prompt's blocks as the events taught it."""
+    def stated_extras(
+        self, prompt: Prompt, block_size: int, lookahead_tokens: int = 0
+    ) -> list[tuple[Any, ...] | None]:
+        """Each hashed block's extra keys as the engine's events state them (None: none),
+        so the learned token index can key a prompt's blocks as the events taught it;
+        with ``lookahead_tokens`` only the blocks that many tokens follow are hashed."""
 
 
 _medium = attrgetter("medium")

@@ -12,6 +12,9 @@ what the engine does, not what an operator typed:
   ``PYTHONHASHSEED`` when set. Without it the cryptographic algorithms use a
   fixed public seed (kvindex knows it) and the xxhash ones a random
   per-process one, which nobody outside the engine can know: "seeded", unknown;
+- lookahead tokens: ``num_hash_lookahead_tokens``, the tokens after each block
+  its hash covers (vLLM 0.33 with EAGLE-style drafting that drops blocks,
+  prefix caching on and no KV connector); 0 where vLLM has no such property;
 - endpoints: ``kv_events_config``. vLLM binds a wildcard, ipc or inproc
   endpoint and connects to any other (then kvindex binds); rank ``r`` publishes
   on the port + ``r``, so rank 0's endpoints describe every rank. kvindex is
@@ -78,6 +81,7 @@ def announcement(vllm_config: Any, kv_cache_config: Any, settings: PluginSetting
         "block_size": block_size,
         "hash_algo": algo,
         "hash_seed": seed,
+        "lookahead_tokens": getattr(vllm_config, "num_hash_lookahead_tokens", 0),
         "blocks_per_chunk": _blocks_per_chunk(vllm_config, kv_cache_config),
         "bind": bind,
         "kv_groups": [_group(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups],

@@ -10,6 +10,7 @@ would profile a loaded model.
 
 from __future__ import annotations
 
+import json
 import time
 from importlib.metadata import entry_points
 
@@ -21,7 +22,7 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.structured_output import StructuredOutputManager
 
-from tests.vllm_tier.conftest import TOKEN, TOKENIZER, free_port
+from tests.vllm_tier.conftest import TINY_LLAMA, TOKEN, TOKENIZER, free_port
 
 pytestmark = pytest.mark.usefixtures("plugins")
 
@@ -146,6 +147,7 @@ def test_kvindex_registers_the_engines_real_config(serve, model_dir, monkeypatch
     assert engine["block_size"] == core.kv_cache_config.hash_block_size
     assert engine["hash_algo"] == config.cache_config.prefix_caching_hash_algo == "sha256_cbor"
     assert engine["hash_seed"] == "4242"
+    assert engine["lookahead_tokens"] == config.num_hash_lookahead_tokens == 0  # a KV connector
     assert engine["dp_ranks"] == config.parallel_config.data_parallel_size == 2
     # the plugin's stream without reuse reports, beside vLLM's (ports + 1000)
     assert engine["reuse_reports"] == "filtered"
@@ -176,6 +178,21 @@ def test_with_reports_unfiltered_kvindex_reads_vllms_stream_capped(serve, model_
     engine = registered(serve, "tier-capped")
     assert engine["reuse_reports"] == "capped"
     assert engine["endpoint"] == config.kv_events_config.endpoint.replace("*", "127.0.0.1")
+    core.shutdown()
+
+
+def test_an_eagle_engine_announces_its_lookahead_hashing(serve, model_dir, tmp_path, monkeypatch):
+    """EAGLE drafting that drops blocks, prefix caching on and no KV connector: vLLM
+    hashes each block over the token after it, and kvindex is told so."""
+    monkeypatch.setenv("KVINDEX_ANNOUNCE_TOKEN", TOKEN)
+    monkeypatch.setenv("KVINDEX_ENGINE_NAME", "tier-eagle")
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA | {"num_hidden_layers": 1}))
+    drafter = {"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2}
+    config = engine_config(model_dir, speculative_config=drafter)
+    core = start_engine_core(config)
+    engine = registered(serve, "tier-eagle")
+    assert config.speculative_config.use_eagle_block_drop()
+    assert engine["lookahead_tokens"] == config.num_hash_lookahead_tokens == 1
     core.shutdown()
 
 

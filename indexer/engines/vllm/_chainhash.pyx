@@ -8,7 +8,9 @@ OpenSSL's libcrypto, or XXH3-128 from xxhash's header, compiled in).
 must equal; this module writes the same bytes without building a Python
 object per block. The caller serialises each block's extra keys once
 (``fragments``), already in the form they take inside the block, because
-they repeat across blocks and are rare to need: tokens are what is hot.
+they repeat across blocks and are rare to need: tokens are what is hot. For an
+engine hashing with lookahead (each block's extra keys followed by the tokens
+after it) those tokens are written here too: they differ for every block.
 
 A block this module does not encode (a token that is not a plain ``int`` in
 the int64 range, or a pickle too large for one frame) is handed back to the
@@ -111,6 +113,7 @@ cdef enum:
     # the most a token takes: LONG1, a length byte, 9 bytes written (8 kept at most)
     MAX_TOKEN_BYTES = 11
     # the most a block's fixed parts take besides tokens, extra keys and parent
+    # (the lookahead tuple's own opcodes or CBOR head included)
     BLOCK_OVERHEAD = 32
     # CBOR major types
     CBOR_UINT = 0
@@ -192,33 +195,71 @@ cdef inline uint8_t* put_bytes(uint8_t* out, const uint8_t* data, Py_ssize_t len
     return out + length
 
 
-cdef Py_ssize_t pickle_block(
-    uint8_t* buf, const uint8_t* parent, Py_ssize_t parent_len,
-    PyObject** tokens, Py_ssize_t size, bytes fragment,
-):
-    """Write ``pickle.dumps((parent, tokens, extra), protocol=5)``; -1 if not encodable here.
+cdef inline uint8_t* pickle_ints(uint8_t* out, PyObject** tokens, Py_ssize_t n) noexcept:
+    """The tokens as the pickler writes them inside a tuple; NULL if one is not encodable here."""
+    cdef Py_ssize_t i
+    cdef int64_t value
+    for i in range(n):
+        if not kv_token(tokens[i], &value):
+            return NULL
+        out = pickle_int(out, value)
+    return out
 
-    Memo slots are taken in order: 0 the parent, 1 the token tuple, then the extra
-    keys' own (the fragment's memo references already count from 2).
+
+cdef inline uint8_t* pickle_tuple_open(uint8_t* out, Py_ssize_t n) noexcept nogil:
+    """What precedes a tuple's ``n`` items: a MARK past three (TUPLE1-3 need none)."""
+    if n > 3:
+        out[0] = OP_MARK
+        out += 1
+    return out
+
+
+cdef inline uint8_t* pickle_tuple_close(uint8_t* out, Py_ssize_t n) noexcept nogil:
+    """What follows a tuple's ``n`` items: TUPLE (or TUPLE1-3), then its memo slot."""
+    out[0] = OP_TUPLE if n > 3 else OP_TUPLE1 + n - 1
+    out[1] = OP_MEMOIZE
+    return out + 2
+
+
+cdef uint8_t* pickle_lookahead(
+    uint8_t* out, bytes fragment, PyObject** tokens, Py_ssize_t lookahead
+) noexcept:
+    """The tuple ``(keys, *tokens)``, ``fragment`` holding ``keys``; NULL if not encodable
+    here."""
+    out = pickle_tuple_open(out, lookahead + 1)
+    out = put_bytes(out, <const uint8_t*>PyBytes_AS_STRING(fragment), PyBytes_GET_SIZE(fragment))
+    out = pickle_ints(out, tokens, lookahead)
+    return NULL if out == NULL else pickle_tuple_close(out, lookahead + 1)
+
+
+cdef inline Py_ssize_t pickle_block(
+    uint8_t* buf, const uint8_t* parent, Py_ssize_t parent_len,
+    PyObject** tokens, Py_ssize_t size, bytes fragment, Py_ssize_t lookahead,
+) noexcept:
+    """Write ``pickle.dumps((parent, tokens, extra), protocol=5)``; -1 if not encodable here
+    (inline and noexcept: the loop over blocks runs it as straight code, no call).
+
+    With ``lookahead`` (L > 0) ``extra`` is the tuple ``(keys, *next L tokens)``
+    whose ``keys`` the fragment holds. Memo slots are taken in order: 0 the
+    parent, 1 the token tuple, then the extra keys' own (the fragment's memo
+    references already count from 2: a tuple takes its slot after its items).
     """
     cdef uint8_t* out = buf + PICKLE_HEADER
-    cdef Py_ssize_t i, length
-    cdef int64_t value
+    cdef Py_ssize_t length
     out[0] = OP_SHORT_BINBYTES
     out[1] = <uint8_t>parent_len
     out = put_bytes(out + 2, parent, parent_len)
     out[0] = OP_MEMOIZE
-    out += 1
-    if size > 3:
-        out[0] = OP_MARK
-        out += 1
-    for i in range(size):
-        if not kv_token(tokens[i], &value):
+    out = pickle_ints(pickle_tuple_open(out + 1, size), tokens, size)
+    if out == NULL:
+        return -1
+    out = pickle_tuple_close(out, size)
+    if lookahead:
+        out = pickle_lookahead(out, fragment, tokens + size, lookahead)
+        if out == NULL:
             return -1
-        out = pickle_int(out, value)
-    out[0] = OP_TUPLE if size > 3 else OP_TUPLE1 + size - 1
-    out[1] = OP_MEMOIZE
-    out = put_bytes(out + 2, <const uint8_t*>PyBytes_AS_STRING(fragment), PyBytes_GET_SIZE(fragment))
+    else:
+        out = put_bytes(out, <const uint8_t*>PyBytes_AS_STRING(fragment), PyBytes_GET_SIZE(fragment))
     out[0] = OP_TUPLE3
     out[1] = OP_MEMOIZE
     out[2] = OP_STOP
@@ -233,22 +274,37 @@ cdef Py_ssize_t pickle_block(
     return length
 
 
-cdef Py_ssize_t cbor_block(
-    uint8_t* buf, const uint8_t* parent, Py_ssize_t parent_len,
-    PyObject** tokens, Py_ssize_t size, bytes fragment,
-):
-    """Write ``cbor2.dumps((parent, tokens, extra), canonical=True)``; -1 if not encodable here."""
-    cdef uint8_t* out = cbor_head(buf, CBOR_ARRAY, 3)
+cdef inline uint8_t* cbor_ints(uint8_t* out, PyObject** tokens, Py_ssize_t n) noexcept:
+    """The tokens as canonical CBOR items; NULL if one is not encodable here."""
     cdef Py_ssize_t i
     cdef int64_t value
+    for i in range(n):
+        if not kv_token(tokens[i], &value):
+            return NULL
+        out = cbor_int(out, value)
+    return out
+
+
+cdef Py_ssize_t cbor_block(
+    uint8_t* buf, const uint8_t* parent, Py_ssize_t parent_len,
+    PyObject** tokens, Py_ssize_t size, bytes fragment, Py_ssize_t lookahead,
+):
+    """Write ``cbor2.dumps((parent, tokens, extra), canonical=True)``; -1 if not encodable
+    here. With ``lookahead`` (L > 0) ``extra`` is ``(keys, *next L tokens)``, ``keys``
+    the fragment."""
+    cdef uint8_t* out = cbor_head(buf, CBOR_ARRAY, 3)
     out = cbor_head(out, CBOR_BYTES, <uint64_t>parent_len)
     out = put_bytes(out, parent, parent_len)
-    out = cbor_head(out, CBOR_ARRAY, <uint64_t>size)
-    for i in range(size):
-        if not kv_token(tokens[i], &value):
-            return -1
-        out = cbor_int(out, value)
+    out = cbor_ints(cbor_head(out, CBOR_ARRAY, <uint64_t>size), tokens, size)
+    if out == NULL:
+        return -1
+    if lookahead:
+        out = cbor_head(out, CBOR_ARRAY, <uint64_t>(lookahead + 1))
     out = put_bytes(out, <const uint8_t*>PyBytes_AS_STRING(fragment), PyBytes_GET_SIZE(fragment))
+    if lookahead:
+        out = cbor_ints(out, tokens + size, lookahead)
+        if out == NULL:
+            return -1
     return out - buf
 
 
@@ -276,11 +332,15 @@ def chain(
     list fragments,
     bint as_ints,
     fallback,
+    Py_ssize_t lookahead=0,
 ):
     """``algo``'s chained digests of ``len(fragments)`` full blocks of ``size`` tokens.
 
     ``tokens``: a list or tuple of them. ``fragments[i]``: block ``i``'s extra keys as
-    they appear serialised inside its tuple. ``fallback(i, parent)`` returns
+    they appear serialised inside its tuple. With ``lookahead`` (L > 0) block ``i``'s
+    extra keys are ``(keys_i, *the L tokens after it)``, ``fragments[i]`` serialising
+    ``keys_i``: the tokens are written here, as the block's own are, since they
+    differ for every block. ``fallback(i, parent)`` returns
     block ``i``'s digest (bytes) when this module cannot encode it. With
     ``as_ints`` each digest is returned as vLLM publishes it (low 64 bits).
     """
@@ -294,8 +354,12 @@ def chain(
     cdef Serial serial
     cdef Digest digest
     serial, digest = ALGOS[algo]
-    if n_blocks * size > len(tokens):
-        raise ValueError(f"{n_blocks} blocks of {size} need more than {len(tokens)} tokens")
+    if lookahead < 0:
+        raise ValueError(f"lookahead must not be negative, got {lookahead}")
+    if n_blocks and n_blocks * size + lookahead > len(tokens):
+        raise ValueError(
+            f"{n_blocks} blocks of {size} and {lookahead} more need more than {len(tokens)} tokens"
+        )
     if digest_len > 32:
         raise ValueError(f"a {digest_len}-byte parent digest is not one this module makes")
     for i in range(n_blocks):
@@ -305,7 +369,7 @@ def chain(
         raise TypeError(f"tokens must be a list or tuple, not {type(tokens).__name__}")
     items = PySequence_Fast_ITEMS(tokens)
     buf = <uint8_t*>PyMem_Malloc(PICKLE_HEADER + BLOCK_OVERHEAD + digest_len + widest
-                                 + size * MAX_TOKEN_BYTES)
+                                 + (size + lookahead) * MAX_TOKEN_BYTES)
     if buf == NULL:
         raise MemoryError()
     memcpy(parent, PyBytes_AS_STRING(none_hash), digest_len)
@@ -313,9 +377,13 @@ def chain(
         for i in range(n_blocks):
             fragment = fragments[i]
             if serial == PICKLE:
-                length = pickle_block(buf, parent, digest_len, items + i * size, size, fragment)
+                length = pickle_block(
+                    buf, parent, digest_len, items + i * size, size, fragment, lookahead
+                )
             else:
-                length = cbor_block(buf, parent, digest_len, items + i * size, size, fragment)
+                length = cbor_block(
+                    buf, parent, digest_len, items + i * size, size, fragment, lookahead
+                )
             if length < 0:
                 digested = fallback(i, PyBytes_FromStringAndSize(<const char*>parent, digest_len))
                 memcpy(parent, PyBytes_AS_STRING(digested), digest_len)

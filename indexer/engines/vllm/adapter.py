@@ -51,9 +51,9 @@ class VllmHasher:
 
 
 @functools.lru_cache(maxsize=256)
-def _hasher(algo: str, seed: str | None, block_size: int) -> VllmHasher:
+def _hasher(algo: str, seed: str | None, block_size: int, lookahead_tokens: int) -> VllmHasher:
     """Cached: building a spec hashes the chain seed."""
-    return VllmHasher(_hashing().HashSpec(algo, seed, block_size))
+    return VllmHasher(_hashing().HashSpec(algo, seed, block_size, lookahead_tokens))
 
 
 def _untag(key: tuple[Any, ...]) -> Any:
@@ -108,17 +108,23 @@ class VllmAdapter(ZmqFraming):
     def hash_algos(self) -> tuple[str, ...]:
         return _hashing().HASH_ALGOS
 
-    def hasher(self, algo: str, seed: str | None, block_size: int) -> VllmHasher:
-        return _hasher(algo, seed, block_size)
+    def hasher(
+        self, algo: str, seed: str | None, block_size: int, lookahead_tokens: int = 0
+    ) -> VllmHasher:
+        return _hasher(algo, seed, block_size, lookahead_tokens)
 
-    def stated_extras(self, prompt: Prompt, block_size: int) -> list[tuple[Any, ...] | None]:
+    def stated_extras(
+        self, prompt: Prompt, block_size: int, lookahead_tokens: int = 0
+    ) -> list[tuple[Any, ...] | None]:
         """The hash-input keys untagged, as events list them: where hashing mixes in
         ``("lora", name, path)``, ``("mm", id, offset)``, ``("cache_salt", salt)``, the
-        events give ``name``, ``(id, offset)``, ``salt``."""
+        events give ``name``, ``(id, offset)``, ``salt`` (with lookahead, those of the
+        block and the tokens after it, as its hash)."""
         lora = ("lora", prompt.lora_name, None) if prompt.lora_name is not None else None
-        n_blocks = len(prompt.tokens) // block_size
-        keys = _hashing().block_extra_keys(
-            n_blocks, block_size, lora, prompt.cache_salt, prompt.mm_features
+        hashing = _hashing()
+        n_blocks = hashing.hashed_blocks(len(prompt.tokens), block_size, lookahead_tokens)
+        keys = hashing.block_extra_keys(
+            n_blocks, block_size, lora, prompt.cache_salt, prompt.mm_features, lookahead_tokens
         )
         return [tuple(map(_untag, extra)) if extra else None for extra in keys]
 

@@ -5,11 +5,20 @@ index keyed by what engines publish, kvindex must compute exactly the hashes
 the engine computed: the same serialisation (pickle protocol 5 or canonical
 CBOR), the same digest, the same chain seed (``NONE_HASH``) and the same
 per-block extra keys. The golden vectors in
-``shared/fixtures/vllm-0.33.0/hash_vectors.json`` pin all of it.
+``shared/fixtures/vllm-0.33.0/hash_vectors.json`` pin all of it, and those of
+``tests/fixtures/lookahead_hash_vectors.json`` the lookahead below.
 
 Each full block ``i`` hashes ``(parent, tokens_i, extra_keys_i)`` where
 ``parent`` is block ``i-1``'s digest, or ``NONE_HASH`` for the first block.
 Partial trailing blocks are never hashed because vLLM never caches them.
+
+With lookahead hashing (``lookahead_tokens`` L > 0: vLLM 0.33 with EAGLE-style
+drafting that drops blocks, prefix caching on and no KV connector) the
+drafter's KV at a block's last position depends on the L tokens after the
+block, so its hash covers them: its extra keys become ``(E, *next L tokens)``,
+``E`` the usual keys taken over the block and those L tokens (or None). A block
+is hashed only once those tokens exist: a prompt's last full blocks whose L
+following tokens it lacks have no hash yet.
 
 The xxhash variants are only reproducible when the engine ran with
 ``PYTHONHASHSEED``: otherwise vLLM seeds the chain with per-process random
@@ -164,7 +173,8 @@ def _fragments(fragment: Callable[[Any], bytes], extras: list[Any]) -> list[byte
 
 @dataclass(frozen=True)
 class HashSpec:
-    """How one engine hashes blocks: its algorithm, PYTHONHASHSEED and block size.
+    """How one engine hashes blocks: its algorithm, PYTHONHASHSEED, block size and
+    lookahead tokens (vLLM's ``num_hash_lookahead_tokens``, 0 for none).
 
     ``seed`` is the engine's PYTHONHASHSEED exactly as set (None when unset).
     Invalid specs fail at construction so misconfiguration surfaces at startup.
@@ -173,6 +183,7 @@ class HashSpec:
     algo: str
     seed: str | None
     block_size: int
+    lookahead_tokens: int = 0
     _fn: HashFn = field(init=False, repr=False, compare=False)
     _none_hash: bytes | None = field(init=False, repr=False, compare=False)
     _no_extras_fragment: bytes = field(init=False, repr=False, compare=False)
@@ -180,13 +191,15 @@ class HashSpec:
     def __post_init__(self) -> None:
         if self.algo not in _HASH_FNS:
             raise UnknownHashAlgo(self.algo)
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
-            raise TypeError(f"block_size must be an int, not {type(self.block_size).__name__}")
+        _check_int("block_size", self.block_size)
         if self.seed is not None and not isinstance(self.seed, str):
             # vLLM hashes the environment string; hashing an int 0 would differ from "0".
             raise TypeError(f"seed must be the PYTHONHASHSEED string, not {self.seed!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        _check_int("lookahead_tokens", self.lookahead_tokens)
+        if self.lookahead_tokens < 0:
+            raise ValueError(f"lookahead_tokens must not be negative, got {self.lookahead_tokens}")
         fn = _HASH_FNS[self.algo]()
         object.__setattr__(self, "_fn", fn)
         none_hash = None
@@ -200,6 +213,10 @@ class HashSpec:
         """False when the engine seeds its chain with random bytes (xxhash, no PYTHONHASHSEED)."""
         return self.seed is not None or self.algo not in _RANDOM_SEED_WITHOUT_ENV
 
+    def hashed_blocks(self, n_tokens: int) -> int:
+        """How many blocks of ``n_tokens`` tokens this spec hashes."""
+        return hashed_blocks(n_tokens, self.block_size, self.lookahead_tokens)
+
     @property
     def none_hash(self) -> bytes:
         """The digest the first block of every chain uses as its parent."""
@@ -210,6 +227,18 @@ class HashSpec:
                 "or match by tokens instead)"
             )
         return self._none_hash
+
+
+def hashed_blocks(n_tokens: int, block_size: int, lookahead: int) -> int:
+    """How many blocks of ``n_tokens`` tokens have a hash: the full ones that
+    ``lookahead`` more tokens follow."""
+    return max(n_tokens - lookahead, 0) // block_size
+
+
+def _check_int(name: str, value: object) -> None:
+    """A count must be an ``int``, and ``True`` is one to ``isinstance``: refuse it too."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
 
 
 _LOW_8 = slice(-8, None)
@@ -268,9 +297,20 @@ def _prompt_extras(
         raise ValueError("lora_name and lora_path must be given together")
     if lora_name is None and not cache_salt and not mm_features:
         return None
-    n_blocks = len(tokens) // spec.block_size
+    n_blocks = spec.hashed_blocks(len(tokens))
     lora = ("lora", lora_name, lora_path) if lora_name is not None else None
-    return list(block_extra_keys(n_blocks, spec.block_size, lora, cache_salt, mm_features))
+    return list(
+        block_extra_keys(
+            n_blocks, spec.block_size, lora, cache_salt, mm_features, spec.lookahead_tokens
+        )
+    )
+
+
+def _hashed_extra(extra: Any, toks: Sequence[int], end: int, lookahead: int) -> Any:
+    """A block's extra keys as its hash input holds them: with lookahead, a tuple of
+    its keys (None for none) and the ``lookahead`` tokens after the block, which
+    ends at ``end``; vLLM hashes ``(E, token)`` for one such token, the same tuple."""
+    return (extra, *toks[end : end + lookahead]) if lookahead else extra
 
 
 def _reference_chain(
@@ -278,15 +318,16 @@ def _reference_chain(
 ) -> list[int] | list[bytes]:
     parent = spec.none_hash
     fn = spec._fn
-    size = spec.block_size
+    size, lookahead = spec.block_size, spec.lookahead_tokens
     # Slices of a tuple are tuples: one allocation per block instead of list slice + tuple().
     toks = tokens if type(tokens) is tuple else tuple(tokens)
-    end = len(toks) - len(toks) % size
-    keys = repeat(None, end // size) if extras is None else extras
+    n_blocks = spec.hashed_blocks(len(toks))
+    keys = repeat(None, n_blocks) if extras is None else extras
     digests: list[bytes] = []
     append = digests.append
-    for start, extra in zip(range(0, end, size), keys, strict=True):
-        parent = fn((parent, toks[start : start + size], extra))
+    for start, extra in zip(range(0, n_blocks * size, size), keys, strict=True):
+        end = start + size
+        parent = fn((parent, toks[start:end], _hashed_extra(extra, toks, end, lookahead)))
         append(parent)
     if as_bytes:
         return digests
@@ -296,22 +337,23 @@ def _reference_chain(
 def _compiled_chain(
     spec: HashSpec, tokens: Sequence[int], extras: BlockExtras, as_bytes: bool
 ) -> list[int] | list[bytes]:
-    size = spec.block_size
+    size, lookahead = spec.block_size, spec.lookahead_tokens
     none_hash = spec.none_hash
     toks = tokens if type(tokens) is list or type(tokens) is tuple else tuple(tokens)
     if extras is None:
-        fragments = [spec._no_extras_fragment] * (len(toks) // size)
+        fragments = [spec._no_extras_fragment] * spec.hashed_blocks(len(toks))
     else:
         fragments = _fragments(_FRAGMENT_FNS[spec.algo], extras)
 
     def fallback(block: int, parent: bytes) -> bytes:
         """A block the compiled code does not encode, hashed by the reference."""
-        start = block * size
-        extra = None if extras is None else extras[block]
-        return spec._fn((parent, tuple(toks[start : start + size]), extra))
+        start, end = block * size, (block + 1) * size
+        extra = _hashed_extra(None if extras is None else extras[block], toks, end, lookahead)
+        return spec._fn((parent, tuple(toks[start:end]), extra))
 
+    # The lookahead tokens are the compiled code's to write, like the block's own.
     return native.chainhash.chain(  # type: ignore[union-attr]
-        spec.algo, none_hash, toks, size, fragments, not as_bytes, fallback
+        spec.algo, none_hash, toks, size, fragments, not as_bytes, fallback, lookahead
     )
 
 
@@ -321,10 +363,14 @@ def block_extra_keys(
     lora: tuple[str, str | None, str | None] | None,
     cache_salt: str | None,
     mm: Sequence[MMFeature],
+    lookahead: int = 0,
 ) -> Iterator[tuple[Any, ...] | None]:
     """Per-block extra keys in vLLM's order: LoRA, multimodal items, cache salt.
 
-    vLLM drops an empty salt (it tests truthiness), so this does too.
+    vLLM drops an empty salt (it tests truthiness), so this does too. With
+    ``lookahead`` the keys cover what the block's hash does, the block and the
+    tokens after it: an item overlapping only those is the block's too, and
+    the walk steps back to it for the next block (as vLLM's does).
     """
     # Most blocks carry only the LoRA key: share one tuple instead of building one per block.
     common = (lora,) if lora is not None else ()
@@ -332,7 +378,9 @@ def block_extra_keys(
     for start in range(0, n_blocks * size, size):
         keys: list[Any] = []
         if mm:
-            mm_idx = _mm_keys(mm, start, start + size, mm_idx, keys)
+            mm_idx = _mm_keys(mm, start, start + size + lookahead, mm_idx, keys)
+            if lookahead:
+                mm_idx = _rewound(mm, start + size, mm_idx)
         if start == 0 and cache_salt:
             keys.append(("cache_salt", cache_salt))
         yield common + tuple(keys) if keys else common or None
@@ -361,4 +409,12 @@ def _mm_keys(mm: Sequence[MMFeature], start: int, end: int, idx: int, keys: list
         if end < item_end:
             break
         idx += 1
+    return idx
+
+
+def _rewound(mm: Sequence[MMFeature], end: int, idx: int) -> int:
+    """The walk's next item stepped back over those reaching past the block's ``end``
+    (its lookahead window took them in): the next block starts its walk there."""
+    while idx > 0 and mm[idx - 1].offset + mm[idx - 1].length > end:
+        idx -= 1
     return idx

@@ -144,11 +144,16 @@ class LegacyVllmAdapter(ZmqFraming):
         events = [_positional(e) for e in batch.events]
         return _encode(_Batch(batch.ts, events, batch.data_parallel_rank))
 
-    def hasher(self, algo: str, seed: str | None, block_size: int) -> _NotReproduced:
+    def hasher(
+        self, algo: str, seed: str | None, block_size: int, lookahead_tokens: int = 0
+    ) -> _NotReproduced:
         return _NOT_REPRODUCED
 
-    def stated_extras(self, prompt: Prompt, block_size: int) -> list[None]:
-        """These events state no extra keys (so they teach the token index nothing)."""
+    def stated_extras(
+        self, prompt: Prompt, block_size: int, lookahead_tokens: int = 0
+    ) -> list[None]:
+        """These events state no extra keys (so they teach the token index nothing);
+        these releases hash no lookahead."""
         return [None] * (len(prompt.tokens) // block_size)
 
 
