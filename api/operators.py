@@ -34,6 +34,7 @@ from indexer.compiled import Status, combined
 from indexer.core.events import MEDIA, RankId
 from indexer.engines import catalog, intlist
 from indexer.leases import HandRegistered
+from indexer.misdeclared import MisdeclaredView
 from indexer.registry import (
     BindRefused,
     EngineExists,
@@ -123,9 +124,15 @@ class Operators:
             *(self.rank_state(spec, status) for status in self.statuses(spec, held))
         )
         lease = self.leases.lease(spec.name) if self.leases else None
-        wrong = self.misdeclared.reasons(spec.name) if self.misdeclared else []
+        checks = self.misdeclared
+        size = checks.block_size(spec.name) if checks else spec.block_size
         return EngineState(
-            **msgspec.structs.asdict(spec), ranks=list(ranks), lease=lease, misdeclared=wrong
+            **msgspec.structs.asdict(spec),
+            ranks=list(ranks),
+            lease=lease,
+            misdeclared=checks.reasons(spec.name) if checks else [],
+            learned_block_size=None if spec.block_size else size,
+            unmatched=unmatched(spec, checks, size),
         )
 
     async def summaries(self) -> list[EngineSummary]:
@@ -177,6 +184,20 @@ async def register(ctx: ApiContext, spec: EngineSpec, add: Callable[[], Awaitabl
     except Exception as e:  # a listener could not take it
         log.warning("engine refused", extra={"engine": spec.name, "error": repr(e)})
         raise ApiError(422, f"cannot consume engine {spec.name!r}: {e}") from None
+
+
+def unmatched(spec: EngineSpec, checks: MisdeclaredView | None, size: int | None) -> str | None:
+    """Why prefix-match answers the engine with zeros for now (None: it does not), by
+    the matcher's rules: its events contradict its declaration, or its block size,
+    learned from its events, is not known yet."""
+    if checks is not None and checks.excluded(spec.name):
+        return "its events contradict its declared config (see misdeclared): tokens answer 0"
+    if size is None:
+        return (
+            "block size not known yet: learned from the engine's first BlockStored event"
+            " (registered without one); until then it matches nothing"
+        )
+    return None
 
 
 def hand_registered(name: str) -> ApiError:

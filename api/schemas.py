@@ -233,6 +233,11 @@ class EngineState(EngineSpec):
     lease: Lease | None = None
     #: where its events contradict what it declared (then it is not matched by tokens)
     misdeclared: list[str] = []
+    #: for an engine registered without a block size (``block_size`` null, as by its
+    #: ``url``): the one its events showed (null until its first ``BlockStored``)
+    learned_block_size: int | None = None
+    #: why prefix-match answers it with zeros for now (null: it is matched)
+    unmatched: str | None = None
 
 
 class BlockResidencies(msgspec.Struct):

@@ -93,6 +93,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``adapter`` names the engine's event format (:mod:`indexer.engines.catalog`);
     it also says where each data-parallel rank publishes (vLLM: the
     endpoint's port + r, for both the PUB and the replay socket).
+    ``block_size`` null: not declared, learned from the engine's first
+    ``BlockStored`` (:mod:`indexer.misdeclared`), as for an engine registered by
+    its ``url`` (:mod:`indexer.discovery.served`), whose server does not say it.
     """
 
     name: Name
@@ -101,7 +104,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replay_endpoint: Endpoint | None = None
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     topic: str = ""
-    block_size: Positive = 16
+    block_size: Positive | None = 16
     hash_algo: Literal[HASH_ALGOS] | None = "sha256"  # None: not reproducible here
     hash_seed: str | None = None
     blocks_per_chunk: Positive | None = None
@@ -114,9 +117,14 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: blocks the engine's GPU holds (its KV cache capacity): bounds its routed entries
     gpu_blocks: Positive | None = None
     adapter: Literal[catalog.names()] = catalog.DEFAULT  # type: ignore[valid-type]
+    #: the engine's OpenAI server (``http://HOST:PORT``) when it was registered by it
+    url: str | None = None
 
     def __post_init__(self) -> None:
-        check_kv_groups(self.kv_groups or [], self.block_size)
+        if self.kv_groups:
+            if self.block_size is None:
+                raise ValueError("kv_groups: declared groups need the engine's block_size")
+            check_kv_groups(self.kv_groups, self.block_size)
         if self.events != (self.endpoint is not None):
             raise ValueError(
                 "endpoint: required for an engine that publishes events, and only for one"

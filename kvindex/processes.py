@@ -73,7 +73,7 @@ async def run_indexer(
     pool.add_observer(routed.observe)
     watch_routed(routed)
     # the engines this worker consumes are checked here, and read by every API replica
-    checks = Misdeclared(registry, on_flag=RedisMisdeclared(store.client, registry).publish)
+    checks = Misdeclared(registry, on_change=RedisMisdeclared(store.client, registry).publish)
     pool.add_observer(checks.observe, checks.reads_tokens)
     worker = Worker(store, registry, pool, config.indexer, worker_id)
     exporter = sampler = None

@@ -2,10 +2,17 @@
 
 Only the worker consuming an engine's ranks sees its events, so the worker's
 :class:`~indexer.misdeclared.Misdeclared` publishes what it found to the hash
-``{P:meta}:misdeclared`` (engine name -> the spec checked and the
-contradictions, JSON), and every replica reads it back. An entry counts only
-while the engine is registered with the very spec that was checked: a
-re-registration with another spec starts clean, as in one process.
+``{P:meta}:misdeclared`` (engine name -> the spec checked, the
+contradictions and the block size its events showed, JSON), and every replica
+reads it back. An entry counts only while the engine is registered with the
+very spec that was checked: a re-registration with another spec starts clean,
+as in one process.
+
+So a block size learned from the events (an engine registered without one)
+lives beside the registry in Redis, as long as the registration: replicas and
+workers that start or take the engine over later read it here. Should Redis
+lose it, the registry is registered again from the processes' copies and the
+block size learned again from the first store the re-applied batches hold.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ log = logging.getLogger("kvindex.misdeclared")
 class _Entry(msgspec.Struct, frozen=True):
     spec: EngineSpec
     reasons: dict[str, str]
+    block_size: int | None = None
 
 
 _encode = msgspec.json.Encoder().encode
@@ -51,9 +59,17 @@ class RedisMisdeclared:
         entry = self._current(engine)
         return entry is not None and excludes(entry.reasons)
 
-    def publish(self, spec: EngineSpec, reasons: dict[str, str]) -> None:
-        """Write the engine's contradictions in the background (an observer cannot wait)."""
-        command = ("HSET", self._key, spec.name, _encode(_Entry(spec, reasons)))
+    def block_size(self, engine: str) -> int | None:
+        try:
+            declared = self._registry.get(engine).block_size
+        except UnknownEngine:
+            return None
+        entry = self._current(engine)
+        return declared or (entry.block_size if entry else None)
+
+    def publish(self, spec: EngineSpec, reasons: dict[str, str], block_size: int | None) -> None:
+        """Write what the checks found in the background (an observer cannot wait)."""
+        command = ("HSET", self._key, spec.name, _encode(_Entry(spec, reasons, block_size)))
         task = asyncio.get_running_loop().create_task(self._write(command))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
