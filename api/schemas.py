@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from indexer.discovery.served import DESCRIBED
 from indexer.engines.prompts import ChatMessage
 from indexer.leases import Lease
 from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
@@ -221,6 +222,28 @@ EngineSummary = msgspec.defstruct(
     "EngineSummary",
     [(f.name, f.type, f.default) for f in msgspec.structs.fields(RankCounts)],
     bases=(EngineSpec,),
+    module=__name__,
+)
+
+
+#: ``POST /engines`` by the engine's OpenAI server: its ``url`` and any field of an
+#: engine but those the server's ``/kv_event_sources`` gives; ``name`` defaults to the
+#: url's ``HOST:PORT``, ``model`` to the first served in ``/v1/models``, ``block_size``
+#: to learning it from the events.
+UrlRegistration = msgspec.defstruct(
+    "UrlRegistration",
+    [
+        ("url", Annotated[str, msgspec.Meta(pattern="^https?://", examples=["http://host:8100"])]),
+        *(
+            (f.name, f.type | None, None)
+            if f.name in ("name", "model", "block_size")
+            else (f.name, f.type, f.default)
+            for f in msgspec.structs.fields(EngineSpec)
+            if f.name not in DESCRIBED
+        ),
+    ],
+    kw_only=True,
+    forbid_unknown_fields=True,
     module=__name__,
 )
 

@@ -185,12 +185,25 @@ def parse_engine_flag(text: str) -> EngineSpec:
     """
     head, *rest = text.split(",")
     name, sep, endpoint = head.partition("=")
-    pairs = [item.partition("=") for item in rest if item]
-    if not sep or not all(eq for _, eq, _ in pairs):
+    if not sep:
         raise ValueError(f"--engine {text!r}: expected NAME=ENDPOINT[,FIELD=VALUE...]")
-    known = {f.name: f for f in msgspec.structs.fields(EngineSpec)}
     # ``NAME=,events=false,...``: an engine without events has no endpoint
-    fields: dict[str, str | None] = {"name": name, "endpoint": endpoint or None}
+    fields = {"name": name, "endpoint": endpoint or None}
+    fields |= parse_flag_fields(rest, f"--engine {text!r}")
+    try:
+        return msgspec.convert(fields, EngineSpec, strict=False)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"--engine {text!r}: {e}") from None
+
+
+def parse_flag_fields(items: list[str], flag: str) -> dict[str, str | None]:
+    """A flag's ``FIELD=VALUE`` items as EngineSpec fields (text, converted by the
+    caller), ``null`` as :func:`parse_engine_flag` says. ``flag`` names it in errors."""
+    pairs = [item.partition("=") for item in items if item]
+    if not all(eq for _, eq, _ in pairs):
+        raise ValueError(f"{flag}: expected FIELD=VALUE after each comma")
+    known = {f.name: f for f in msgspec.structs.fields(EngineSpec)}
+    fields: dict[str, str | None] = {}
     for key, _, value in pairs:
         key = key.strip()
         if value != "null" or key not in known:
@@ -199,10 +212,7 @@ def parse_engine_flag(text: str) -> EngineSpec:
             fields[key] = None
         else:
             fields.pop(key, None)
-    try:
-        return msgspec.convert(fields, EngineSpec, strict=False)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"--engine {text!r}: {e}") from None
+    return fields
 
 
 class BindRefused(ValueError):

@@ -20,6 +20,7 @@ from api import operators
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer import discovery, metrics
+from indexer.discovery.served import EngineUrl, UrlEngines
 from indexer.ingest.subscriber import Subscriber
 from indexer.leases import Leases
 from indexer.registry import EngineRegistry, EngineSpec
@@ -55,13 +56,16 @@ async def serve(
     redis: RedisConfig | None = None,
     settings: ApiSettings | None = None,
     discover: Sequence[str] = (),
+    engine_urls: Sequence[EngineUrl] = (),
 ) -> None:
     """Run until SIGTERM or SIGINT, then stop cleanly; ``redis``: the store (default
     embedded); ``settings``: the API's (default the config file's); ``discover``:
-    ``--discover`` URLs, after the config file's."""
+    ``--discover`` URLs, after the config file's; ``engine_urls``: ``--engine-url``
+    engines, after the config file's, registered as their servers answer."""
     operators.warn_if_unavailable("serve", embedded_store=redis is None)
     config.check_binds(engines)
     sources = config.discovery_sources(discover)
+    targets = config.url_engines(engine_urls)
     settings = settings or config.api_settings()
     store = open_store(redis)
     registry = EngineRegistry()
@@ -69,13 +73,14 @@ async def serve(
     routed = open_routed(redis, store)
     leases = Leases(registry, settings.announce, on_removed=routed.forget)
     app = create_app(store, registry, subscriber, settings, routed=routed, leases=leases)
-    sampler = found = None
+    sampler = found = by_url = None
     try:
         with stop_signals() as stop, listen(host, port) as sock:
             await subscriber.start()
             sampler = asyncio.create_task(metrics.sample_residency(store, config.metrics))
             for spec in [*config.engines, *engines]:
                 await registry.add(spec)
+            by_url = UrlEngines(targets, registry.add)
             found = discovery.Discovery(sources, leases)
             about = {"engines": [s.name for s in registry.all()], "store": type(store).__name__}
             await serve_http(app, settings, sock, stop, **about)
@@ -84,6 +89,8 @@ async def serve(
             sampler.cancel()
         if found is not None:
             await found.stop()
+        if by_url is not None:
+            await by_url.stop()
         await leases.close()
         await subscriber.stop()
         await routed.close()
