@@ -259,7 +259,8 @@ class EngineState(EngineSpec):
     #: for an engine registered without a block size (``block_size`` null, as by its
     #: ``url``): the one its events showed (null until its first ``BlockStored``)
     learned_block_size: int | None = None
-    #: why prefix-match answers it with zeros for now (null: it is matched)
+    #: why prefix-match answers it with zeros for now: its block size is not known yet,
+    #: or (``tokens`` queries) its events contradict its declaration (null: it is matched)
     unmatched: str | None = None
 
 

@@ -294,7 +294,8 @@ def serve(**_: object) -> argparse.Namespace:
     \b
     Example:
       kvindex serve --port 8000 \\
-        --engine vllm-a=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558
+        --engine vllm-a=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558 \\
+        --engine-url http://10.0.0.6:8100
     """
     return _parsed(_service, service=_serve)
 

@@ -93,7 +93,8 @@ def engine_url(url: str, fields: Mapping[str, Any] | None = None) -> EngineUrl:
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018  (raises ValueError for a port that is not one)
-    except ValueError as e:
+        httpx.URL(url)
+    except (ValueError, httpx.InvalidURL) as e:
         raise ValueError(f"url {url!r}: {e}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"url {url!r}: expected http://HOST[:PORT], the engine's OpenAI server")
