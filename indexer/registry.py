@@ -202,17 +202,24 @@ def parse_flag_fields(items: list[str], flag: str) -> dict[str, str | None]:
     pairs = [item.partition("=") for item in items if item]
     if not all(eq for _, eq, _ in pairs):
         raise ValueError(f"{flag}: expected FIELD=VALUE after each comma")
-    known = {f.name: f for f in msgspec.structs.fields(EngineSpec)}
     fields: dict[str, str | None] = {}
     for key, _, value in pairs:
         key = key.strip()
-        if value != "null" or key not in known:
+        if value != "null" or key not in _SPEC_FIELDS:
             fields[key] = value
-        elif type(None) in typing.get_args(known[key].type):
+        elif nullable(key):
             fields[key] = None
         else:
             fields.pop(key, None)
     return fields
+
+
+def nullable(field: str) -> bool:
+    """Whether an EngineSpec field may be None (for the others, None means the default)."""
+    return type(None) in typing.get_args(_SPEC_FIELDS[field].type)
+
+
+_SPEC_FIELDS = {f.name: f for f in msgspec.structs.fields(EngineSpec)}
 
 
 class BindRefused(ValueError):

@@ -163,6 +163,9 @@ def test_a_description_becomes_a_spec_at_the_servers_host() -> None:
         None,
         "sha256_cbor",
     )
+    nulls = engine_url("http://h:8000/", {"name": None, "model": None, "hash_seed": None})
+    spec = spec_of(nulls, sources(5600, 5610), MODELS)  # null: the default, or None if it may be
+    assert (spec.name, spec.model, spec.hash_seed) == ("h:8000", "tiny", None)
     later = [{"data_parallel_rank": 0, "endpoint": "tcp://10.0.0.9:5557", "topic": ""}]
     lora = {"data": [{"id": "adapter", "parent": "base"}, {"id": "base"}]}
     spec = spec_of(engine_url("http://h:8000", {"name": "a", "block_size": 16}), later, lora)

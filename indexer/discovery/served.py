@@ -41,7 +41,7 @@ import tenacity
 
 from indexer.discovery.source import host_port
 from indexer.engines import catalog
-from indexer.registry import EngineSpec, is_loopback, parse_flag_fields
+from indexer.registry import EngineSpec, is_loopback, nullable, parse_flag_fields
 
 log = logging.getLogger("kvindex.discovery")
 
@@ -88,7 +88,8 @@ def default_name(url: str) -> str:
 
 def engine_url(url: str, fields: Mapping[str, Any] | None = None) -> EngineUrl:
     """An engine given by ``url`` with ``fields`` (EngineSpec's, values typed or as
-    text); raises ValueError saying what is wrong, before any server is asked."""
+    text; None as a flag's ``null``); raises ValueError saying what is wrong, before any
+    server is asked."""
     fields = dict(fields or {})
     try:
         parts = urlsplit(url)
@@ -105,7 +106,8 @@ def engine_url(url: str, fields: Mapping[str, Any] | None = None) -> EngineUrl:
             f"url {url!r}: {', '.join(given)}: set by the engine's server for an engine"
             " given by its URL (register it by its endpoint to set them)"
         )
-    target = EngineUrl(url, fields)
+    defaults = [k for k, v in fields.items() if v is None and not nullable(k)]
+    target = EngineUrl(url, {k: v for k, v in fields.items() if k not in defaults})
     _spec(target, {"endpoint": "tcp://127.0.0.1:1"})  # refuse a bad field now
     return target
 
@@ -131,7 +133,7 @@ async def describe(target: EngineUrl, timeout: float = TIMEOUT) -> EngineSpec:
 
 def spec_of(target: EngineUrl, sources: Any, models: Any) -> EngineSpec:
     """The spec the server's two answers and the operator's fields make."""
-    where = f"{target.url}/kv_event_sources"
+    where = _at(target.url, "/kv_event_sources")
     ranks = _ranks(sources, where)
     host = urlsplit(target.url).hostname or ""
     first = ranks[0]
@@ -158,21 +160,26 @@ def spec_of(target: EngineUrl, sources: Any, models: Any) -> EngineSpec:
         "replay_endpoint": replay,
         "dp_ranks": len(ranks),
         "topic": first.get("topic") or "",
-        "model": _served_model(models, f"{target.url}/v1/models"),
+        "model": _served_model(models, _at(target.url, "/v1/models")),
     }
     return _spec(target, described)
 
 
 def _spec(target: EngineUrl, described: dict[str, Any]) -> EngineSpec:
-    fields = {"name": target.name, "block_size": None, **described, **target.fields}
+    fields = {"block_size": None, **described, **target.fields}
+    fields |= {"name": target.name, "url": target.url}
     try:
-        return msgspec.convert({**fields, "url": target.url}, EngineSpec, strict=False)
+        return msgspec.convert(fields, EngineSpec, strict=False)
     except msgspec.ValidationError as e:
         raise Unsupported(f"url {target.url!r}: {e}") from None
 
 
+def _at(url: str, path: str) -> str:
+    return url.rstrip("/") + path
+
+
 async def _get(client: httpx.AsyncClient, url: str, path: str) -> Any:
-    where = url.rstrip("/") + path
+    where = _at(url, path)
     try:
         answer = await client.get(where)
     except httpx.TransportError as e:
