@@ -9,8 +9,9 @@ very spec that was checked: a re-registration with another spec starts clean,
 as in one process.
 
 So a block size learned from the events (an engine registered without one)
-lives beside the registry in Redis, as long as the registration: replicas and
-workers that start or take the engine over later read it here. Should Redis
+lives beside the registry in Redis, as long as the registration: replicas that
+start later read it here (a worker that takes the engine over learns it again,
+for its own checks, from the next store). Should Redis
 lose it, the registry is registered again from the processes' copies and the
 block size learned again from the first store the re-applied batches hold.
 """
