@@ -369,3 +369,33 @@ async def test_in_scale_out_the_replicas_use_the_block_size_the_worker_learned(
     finally:
         api.stop()
         worker.stop()
+
+
+async def test_a_worker_taking_an_engine_over_keeps_what_its_predecessor_found(redis_server):
+    """The next owner learns the block size again before it has checked the hashes:
+    its first publication must not clear the contradiction found before."""
+    from indexer.cluster.misdeclared_board import RedisMisdeclared
+    from indexer.cluster.registry import RedisRegistry
+    from indexer.registry import EngineSpec
+    from indexer.stores.redis import RedisConfig, RedisStore
+
+    store = RedisStore(RedisConfig(redis_server.url, prefix=f"over-{uuid.uuid4().hex[:8]}"))
+    try:
+        registry = RedisRegistry(store.client)
+        spec = await registry.add(EngineSpec("e", "tcp://127.0.0.1:1", block_size=None))
+        replica = RedisMisdeclared(store.client, registry)
+        RedisMisdeclared(store.client, registry).publish(spec, {"hash": "hash: differ"}, BLOCK)
+
+        async def has(reasons: list[str], size: int) -> bool:
+            await replica.refresh()
+            return (replica.reasons("e"), replica.block_size("e")) == (reasons, size)
+
+        await until(lambda: has(["hash: differ"], BLOCK), 5, "the first owner's finding")
+        after = RedisMisdeclared(store.client, registry)  # the next owner: learns, then finds
+        after.publish(spec, {}, BLOCK)
+        after.publish(spec, {"kv_groups": "kv_groups: differ"}, BLOCK)
+        both = ["hash: differ", "kv_groups: differ"]
+        await until(lambda: has(both, BLOCK), 5, "both owners' findings")
+        assert replica.excluded("e")
+    finally:
+        await store.close()
