@@ -40,7 +40,7 @@ from kvindex.config import ConfigError, load_config
 from producer.publisher import Publisher
 
 from .apikit import LiveApi
-from .conftest import free_ports
+from .conftest import free_ports, wait_until
 from .test_e2e import until
 from .test_scaleout import Process
 from .test_serve import Serve
@@ -72,14 +72,19 @@ def sources(pub: int, replay: int, ranks: int = 1, **more: Any) -> dict[str, dic
 MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model", "parent": None}]}
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that hung up mid-answer: nothing to report
+
+
 class EngineServer:
     """A real HTTP server answering an engine's description (path -> JSON, or a
-    status code), and its publisher on the announced ports."""
+    status code), and its ranks' publishers on the announced ports."""
 
-    def __init__(self, answers: dict[str, Any] | None = None) -> None:
-        self.pub, self.replay = free_ports(), free_ports()
+    def __init__(self, answers: dict[str, Any] | None = None, ranks: int = 1) -> None:
+        self.pub, self.replay = free_ports(ranks), free_ports(ranks)
         self.answers = answers or {
-            "/kv_event_sources": sources(self.pub, self.replay),
+            "/kv_event_sources": sources(self.pub, self.replay, ranks),
             "/v1/models": MODELS,
         }
         served = self.answers
@@ -102,22 +107,28 @@ class EngineServer:
         self.up()
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
         self.name = self.url.removeprefix("http://")
-        self.publisher: Publisher | None = None
+        self.publishers: dict[int, Publisher] = {}
 
     def up(self, port: int = 0) -> None:
         """Serve (again) on ``port`` (0: any free one)."""
-        self.http = ThreadingHTTPServer(("127.0.0.1", port), self._handler)
+        self.http = _Server(("127.0.0.1", port), self._handler)
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
     def down(self) -> None:
         self.http.shutdown()
         self.http.server_close()
 
-    def publish(self, algo: str = "sha256") -> None:
-        """One batch storing PROMPT's blocks on GPU, hashed as an engine running ``algo``."""
-        if self.publisher is None:
-            self.publisher = Publisher(
-                f"tcp://*:{self.pub}", f"tcp://*:{self.replay}", topic="kv-events", bind=True
+    def publish(self, algo: str = "sha256", rank: int = 0) -> None:
+        """One batch storing PROMPT's blocks on ``rank``'s GPU, hashed as an engine running
+        ``algo``."""
+        publisher = self.publishers.get(rank)
+        if publisher is None:
+            publisher = self.publishers[rank] = Publisher(
+                f"tcp://*:{self.pub}",
+                f"tcp://*:{self.replay}",
+                topic="kv-events",
+                data_parallel_rank=rank,
+                bind=True,
             )
         hasher = catalog.adapter("vllm").hasher(algo, None, BLOCK)
         stored = BlockStored(
@@ -127,13 +138,13 @@ class EngineServer:
             extra_keys=[None] * 3,
             medium="GPU",
         )
-        assert self.publisher.publish(EventBatch(ts=1.0, events=[stored]))
-        assert self.publisher.flush()
+        assert publisher.publish(EventBatch(ts=1.0, events=[stored]))
+        assert publisher.flush()
 
     def close(self) -> None:
         self.down()
-        if self.publisher is not None:
-            self.publisher.close()
+        for publisher in self.publishers.values():
+            publisher.close()
 
 
 @pytest.fixture
@@ -261,6 +272,24 @@ async def test_post_engines_by_url_learns_the_block_size_then_matches(live, serv
     ).json()
     row = answer["engines"][0]
     assert (answer["block_size"], row["gpu_blocks"], row["prefix_tokens"]) == (BLOCK, 3, 3 * BLOCK)
+
+
+async def test_each_data_parallel_rank_is_followed_at_its_port(live):
+    server = EngineServer(ranks=2)
+    try:
+        created = await live.client.post("/engines", json={"url": server.url}, headers=AUTH)
+        assert created.status_code == 201, created.text
+        assert created.json()["dp_ranks"] == 2
+        server.publish(rank=1)  # rank 0 publishes nothing
+
+        def applied() -> bool:
+            return live.subscriber.rank_status(server.name)[1].applied_seq == 0
+
+        await wait_until(applied, 30, "rank 1 to apply its batch")
+    finally:
+        server.close()
+    answer = (await live.client.post("/prefix-match", json={"tokens": PROMPT})).json()
+    assert [(row["dp_rank"], row["gpu_blocks"]) for row in answer["engines"]] == [(1, 3), (0, 0)]
 
 
 async def test_a_hash_algorithm_the_events_contradict_is_flagged(live, server):

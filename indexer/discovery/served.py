@@ -125,9 +125,8 @@ async def describe(target: EngineUrl, timeout: float = TIMEOUT) -> EngineSpec:
     naming the URL.
     """
     async with httpx.AsyncClient(timeout=timeout) as client:
-        sources, models = await asyncio.gather(
-            _get(client, target.url, "/kv_event_sources"), _get(client, target.url, "/v1/models")
-        )
+        sources = await _get(client, target.url, "/kv_event_sources")
+        models = await _get(client, target.url, "/v1/models")
     return spec_of(target, sources, models)
 
 
