@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from api import operators
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer import discovery, metrics
-from indexer.discovery.served import EngineUrl, UrlEngines
+from indexer.discovery.served import EngineUrl, UrlEngines, follow_moves
 from indexer.ingest.subscriber import Subscriber
 from indexer.leases import Leases
 from indexer.registry import EngineRegistry, EngineSpec
@@ -45,6 +45,11 @@ def open_routed(redis: RedisConfig | None, store: Store) -> RoutedEntries:
     if redis is None or not isinstance(store, RedisStore):
         return MemoryRouted()
     return RedisRouted(redis, store.client)
+
+
+def _connected(subscriber: Subscriber) -> Callable[[str], bool]:
+    """Whether some rank of an engine has a publisher connected."""
+    return lambda engine: any(s.connected for s in subscriber.rank_status(engine))
 
 
 async def serve(
@@ -73,7 +78,7 @@ async def serve(
     routed = open_routed(redis, store)
     leases = Leases(registry, settings.announce, on_removed=routed.forget)
     app = create_app(store, registry, subscriber, settings, routed=routed, leases=leases)
-    sampler = found = by_url = None
+    sampler = found = by_url = moves = None
     try:
         with stop_signals() as stop, listen(host, port) as sock:
             await subscriber.start()
@@ -81,12 +86,14 @@ async def serve(
             for spec in [*config.engines, *engines]:
                 await registry.add(spec)
             by_url = UrlEngines(targets, registry.add)
+            moves = asyncio.create_task(follow_moves(registry, _connected(subscriber)))
             found = discovery.Discovery(sources, leases)
             about = {"engines": [s.name for s in registry.all()], "store": type(store).__name__}
             await serve_http(app, settings, sock, stop, **about)
     finally:
-        if sampler is not None:
-            sampler.cancel()
+        for task in (sampler, moves):
+            if task is not None:
+                task.cancel()
         if found is not None:
             await found.stop()
         if by_url is not None:

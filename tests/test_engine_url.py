@@ -31,6 +31,7 @@ from indexer.discovery.served import (
     Unsupported,
     engine_url,
     parse_engine_url,
+    recheck,
     spec_of,
 )
 from indexer.engines import catalog
@@ -290,6 +291,26 @@ async def test_each_data_parallel_rank_is_followed_at_its_port(live):
         server.close()
     answer = (await live.client.post("/prefix-match", json={"tokens": PROMPT})).json()
     assert [(row["dp_rank"], row["gpu_blocks"]) for row in answer["engines"]] == [(1, 3), (0, 0)]
+
+
+async def test_an_engine_restarted_on_other_ports_is_followed_there(live, server):
+    created = await live.client.post("/engines", json={"url": server.url}, headers=AUTH)
+    assert created.status_code == 201, created.text
+    server.pub, server.replay = free_ports(), free_ports()  # restarted elsewhere
+    server.answers["/kv_event_sources"] = sources(server.pub, server.replay)
+    server.publish()
+
+    def connected(engine: str) -> bool:
+        return any(s.connected for s in live.subscriber.rank_status(engine))
+
+    await recheck(live.registry, connected)
+    spec = live.registry.get(server.name)
+    assert (spec.endpoint, spec.url) == (f"tcp://127.0.0.1:{server.pub}", server.url)
+    await live.wait_applied(server.name, [0])
+    answer = (await live.client.post("/prefix-match", json={"tokens": PROMPT})).json()
+    assert answer["engines"][0]["gpu_blocks"] == 3
+    await recheck(live.registry, connected)  # connected now: left alone
+    assert live.registry.get(server.name) is spec
 
 
 async def test_a_hash_algorithm_the_events_contradict_is_flagged(live, server):

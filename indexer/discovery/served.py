@@ -23,6 +23,9 @@ defaults to the URL's ``HOST:PORT``, stable for as long as the server's address.
 What the server decides (endpoints, ranks, topic) cannot be given.
 :class:`UrlEngines` registers the engines of flags and config files, retrying
 with backoff while their servers cannot be asked: a kvindex may start first.
+:func:`follow_moves` asks again the server of an engine none of whose ranks is
+connected, and registers the engine anew where it now publishes (an engine
+restarted with other ports or ranks).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ import tenacity
 
 from indexer.discovery.source import host_port
 from indexer.engines import catalog
-from indexer.registry import EngineSpec, is_loopback, nullable, parse_flag_fields
+from indexer.periodic import repeat
+from indexer.registry import EngineSpec, Registry, is_loopback, nullable, parse_flag_fields
 
 log = logging.getLogger("kvindex.discovery")
 
@@ -52,8 +56,12 @@ DESCRIBED = frozenset(
 _FIELDS = frozenset(f.name for f in msgspec.structs.fields(EngineSpec))
 _TCP = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
 _WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]"})
+#: What the server places: the fields an engine restarted elsewhere changes.
+PLACEMENT = ("endpoint", "replay_endpoint", "dp_ranks", "topic")
 #: Seconds one request to an engine's server may take.
 TIMEOUT = 5.0
+#: Seconds between looks at the servers of engines none of whose ranks is connected.
+RECHECK = 10.0
 
 
 class Unreachable(Exception):
@@ -307,4 +315,50 @@ def _failed(target: EngineUrl, state: tenacity.RetryCallState) -> None:
             "attempt": state.attempt_number,
             "retry_in": round(state.upcoming_sleep, 2),
         },
+    )
+
+
+async def follow_moves(
+    registry: Registry, connected: Callable[[str], bool], interval: float = RECHECK
+) -> None:
+    """Every ``interval`` seconds, :func:`recheck` (run it as a task)."""
+
+    async def chore() -> None:
+        await recheck(registry, connected)
+
+    await repeat(interval, chore, "engine servers")
+
+
+async def recheck(registry: Registry, connected: Callable[[str], bool]) -> None:
+    """Ask the server of each engine given by its URL none of whose ranks is
+    ``connected`` where it publishes now; one that moved is registered anew there
+    (its residency dropped: a new process). A server that cannot be asked, an
+    engine that is merely down, changes nothing."""
+    for spec in registry.all():
+        if spec.url is None or connected(spec.name):
+            continue
+        try:
+            now = await describe(EngineUrl(spec.url, {"name": spec.name, "adapter": spec.adapter}))
+        except (Unreachable, BadAnswer, Unsupported):
+            continue
+        moved = msgspec.structs.replace(spec, **{f: getattr(now, f) for f in PLACEMENT})
+        if moved != spec:
+            await _move(registry, spec, moved)
+
+
+async def _move(registry: Registry, old: EngineSpec, new: EngineSpec) -> None:
+    """Register ``new`` in ``old``'s place; if it is refused, ``old`` stays."""
+    await registry.remove(old.name)
+    try:
+        await registry.add(new)
+    except Exception as e:
+        await registry.add(old)
+        log.warning(
+            "engine's server places it elsewhere, where it cannot be followed",
+            extra={"engine": old.name, "endpoint": new.endpoint, "error": repr(e)},
+        )
+        return
+    log.warning(
+        "engine's server places it elsewhere now: registered again there",
+        extra={"engine": new.name, "url": new.url, "endpoint": new.endpoint},
     )
