@@ -260,11 +260,12 @@ class UrlEngines:
     """Engines given by URL at start (flags, config file), each registered by
     ``register`` once its server has described it.
 
-    A server that cannot be asked, or answers what cannot be followed, is asked
-    again with exponential backoff (``FIRST_WAIT`` doubling up to ``LONGEST_WAIT``),
-    each failure logged: kvindex may start before its engines, and a server being
-    reconfigured comes right eventually. A registration that is refused is logged
-    and not retried (the same spec would be refused again).
+    A server that cannot be asked, or answers what cannot be followed (or anything
+    else going wrong), is asked again with exponential backoff (``FIRST_WAIT``
+    doubling up to ``LONGEST_WAIT``), each failure logged: kvindex may start before
+    its engines, and a server being reconfigured comes right eventually. A
+    registration that is refused is logged and not retried (the same spec would be
+    refused again).
     """
 
     def __init__(
@@ -282,7 +283,7 @@ class UrlEngines:
     async def _follow(self, target: EngineUrl) -> None:
         retrying = tenacity.AsyncRetrying(
             wait=self._wait,
-            retry=tenacity.retry_if_exception_type((Unreachable, BadAnswer, Unsupported)),
+            retry=tenacity.retry_if_exception_type(Exception),  # whatever it is, log and retry
             before_sleep=lambda state: _failed(target, state),
         )
         spec = await retrying(describe, target)
