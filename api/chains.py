@@ -29,26 +29,26 @@ class Overrides:
     hash_algo: str | None = None
     hash_seed: str | None = None
 
-    def block_size_of(self, spec: EngineSpec) -> int:
-        return self.block_size or spec.block_size
-
-    def hashing_of(self, spec: EngineSpec) -> BlockHasher | None:
-        """How to hash for this engine; None when only the learned index can answer."""
+    def hashing_of(self, spec: EngineSpec, block_size: int) -> BlockHasher | None:
+        """How to hash for this engine at ``block_size`` (the query's, else the engine's
+        declared or learned one); None when only the learned index can answer."""
         algo = self.hash_algo or spec.hash_algo
         if algo is None:
             return None
         seed = self.hash_seed if self.hash_seed is not None else spec.hash_seed
-        block_size = self.block_size_of(spec)
         hashing = spec.engine_adapter.hasher(algo, seed, block_size, spec.lookahead_tokens)
         return hashing if hashing.reproducible else None
 
 
 DECLARED = Overrides()
+#: Whether hashes are reproducible is the algorithm's and the seed's to say, not the
+#: block size's: any size asks it of an engine whose own is not known yet.
+_ANY_SIZE = 16
 
 
 def learned(spec: EngineSpec) -> bool:
     """Whether the engine's hashes, as declared, can only be learned from its events."""
-    return DECLARED.hashing_of(spec) is None
+    return DECLARED.hashing_of(spec, spec.block_size or _ANY_SIZE) is None
 
 
 class ChainComputer:

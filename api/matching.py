@@ -52,6 +52,10 @@ class Query:
     ttl: float = 0.0  # seconds the routed entries of ``route`` live
 
 
+#: An engine's hasher under a query's overrides, with the spec and block size it is of.
+_Hasher = tuple[EngineSpec, int, BlockHasher | None]
+
+
 @dataclass(frozen=True, slots=True)
 class _Lookup:
     chain: list[BlockHash]
@@ -70,13 +74,18 @@ class PrefixMatcher:
         self._routed = ctx.routed
         self._rules = ctx.settings.routed
         self._zero_rows = ZeroRows()
-        self._hashers: dict[Overrides, dict[str, tuple[EngineSpec, BlockHasher | None]]] = {}
+        self._hashers: dict[Overrides, dict[str, _Hasher]] = {}
 
     async def match(self, query: Query) -> PrefixMatchResponse:
         specs = self._select(query.model, query.engines)
         if query.prompt is None:
             assert query.chain is not None
-            lookups = [_Lookup(query.chain, {s.name: s.blocks_per_chunk for s in specs})]
+            chunks = {
+                s.name: s.blocks_per_chunk
+                for s in specs
+                if self.block_size(s, query.overrides.block_size) is not None
+            }
+            lookups = [_Lookup(query.chain, chunks)]
         else:
             lookups = self._token_lookups(query.prompt, query.overrides, specs)
         # Statuses before the store call: an engine removed meanwhile has none after.
@@ -100,6 +109,13 @@ class PrefixMatcher:
             assert query.chain is not None
             return query.chain
         lookups = self._token_lookups(query.prompt, query.overrides, [spec])
+        if not lookups:
+            raise ApiError(
+                422,
+                f"engine {spec.name!r}: tokens are not hashed for it now (its block size is"
+                " not known yet, or its events contradict its declaration): see"
+                f" /engines/{spec.name}",
+            )
         if any(lookup.rank is not None for lookup in lookups):
             raise ApiError(
                 422,
@@ -173,6 +189,14 @@ class PrefixMatcher:
             raise ApiError(404, f"unknown model {model!r}: no registered engine serves it")
         return serving
 
+    def block_size(self, spec: EngineSpec, override: int | None) -> int | None:
+        """The block size a query counts the engine's blocks in: the query's, the declared
+        one, or the one learned from its events; None until that is known (an engine
+        registered by its URL before its first store), which leaves it out: zeros."""
+        if override or spec.block_size or self._misdeclared is None:
+            return override or spec.block_size
+        return self._misdeclared.block_size(spec.name)
+
     def _token_lookups(
         self, prompt: Prompt, overrides: Overrides, specs: list[EngineSpec]
     ) -> list[_Lookup]:
@@ -183,12 +207,15 @@ class PrefixMatcher:
         for spec in specs:
             if self._misdeclared is not None and self._misdeclared.excluded(spec.name):
                 continue  # its events contradict its block size or hashing: it answers zeros
+            size = self.block_size(spec, overrides.block_size)
+            if size is None:
+                continue  # its block size is not known yet: it answers zeros
             kept = hashers.get(spec.name)
-            if kept is None or kept[0] is not spec:
-                kept = hashers[spec.name] = (spec, overrides.hashing_of(spec))
-            hashing = kept[1]
+            if kept is None or kept[0] is not spec or kept[1] != size:
+                kept = hashers[spec.name] = (spec, size, overrides.hashing_of(spec, size))
+            hashing = kept[2]
             if hashing is None:
-                lookups.extend(self._learned_lookups(prompt, overrides, spec))
+                lookups.extend(self._learned_lookups(prompt, size, spec))
                 continue
             as_bytes = self._token_index.publishes_bytes(spec.name)
             lookup = shared.get((hashing, as_bytes))
@@ -198,8 +225,8 @@ class PrefixMatcher:
             lookup.chunk_blocks[spec.name] = spec.blocks_per_chunk
         return [*shared.values(), *lookups]
 
-    def _hashers_of(self, overrides: Overrides) -> dict[str, tuple[EngineSpec, BlockHasher | None]]:
-        """Each engine's hasher under ``overrides``, by name, with the spec it is of:
+    def _hashers_of(self, overrides: Overrides) -> dict[str, _Hasher]:
+        """Each engine's hasher under ``overrides``, by name, with the spec and size it is of:
         asking the adapter for it anew was a third of a query's cost per engine."""
         hashers = self._hashers.get(overrides)
         if hashers is None or len(hashers) > _ENGINES:
@@ -208,9 +235,7 @@ class PrefixMatcher:
             hashers = self._hashers[overrides] = {}
         return hashers
 
-    def _learned_lookups(
-        self, prompt: Prompt, overrides: Overrides, spec: EngineSpec
-    ) -> list[_Lookup]:
+    def _learned_lookups(self, prompt: Prompt, block_size: int, spec: EngineSpec) -> list[_Lookup]:
         index = self._token_index
         lookups = []
         for dp_rank in sorted(set(range(spec.dp_ranks)) | index.ranks(spec.name)):
@@ -218,7 +243,7 @@ class PrefixMatcher:
             chain = index.walk(
                 rank,
                 prompt.tokens,
-                overrides.block_size_of(spec),
+                block_size,
                 lora_name=prompt.lora_name,
                 cache_salt=prompt.cache_salt,
                 mm_features=prompt.mm_features,
@@ -266,8 +291,11 @@ class PrefixMatcher:
         rows: list[EngineMatch | msgspec.Raw] = []  # scoring 0, in (engine, rank) order
         scored: list[EngineMatch] = []
         override, zero_rows = query.overrides.block_size, self._zero_rows
+        sizes: set[int | None] = set()
         for spec in sorted(specs, key=_name):
-            block_size, status = override or spec.block_size, statuses[spec.name]
+            known = self.block_size(spec, override)
+            sizes.add(known)
+            block_size, status = known or 0, statuses[spec.name]  # 0: not known yet
             flags = _degraded_flags(spec, status)
             zeros = zero_rows.of(spec, block_size, flags)
             ranks = answered.get(spec.name)
@@ -284,8 +312,8 @@ class PrefixMatcher:
                 else:
                     rows.append(entry)
         scored.sort(key=_score, reverse=True)  # stable: ties keep (engine, rank) order
-        sizes = {override} if override else {spec.block_size for spec in specs}
-        block_size = next(iter(sizes)) if len(sizes) == 1 else override
+        sizes.discard(None)  # an engine not matched for want of its block size
+        block_size = override or (next(iter(sizes)) if len(sizes) == 1 else None)
         engines: list[Any] = [*scored, *rows]  # msgspec.Raw rows encode as they are
         return PrefixMatchResponse(block_size, _num_blocks(query, block_size), engines)
 

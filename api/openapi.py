@@ -34,9 +34,13 @@ def _name(t: Any) -> str:
     return t.__name__
 
 
-def body(t: Any) -> dict[str, Any]:
-    """``openapi_extra`` for a route that decodes a required JSON body of type ``t``."""
-    return {"requestBody": {"required": True, "content": _schema(t)}}
+def body(*shapes: Any) -> dict[str, Any]:
+    """``openapi_extra`` for a route that decodes a required JSON body of one of the types
+    ``shapes`` (a union of structs msgspec cannot tell apart without a tag is documented
+    as any of their schemas)."""
+    refs = [_schema(t)["application/json"]["schema"] for t in shapes]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def answers(**by_status: tuple[Any, str]) -> dict[int | str, dict[str, Any]]:

@@ -29,11 +29,14 @@ from api.schemas import (
     RankCounts,
     RankState,
     Stats,
+    UrlRegistration,
 )
 from indexer.compiled import Status, combined
 from indexer.core.events import MEDIA, RankId
+from indexer.discovery import served
 from indexer.engines import catalog, intlist
 from indexer.leases import HandRegistered
+from indexer.misdeclared import MisdeclaredView
 from indexer.registry import (
     BindRefused,
     EngineExists,
@@ -49,7 +52,7 @@ from indexer.stores.memory import compiled as holder_core
 
 log = logging.getLogger("kvindex.api")
 _encode = msgspec.json.Encoder().encode
-_decode_spec = msgspec.json.Decoder(EngineSpec).decode
+_decode_json = msgspec.json.Decoder().decode
 
 _UNAVAILABLE = (ErrorBody, "the store is unreachable")
 _UNKNOWN = (ErrorBody, "no engine of that name is registered")
@@ -66,6 +69,12 @@ REFUSALS = {
         " the operator has not allowed (subscriber.bind)",
     ),
     "_503": _UNAVAILABLE,
+}
+#: How a registration by ``url`` is refused besides: the engine's server answered
+#: wrong, or not at all.
+URL_REFUSALS = {
+    "_502": (ErrorBody, "the engine's server (url) answered, but not as vLLM's does"),
+    "_503": (ErrorBody, "the store, or the engine's server (url), is unreachable"),
 }
 EngineName = Annotated[str, Path(description="a registered engine's name")]
 
@@ -123,9 +132,15 @@ class Operators:
             *(self.rank_state(spec, status) for status in self.statuses(spec, held))
         )
         lease = self.leases.lease(spec.name) if self.leases else None
-        wrong = self.misdeclared.reasons(spec.name) if self.misdeclared else []
+        checks = self.misdeclared
+        size = checks.block_size(spec.name) if checks else spec.block_size
         return EngineState(
-            **msgspec.structs.asdict(spec), ranks=list(ranks), lease=lease, misdeclared=wrong
+            **msgspec.structs.asdict(spec),
+            ranks=list(ranks),
+            lease=lease,
+            misdeclared=checks.reasons(spec.name) if checks else [],
+            learned_block_size=None if spec.block_size else size,
+            unmatched=unmatched(spec, checks, size),
         )
 
     async def summaries(self) -> list[EngineSummary]:
@@ -177,6 +192,46 @@ async def register(ctx: ApiContext, spec: EngineSpec, add: Callable[[], Awaitabl
     except Exception as e:  # a listener could not take it
         log.warning("engine refused", extra={"engine": spec.name, "error": repr(e)})
         raise ApiError(422, f"cannot consume engine {spec.name!r}: {e}") from None
+
+
+def unmatched(spec: EngineSpec, checks: MisdeclaredView | None, size: int | None) -> str | None:
+    """Why prefix-match answers the engine with zeros for now (None: it does not), by
+    the matcher's rules: its events contradict its declaration, or its block size,
+    learned from its events, is not known yet."""
+    if checks is not None and checks.excluded(spec.name):
+        return "its events contradict its declared config (see misdeclared): tokens answer 0"
+    if size is None:
+        return (
+            "block size not known yet: learned from the engine's first BlockStored event"
+            " (registered without one); until then it matches nothing"
+        )
+    return None
+
+
+def _registration(body: bytes) -> EngineSpec | served.EngineUrl:
+    """``POST /engines``'s body: a spec, or an engine given by its server's ``url`` (with
+    no endpoint) and the fields the operator sets."""
+    fields = _decode_json(body)
+    if not isinstance(fields, dict) or "url" not in fields or "endpoint" in fields:
+        return msgspec.convert(fields, EngineSpec)
+    url = fields.pop("url")
+    try:
+        return served.engine_url(url if isinstance(url, str) else repr(url), fields)
+    except ValueError as e:
+        raise msgspec.ValidationError(str(e)) from None
+
+
+async def described(target: served.EngineUrl) -> EngineSpec:
+    """The engine as its server describes it; 503 when the server cannot be reached,
+    502 when it answers wrong, 422 when its events cannot be followed as described."""
+    try:
+        return await served.describe(target)
+    except served.Unreachable as e:
+        raise ApiError(503, f"engine server {target.url}: {e}") from None
+    except served.BadAnswer as e:
+        raise ApiError(502, f"engine server {target.url}: {e}") from None
+    except served.Unsupported as e:
+        raise ApiError(422, f"engine server {target.url}: {e}") from None
 
 
 def hand_registered(name: str) -> ApiError:
@@ -253,16 +308,17 @@ def router(ctx: ApiContext) -> APIRouter:
         "/engines",
         status_code=201,
         dependencies=guarded,
-        openapi_extra=body(EngineSpec),
+        openapi_extra=body(EngineSpec, UrlRegistration),
         responses=answers(
             _201=(EngineSpec, "registered; consumption has started"),
             _409=(ErrorBody, "an engine of that name is already registered"),
-            **REFUSALS,
+            **(REFUSALS | URL_REFUSALS),
         ),
-        summary="Register an engine",
+        summary="Register an engine (by its endpoints, or by its OpenAI server's url)",
     )
     async def add_engine(request: Request) -> Response:
-        spec = await decode_body(request, _decode_spec, "engine")
+        given = await decode_body(request, _registration, "engine")
+        spec = given if isinstance(given, EngineSpec) else await described(given)
         await register(ctx, spec, lambda: ops.registry.add(spec))
         return _json(spec, 201)
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from indexer.discovery.served import DESCRIBED
 from indexer.engines.prompts import ChatMessage
 from indexer.leases import Lease
 from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
@@ -225,6 +226,28 @@ EngineSummary = msgspec.defstruct(
 )
 
 
+#: ``POST /engines`` by the engine's OpenAI server: its ``url`` and any field of an
+#: engine but those the server's ``/kv_event_sources`` gives; ``name`` defaults to the
+#: url's ``HOST:PORT``, ``model`` to the first served in ``/v1/models``, ``block_size``
+#: to learning it from the events.
+UrlRegistration = msgspec.defstruct(
+    "UrlRegistration",
+    [
+        ("url", Annotated[str, msgspec.Meta(pattern="^https?://", examples=["http://host:8100"])]),
+        *(
+            (f.name, f.type | None, None)
+            if f.name in ("name", "model", "block_size")
+            else (f.name, f.type, f.default)
+            for f in msgspec.structs.fields(EngineSpec)
+            if f.name not in DESCRIBED
+        ),
+    ],
+    kw_only=True,
+    forbid_unknown_fields=True,
+    module=__name__,
+)
+
+
 class EngineState(EngineSpec):
     """An engine's declaration and the state of each of its dp ranks."""
 
@@ -233,6 +256,12 @@ class EngineState(EngineSpec):
     lease: Lease | None = None
     #: where its events contradict what it declared (then it is not matched by tokens)
     misdeclared: list[str] = []
+    #: for an engine registered without a block size (``block_size`` null, as by its
+    #: ``url``): the one its events showed (null until its first ``BlockStored``)
+    learned_block_size: int | None = None
+    #: why prefix-match answers it with zeros for now: its block size is not known yet,
+    #: or (``tokens`` queries) its events contradict its declaration (null: it is matched)
+    unmatched: str | None = None
 
 
 class BlockResidencies(msgspec.Struct):

@@ -19,6 +19,11 @@ again. A flagged engine is reported (``/engines/{name}`` ``misdeclared``, a
 warning, ``kvindex_engine_misdeclared_total``) and left out of tokens matching:
 an honest zero beats hashes computed from a configuration the engine does not
 have.
+
+An engine registered without a block size (``block_size`` null, as one registered
+by its URL is) learns it here from its first GPU ``BlockStored``; until then
+:meth:`Misdeclared.block_size` is None and tokens queries leave it out, and from
+then on its hashes are checked at that size like a declared one's.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Protocol
 
 from indexer import metrics
 from indexer.core.events import BlockStored, EventBatch, RankId
-from indexer.engines.base import Prompt
+from indexer.engines.base import BlockHasher, Prompt
 from indexer.registry import EngineSpec, Registry, UnknownEngine
 
 log = logging.getLogger("kvindex.misdeclared")
@@ -49,6 +54,14 @@ class MisdeclaredView(Protocol):
     def excluded(self, engine: str) -> bool:
         """Whether tokens queries must leave the engine out (its hashes cannot be trusted)."""
 
+    def block_size(self, engine: str) -> int | None:
+        """The engine's block size: declared, or learned from its events (None: not yet)."""
+
+
+#: Hears what the checks found of a registration: its contradictions by kind, and its
+#: block size (learned, for one registered without it; None: not yet).
+Findings = Callable[[EngineSpec, dict[str, str], int | None], None]
+
 
 def excludes(reasons: dict[str, str]) -> bool:
     """Whether these contradictions make the engine's computed hashes wrong."""
@@ -62,29 +75,37 @@ class _Check:
         self.spec = spec
         self.seen = 0
         self.reasons: dict[str, str] = {}  # by kind: the first contradiction found
-        algo = spec.hash_algo
-        hasher = None
-        if algo:
-            adapter = spec.engine_adapter
-            hasher = adapter.hasher(algo, spec.hash_seed, spec.block_size, spec.lookahead_tokens)
+        self.block_size: int | None = None
+        self.hasher: BlockHasher | None = None
+        if spec.block_size is not None:
+            self.learn(spec.block_size)
+
+    def learn(self, block_size: int) -> None:
+        """Check the hashes at this block size from now on (the declared or learned one)."""
+        self.block_size = block_size
+        spec, algo = self.spec, self.spec.hash_algo
+        adapter = spec.engine_adapter
+        hasher = (
+            adapter.hasher(algo, spec.hash_seed, block_size, spec.lookahead_tokens) if algo else None
+        )
         self.hasher = hasher if hasher is not None and hasher.reproducible else None
 
 
 class Misdeclared:
     """Engines' declared block size, KV groups and hashing against their events.
 
-    ``on_flag(spec, reasons)`` hears each new contradiction (an indexer worker
-    publishes them for the API replicas).
+    ``on_change(spec, reasons, block_size)`` hears each new contradiction and each
+    block size learned (an indexer worker publishes them for the API replicas).
     """
 
     def __init__(
         self,
         registry: Registry,
         checked_stores: int = 32,
-        on_flag: Callable[[EngineSpec, dict[str, str]], None] | None = None,
+        on_change: Findings | None = None,
     ) -> None:
         self._registry = registry
-        self._on_flag = on_flag
+        self._on_change = on_change
         self._checked_stores = checked_stores
         self._checks: dict[str, _Check] = {}
         #: Engines ever flagged in a way that leaves them out; the others are not, which
@@ -106,6 +127,11 @@ class Misdeclared:
         self._flagged.discard(engine)  # registered anew, or gone, since
         return False
 
+    def block_size(self, engine: str) -> int | None:
+        """The engine's block size: declared, or learned from its events (None: not yet)."""
+        check = self._current(engine)
+        return check.block_size if check else None
+
     def reads_tokens(self, engine: str) -> bool:
         """Whether batches of the engine must keep token ids: while it is being checked."""
         check = self._current(engine)
@@ -118,6 +144,8 @@ class Misdeclared:
         for event in batch.events:
             if type(event) is BlockStored and event.medium in (None, "GPU") and event.block_hashes:
                 check.seen += 1
+                if check.block_size is None:
+                    self._learn(check, event)
                 for kind, reason in _contradictions(check, event):
                     self._flag(check, kind, reason)
 
@@ -132,6 +160,22 @@ class Misdeclared:
             check = self._checks[engine] = _Check(spec)
         return check
 
+    def _learn(self, check: _Check, event: BlockStored) -> None:
+        """Take the block size an engine registered without one stores at."""
+        shown = event.block_size or _tokens_per_block(event)
+        if not shown:
+            return
+        check.learn(shown)
+        log.info(
+            "engine block size learned from its events",
+            extra={"engine": check.spec.name, "block_size": shown},
+        )
+        self._tell(check)
+
+    def _tell(self, check: _Check) -> None:
+        if self._on_change is not None:
+            self._on_change(check.spec, dict(check.reasons), check.block_size)
+
     def _flag(self, check: _Check, kind: str, reason: str) -> None:
         if kind in check.reasons:
             return
@@ -143,12 +187,13 @@ class Misdeclared:
             "engine misdeclared: its events contradict its declared config",
             extra={"engine": check.spec.name, "reason": reason},
         )
-        if self._on_flag is not None:
-            self._on_flag(check.spec, dict(check.reasons))
+        self._tell(check)
 
 
 def _contradictions(check: _Check, event: BlockStored) -> list[tuple[str, str]]:
     spec, found = check.spec, []
+    if check.block_size is None:
+        return found  # nothing to hold the event to before its block size is known
     groups = spec.kv_groups
     group = None
     if groups is not None and event.group_idx is not None:
@@ -171,10 +216,11 @@ def _contradictions(check: _Check, event: BlockStored) -> list[tuple[str, str]]:
                         f" events show {kind!r}",
                     )
                 )
-    size = (group.block_size if group is not None else None) or spec.block_size
+    size = (group.block_size if group is not None else None) or check.block_size
     shown = event.block_size or _tokens_per_block(event)
     if shown and shown != size:
-        found.append(("block_size", f"block_size: declared {size}, events show {shown}"))
+        how = "declared" if spec.block_size else "learned from its first events"
+        found.append(("block_size", f"block_size: {how} {size}, events show {shown}"))
     elif lookahead := _lookahead_contradiction(spec.lookahead_tokens, event):
         found.append(("lookahead_tokens", lookahead))
     elif check.hasher is not None and not _hash_agrees(check, event, size):

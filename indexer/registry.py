@@ -118,6 +118,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``adapter`` names the engine's event format (:mod:`indexer.engines.catalog`);
     it also says where each data-parallel rank publishes (vLLM: the
     endpoint's port + r, for both the PUB and the replay socket).
+    ``block_size`` null: not declared, learned from the engine's first
+    ``BlockStored`` (:mod:`indexer.misdeclared`), as for an engine registered by
+    its ``url`` (:mod:`indexer.discovery.served`), whose server does not say it.
     """
 
     name: Name
@@ -126,7 +129,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replay_endpoint: Endpoint | None = None
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     topic: str = ""
-    block_size: Positive = 16
+    block_size: Positive | None = 16
     hash_algo: Literal[HASH_ALGOS] | None = "sha256"  # None: not reproducible here
     hash_seed: str | None = None
     lookahead_tokens: LookaheadTokens = 0
@@ -142,9 +145,14 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     adapter: Literal[catalog.names()] = catalog.DEFAULT  # type: ignore[valid-type]
     #: how the engine's reuse reports reach kvindex (:data:`REUSE_REPORTS`)
     reuse_reports: ReuseReports = "capped"
+    #: the engine's OpenAI server (``http://HOST:PORT``) when it was registered by it
+    url: str | None = None
 
     def __post_init__(self) -> None:
-        check_kv_groups(self.kv_groups or [], self.block_size)
+        if self.kv_groups:
+            if self.block_size is None:
+                raise ValueError("kv_groups: declared groups need the engine's block_size")
+            check_kv_groups(self.kv_groups, self.block_size)
         if self.events != (self.endpoint is not None):
             raise ValueError(
                 "endpoint: required for an engine that publishes events, and only for one"
@@ -205,24 +213,41 @@ def parse_engine_flag(text: str) -> EngineSpec:
     """
     head, *rest = text.split(",")
     name, sep, endpoint = head.partition("=")
-    pairs = [item.partition("=") for item in rest if item]
-    if not sep or not all(eq for _, eq, _ in pairs):
+    if not sep:
         raise ValueError(f"--engine {text!r}: expected NAME=ENDPOINT[,FIELD=VALUE...]")
-    known = {f.name: f for f in msgspec.structs.fields(EngineSpec)}
     # ``NAME=,events=false,...``: an engine without events has no endpoint
-    fields: dict[str, str | None] = {"name": name, "endpoint": endpoint or None}
-    for key, _, value in pairs:
-        key = key.strip()
-        if value != "null" or key not in known:
-            fields[key] = value
-        elif type(None) in typing.get_args(known[key].type):
-            fields[key] = None
-        else:
-            fields.pop(key, None)
+    fields = {"name": name, "endpoint": endpoint or None}
+    fields |= parse_flag_fields(rest, f"--engine {text!r}")
     try:
         return msgspec.convert(fields, EngineSpec, strict=False)
     except msgspec.ValidationError as e:
         raise ValueError(f"--engine {text!r}: {e}") from None
+
+
+def parse_flag_fields(items: list[str], flag: str) -> dict[str, str | None]:
+    """A flag's ``FIELD=VALUE`` items as EngineSpec fields (text, converted by the
+    caller), ``null`` as :func:`parse_engine_flag` says. ``flag`` names it in errors."""
+    pairs = [item.partition("=") for item in items if item]
+    if not all(eq for _, eq, _ in pairs):
+        raise ValueError(f"{flag}: expected FIELD=VALUE after each comma")
+    fields: dict[str, str | None] = {}
+    for key, _, value in pairs:
+        key = key.strip()
+        if value != "null" or key not in _SPEC_FIELDS:
+            fields[key] = value
+        elif nullable(key):
+            fields[key] = None
+        else:
+            fields.pop(key, None)
+    return fields
+
+
+def nullable(field: str) -> bool:
+    """Whether an EngineSpec field may be None (for the others, None means the default)."""
+    return type(None) in typing.get_args(_SPEC_FIELDS[field].type)
+
+
+_SPEC_FIELDS = {f.name: f for f in msgspec.structs.fields(EngineSpec)}
 
 
 class BindRefused(ValueError):

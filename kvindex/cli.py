@@ -18,7 +18,7 @@ import click
 import msgspec
 
 from indexer.log import setup_logging
-from kvindex.options import EngineFlag, Port, apply, cannot, option, usage_line
+from kvindex.options import EngineFlag, EngineUrlFlag, Port, apply, cannot, option, usage_line
 from kvindex.replay import replay as run_replay
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ async def _serve(args: argparse.Namespace, config: ServeConfig, redis: RedisConf
         redis=redis,
         settings=settings,
         discover=args.discover,
+        engine_urls=args.engine_url,
     )
 
 
@@ -108,6 +109,7 @@ async def _indexer(
         config,
         _needs_redis(args, redis),
         list(args.engine),
+        engine_urls=args.engine_url,
         worker_id=args.worker_id,
         metrics=metrics,
     )
@@ -167,6 +169,17 @@ def _engine_flag(what: str) -> Callable:
         type=EngineFlag(),
         help=f"{what}, e.g. a=tcp://host:5557,replay_endpoint=tcp://host:5558"
         " (repeatable, or space-separated in the variable; fields as in the config file)",
+    )
+
+
+def _engine_url_flag(what: str) -> Callable:
+    return option(
+        "--engine-url",
+        multiple=True,
+        type=EngineUrlFlag(),
+        help=f"{what}, e.g. http://host:8100 or http://host:8100,name=a,hash_algo=sha256:"
+        " endpoints, ranks and model from its /kv_event_sources and /v1/models, block size"
+        " from its events (repeatable, or space-separated in the variable)",
     )
 
 
@@ -265,6 +278,7 @@ def replay(**_: object) -> argparse.Namespace:
 @_redis_flags("use the Redis store at this URL (default: embedded)", prefix=None)
 @_config_flag()
 @_engine_flag("an engine to follow")
+@_engine_url_flag("an engine to follow, by its OpenAI server's URL")
 @option(
     "--discover",
     multiple=True,
@@ -280,7 +294,8 @@ def serve(**_: object) -> argparse.Namespace:
     \b
     Example:
       kvindex serve --port 8000 \\
-        --engine vllm-a=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558
+        --engine vllm-a=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558 \\
+        --engine-url http://10.0.0.6:8100
     """
     return _parsed(_service, service=_serve)
 
@@ -291,6 +306,7 @@ def serve(**_: object) -> argparse.Namespace:
 @_redis_flags("the shared Redis (required, or a redis config section)", None)
 @_config_flag()
 @_engine_flag("an engine to register if it is not yet")
+@_engine_url_flag("an engine to register if it is not yet, by its OpenAI server's URL")
 @option("--worker-id", help="unique name  [default: host-pid-random]")
 @option("--lease-ttl", type=float, help="seconds a dead worker's engines wait  [default: 6]")
 @option("--metrics-port", type=Port(), help="serve Prometheus metrics on this port")

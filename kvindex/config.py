@@ -9,6 +9,9 @@ Each command reads the sections it needs (:mod:`kvindex.serve`,
         replay_endpoint: tcp://10.0.0.5:5558
         dp_ranks: 2
         blocks_per_chunk: 16
+    engine_urls:                  # engines their OpenAI server describes, see
+      - http://10.0.0.6:8100      # indexer.discovery.served (URL[,FIELD=VALUE...])
+      - {url: http://10.0.0.7:8100, name: vllm-b, hash_algo: sha256_cbor}
     discover:                     # engines found by DNS or Kubernetes, see indexer.discovery
       - dns://vllm.default.svc.cluster.local:5557?replay_port=5558&block_size=16
     subscriber:                   # SubscriberSettings, see indexer.ingest.subscriber
@@ -56,6 +59,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from api.settings import ApiSettings
 from indexer.cluster.workers import WorkerSettings
 from indexer.discovery import Source, open_source
+from indexer.discovery.served import EngineUrl, engine_url, parse_engine_url
 from indexer.ingest.subscriber import SubscriberSettings
 from indexer.metrics import MetricsSettings
 from indexer.prompts import ModelTokenizer
@@ -80,6 +84,9 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The ``--config`` file."""
 
     engines: list[EngineSpec] = []
+    #: engines given by their OpenAI server's URL: ``URL[,FIELD=VALUE...]`` or
+    #: ``{url: URL, FIELD: VALUE...}``, see indexer.discovery.served
+    engine_urls: list[str | dict[str, Any]] = []
     #: ``--discover`` URLs (dns://NAME:PORT?..., k8s://NAMESPACE?...), see indexer.discovery
     discover: list[str] = []
     subscriber: SubscriberSettings = SubscriberSettings()
@@ -115,6 +122,14 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def url_engines(self, flags: Sequence[EngineUrl] = ()) -> list[EngineUrl]:
+        """The file's ``engine_urls``, then ``flags`` (``--engine-url``); a bad entry is a
+        ConfigError naming it."""
+        try:
+            return [_engine_url(entry) for entry in self.engine_urls] + list(flags)
+        except ValueError as e:
+            raise ConfigError(f"engine_urls: {e}") from None
+
     def redis_config(
         self, url: str | None, *, cluster: bool = False, prefix: str | None = None
     ) -> RedisConfig | None:
@@ -126,6 +141,16 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         flags = {"url": url, "cluster": cluster or None, "prefix": prefix}
         section.update((k, v) for k, v in flags.items() if v is not None)
         return _dataclass(RedisConfig, section, "redis")
+
+
+def _engine_url(entry: str | dict[str, Any]) -> EngineUrl:
+    if isinstance(entry, str):
+        return parse_engine_url(entry)
+    fields = dict(entry)
+    url = fields.pop("url", None)
+    if not isinstance(url, str):
+        raise ValueError(f"{entry!r}: expected a url")
+    return engine_url(url, fields)
 
 
 def _dataclass(cls: type, section: dict[str, Any], name: str) -> Any:

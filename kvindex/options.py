@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
+    from indexer.discovery.served import EngineUrl
     from indexer.registry import EngineSpec
 
 ENV_PREFIX = "KVINDEX_"
@@ -96,6 +97,22 @@ class EngineFlag(click.ParamType):
 
         try:
             return parse_engine_flag(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class EngineUrlFlag(click.ParamType):
+    """``URL[,FIELD=VALUE...]``: one engine its OpenAI server describes."""
+
+    name = "URL[,FIELD=VALUE...]"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> EngineUrl:
+        from indexer.discovery.served import parse_engine_url  # on use: --help stays quick
+
+        try:
+            return parse_engine_url(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
 

@@ -32,6 +32,7 @@ from indexer.cluster.misdeclared_board import RedisMisdeclared
 from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.status_board import StatusBoard
 from indexer.cluster.workers import Worker
+from indexer.discovery.served import EngineUrl, UrlEngines
 from indexer.engines import catalog
 from indexer.ingest.subscriber import RankPool
 from indexer.leases import Leases
@@ -55,16 +56,19 @@ async def run_indexer(
     redis: RedisConfig,
     engines: Sequence[EngineSpec] = (),
     *,
+    engine_urls: Sequence[EngineUrl] = (),
     worker_id: str | None = None,
     metrics: tuple[str, int] | None = None,
 ) -> bool:
     """Run one worker until SIGTERM or SIGINT; False if it failed on its own.
 
-    ``engines`` (and the config file's) are registered unless already there.
+    ``engines`` and ``engine_urls`` (and the config file's) are registered unless
+    already there, the latter once their servers describe them.
     ``metrics``: ``(host, port)`` to serve Prometheus metrics on.
     """
     catalog.warn_if_unavailable("indexer")
     config.check_binds(engines)
+    targets = config.url_engines(engine_urls)
     store = RedisStore(redis)
     registry = RedisRegistry(store.client)
     pool = RankPool(config.subscriber)
@@ -73,13 +77,14 @@ async def run_indexer(
     pool.add_observer(routed.observe)
     watch_routed(routed)
     # the engines this worker consumes are checked here, and read by every API replica
-    checks = Misdeclared(registry, on_flag=RedisMisdeclared(store.client, registry).publish)
+    checks = Misdeclared(registry, on_change=RedisMisdeclared(store.client, registry).publish)
     pool.add_observer(checks.observe, checks.reads_tokens)
     worker = Worker(store, registry, pool, config.indexer, worker_id)
-    exporter = sampler = None
+    exporter = sampler = by_url = None
     try:
         with stop_signals() as stop:
             await registry.seed([*config.engines, *engines])
+            by_url = UrlEngines(targets, lambda spec: registry.seed([spec]))
             if metrics is not None:
                 exporter = _serve_metrics(*metrics)
             await worker.start()
@@ -94,6 +99,8 @@ async def run_indexer(
     finally:
         if sampler is not None:
             sampler.cancel()
+        if by_url is not None:
+            await by_url.stop()
         await worker.stop()
         await routed.close()
         await store.close()

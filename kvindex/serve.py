@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from api import operators
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer import discovery, metrics
+from indexer.discovery.served import EngineUrl, UrlEngines, follow_moves
 from indexer.ingest.subscriber import Subscriber
 from indexer.leases import Leases
 from indexer.registry import EngineRegistry, EngineSpec
@@ -46,6 +47,11 @@ def open_routed(redis: RedisConfig | None, store: Store) -> RoutedEntries:
     return RedisRouted(redis, store.client)
 
 
+def _connected(subscriber: Subscriber) -> Callable[[str], bool]:
+    """Whether some rank of an engine has a publisher connected."""
+    return lambda engine: any(s.connected for s in subscriber.rank_status(engine))
+
+
 async def serve(
     config: ServeConfig,
     engines: Sequence[EngineSpec] = (),
@@ -55,13 +61,16 @@ async def serve(
     redis: RedisConfig | None = None,
     settings: ApiSettings | None = None,
     discover: Sequence[str] = (),
+    engine_urls: Sequence[EngineUrl] = (),
 ) -> None:
     """Run until SIGTERM or SIGINT, then stop cleanly; ``redis``: the store (default
     embedded); ``settings``: the API's (default the config file's); ``discover``:
-    ``--discover`` URLs, after the config file's."""
+    ``--discover`` URLs, after the config file's; ``engine_urls``: ``--engine-url``
+    engines, after the config file's, registered as their servers answer."""
     operators.warn_if_unavailable("serve", embedded_store=redis is None)
     config.check_binds(engines)
     sources = config.discovery_sources(discover)
+    targets = config.url_engines(engine_urls)
     settings = settings or config.api_settings()
     store = open_store(redis)
     registry = EngineRegistry()
@@ -69,21 +78,26 @@ async def serve(
     routed = open_routed(redis, store)
     leases = Leases(registry, settings.announce, on_removed=routed.forget)
     app = create_app(store, registry, subscriber, settings, routed=routed, leases=leases)
-    sampler = found = None
+    sampler = found = by_url = moves = None
     try:
         with stop_signals() as stop, listen(host, port) as sock:
             await subscriber.start()
             sampler = asyncio.create_task(metrics.sample_residency(store, config.metrics))
             for spec in [*config.engines, *engines]:
                 await registry.add(spec)
+            by_url = UrlEngines(targets, registry.add)
+            moves = asyncio.create_task(follow_moves(registry, _connected(subscriber)))
             found = discovery.Discovery(sources, leases)
             about = {"engines": [s.name for s in registry.all()], "store": type(store).__name__}
             await serve_http(app, settings, sock, stop, **about)
     finally:
-        if sampler is not None:
-            sampler.cancel()
+        for task in (sampler, moves):
+            if task is not None:
+                task.cancel()
         if found is not None:
             await found.stop()
+        if by_url is not None:
+            await by_url.stop()
         await leases.close()
         await subscriber.stop()
         await routed.close()

@@ -8,7 +8,9 @@ One check is left out: ``positive_data_acceptance`` expects every
 schema-valid request to succeed, but OpenAPI cannot say "exactly one of two
 query parameters", "lora_name and lora_path together", a uint64 ceiling on
 decimal text, or the configured prompt maximum; those are documented 4xx
-answers, not failures.
+answers, not failures. And ``POST /engines`` by ``url`` asks the engine's
+server, which no fuzzed url names: its documented 502/503 ("engine server
+URL: ...") are its answer then, not a server error of kvindex's.
 """
 
 from __future__ import annotations
@@ -71,11 +73,19 @@ GUARDED = schemathesis.pytest.from_fixture("guarded_schema")
 NOT_CHECKED = [schemathesis.checks.positive_data_acceptance]
 
 
+def _call_and_validate(case: schemathesis.Case, **kwargs: object) -> None:
+    response = case.call(**kwargs)
+    excluded = NOT_CHECKED
+    if response.status_code in (502, 503) and response.json()["error"].startswith("engine server"):
+        excluded = [*NOT_CHECKED, schemathesis.checks.not_a_server_error]
+    case.validate_response(response, excluded_checks=excluded, **kwargs)
+
+
 @pytest.mark.slow
 @OPEN.parametrize()
 @FUZZ
 def test_api_conforms_to_its_schema(case: schemathesis.Case) -> None:
-    case.call_and_validate(excluded_checks=NOT_CHECKED)
+    _call_and_validate(case)
 
 
 @pytest.mark.slow
@@ -83,6 +93,4 @@ def test_api_conforms_to_its_schema(case: schemathesis.Case) -> None:
 @FUZZ
 def test_api_with_a_token_conforms_and_enforces_it(case: schemathesis.Case) -> None:
     """With the token the fuzzer reaches the handlers; schemathesis also retries without it."""
-    case.call_and_validate(
-        headers={"Authorization": f"Bearer {TOKEN}"}, excluded_checks=NOT_CHECKED
-    )
+    _call_and_validate(case, headers={"Authorization": f"Bearer {TOKEN}"})

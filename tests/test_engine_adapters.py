@@ -231,8 +231,8 @@ def test_vllm_hashing_goes_through_the_adapter() -> None:
 
 def test_a_legacy_engine_is_matched_through_the_learned_index() -> None:
     legacy = EngineSpec("old", "tcp://h:5557", adapter="vllm_legacy")
-    assert DECLARED.hashing_of(legacy) is None  # its hashes are not reproduced here
-    assert DECLARED.hashing_of(EngineSpec("new", "tcp://h:5557")) is not None
+    assert DECLARED.hashing_of(legacy, 16) is None  # its hashes are not reproduced here
+    assert DECLARED.hashing_of(EngineSpec("new", "tcp://h:5557"), 16) is not None
     assert not LEGACY.hash_algos and not LEGACY.hasher("sha256", None, 16).reproducible
     # Its events state no extra keys; vLLM's state them untagged, block by block.
     salted = Prompt(tuple(range(40)), lora_name="ad", cache_salt="s")

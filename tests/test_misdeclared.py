@@ -183,3 +183,29 @@ async def _connected(client: httpx.AsyncClient) -> bool:
 
 async def _reported(client: httpx.AsyncClient) -> bool:
     return bool((await client.get("/engines/wrong")).json()["misdeclared"])
+
+
+async def test_an_engine_without_a_block_size_learns_it_from_its_first_store(live):
+    """Fails before the URL registrations: EngineSpec refused ``block_size: null``."""
+    (publisher,) = await live.add_published("unsized", block_size=None)
+    before = (await live.client.get("/engines/unsized")).json()
+    assert before["block_size"] is None and before["learned_block_size"] is None
+    assert before["unmatched"].startswith("block size not known yet")
+    prompt = list(range(64))
+    answer = (await live.client.post("/prefix-match", json={"tokens": prompt})).json()
+    assert answer["block_size"] is None and answer["engines"][0]["prefix_blocks"] == 0
+    hasher = catalog.adapter("vllm").hasher("sha256", None, 32)
+    stored = BlockStored(
+        block_hashes=hasher.published(hasher.digests(Prompt(tuple(prompt)))),
+        token_ids=prompt,
+        block_size=32,
+        extra_keys=[None, None],
+        medium="GPU",
+    )
+    publisher.publish(EventBatch(ts=1.0, events=[stored]))
+    await live.wait_applied("unsized", [0])
+    after = (await live.client.get("/engines/unsized")).json()
+    assert (after["learned_block_size"], after["unmatched"], after["misdeclared"]) == (32, None, [])
+    answer = (await live.client.post("/prefix-match", json={"tokens": prompt})).json()
+    row = answer["engines"][0]
+    assert (answer["block_size"], row["gpu_blocks"], row["prefix_tokens"]) == (32, 2, 64)

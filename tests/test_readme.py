@@ -26,6 +26,7 @@ def test_readme_config_loads(tmp_path: Path) -> None:
     assert [e.name for e in loaded.engines] == ["vllm-a"]
     assert loaded.engines[0].rank_endpoint(1, replay=True) == "tcp://10.0.0.5:5559"
     assert loaded.api_settings().auth_token == "change-me"
+    assert [u.name for u in loaded.url_engines()] == ["10.0.0.6:8100", "vllm-c"]
 
 
 def kvindex_commands() -> list[list[str]]:

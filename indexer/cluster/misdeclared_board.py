@@ -2,10 +2,18 @@
 
 Only the worker consuming an engine's ranks sees its events, so the worker's
 :class:`~indexer.misdeclared.Misdeclared` publishes what it found to the hash
-``{P:meta}:misdeclared`` (engine name -> the spec checked and the
-contradictions, JSON), and every replica reads it back. An entry counts only
-while the engine is registered with the very spec that was checked: a
-re-registration with another spec starts clean, as in one process.
+``{P:meta}:misdeclared`` (engine name -> the spec checked, the
+contradictions and the block size its events showed, JSON), and every replica
+reads it back. An entry counts only while the engine is registered with the
+very spec that was checked: a re-registration with another spec starts clean,
+as in one process.
+
+So a block size learned from the events (an engine registered without one)
+lives beside the registry in Redis, as long as the registration: replicas that
+start later read it here (a worker that takes the engine over learns it again,
+for its own checks, from the next store). Should Redis
+lose it, the registry is registered again from the processes' copies and the
+block size learned again from the first store the re-applied batches hold.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ log = logging.getLogger("kvindex.misdeclared")
 class _Entry(msgspec.Struct, frozen=True):
     spec: EngineSpec
     reasons: dict[str, str]
+    block_size: int | None = None
 
 
 _encode = msgspec.json.Encoder().encode
@@ -42,6 +51,7 @@ class RedisMisdeclared:
         self._key = f"{{{client.layout.meta_key}}}:misdeclared"
         self._seen: dict[str, _Entry] = {}
         self._writes: set[asyncio.Task] = set()
+        self._writing = asyncio.Lock()  # one read-merge-write at a time
 
     def reasons(self, engine: str) -> list[str]:
         entry = self._current(engine)
@@ -51,10 +61,20 @@ class RedisMisdeclared:
         entry = self._current(engine)
         return entry is not None and excludes(entry.reasons)
 
-    def publish(self, spec: EngineSpec, reasons: dict[str, str]) -> None:
-        """Write the engine's contradictions in the background (an observer cannot wait)."""
-        command = ("HSET", self._key, spec.name, _encode(_Entry(spec, reasons)))
-        task = asyncio.get_running_loop().create_task(self._write(command))
+    def block_size(self, engine: str) -> int | None:
+        try:
+            declared = self._registry.get(engine).block_size
+        except UnknownEngine:
+            return None
+        entry = self._current(engine)
+        return declared or (entry.block_size if entry else None)
+
+    def publish(self, spec: EngineSpec, reasons: dict[str, str], block_size: int | None) -> None:
+        """Write what the checks found in the background (an observer cannot wait), over
+        what an earlier owner of the engine found of the same registration."""
+        task = asyncio.get_running_loop().create_task(
+            self._write(_Entry(spec, reasons, block_size))
+        )
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
@@ -66,9 +86,14 @@ class RedisMisdeclared:
         """Refresh every ``interval`` seconds, forever (run it as a task)."""
         await repeat(interval, self.refresh, "misdeclared engines")
 
-    async def _write(self, command: tuple) -> None:
+    async def _write(self, entry: _Entry) -> None:
+        name = entry.spec.name
         try:
-            await self._client.execute([command])
+            async with self._writing:
+                (raw,) = await self._client.execute([("HGET", self._key, name)])
+                if raw is not None:
+                    entry = _merged(_decode(raw), entry)
+                await self._client.execute([("HSET", self._key, name, _encode(entry))])
         except Exception as e:  # the log and the worker's metric have it already
             log.warning("could not publish a misdeclared engine", extra={"error": repr(e)})
 
@@ -79,3 +104,11 @@ class RedisMisdeclared:
         except UnknownEngine:
             return None
         return entry if entry is not None and entry.spec == registered else None
+
+
+def _merged(old: _Entry, new: _Entry) -> _Entry:
+    """A worker's findings over its predecessor's of the same registration: a worker
+    taking an engine over learns its block size again before it has checked as much."""
+    if old.spec != new.spec:
+        return new
+    return _Entry(new.spec, old.reasons | new.reasons, new.block_size or old.block_size)

@@ -149,7 +149,7 @@ function renderEngine(states) {
     $("#engine-ranks tbody").replaceChildren();
     return;
   }
-  const fields = ["model", "endpoint", "replay_endpoint", "dp_ranks", "block_size", "hash_algo", "blocks_per_chunk", "topic", "bind"];
+  const fields = ["model", "url", "endpoint", "replay_endpoint", "dp_ranks", "block_size", "learned_block_size", "hash_algo", "blocks_per_chunk", "topic", "bind"];
   $("#engine-spec").replaceChildren(
     ...fields.flatMap((f) => [el("dt", {}, f), el("dd", { "data-field": f }, String(engine[f] ?? "—"))]),
   );
