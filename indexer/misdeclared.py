@@ -84,10 +84,10 @@ class _Check:
         """Check the hashes at this block size from now on (the declared or learned one)."""
         self.block_size = block_size
         spec, algo = self.spec, self.spec.hash_algo
-        adapter = spec.engine_adapter
-        hasher = (
-            adapter.hasher(algo, spec.hash_seed, block_size, spec.lookahead_tokens) if algo else None
-        )
+        hasher = None
+        if algo:
+            adapter = spec.engine_adapter
+            hasher = adapter.hasher(algo, spec.hash_seed, block_size, spec.lookahead_tokens)
         self.hasher = hasher if hasher is not None and hasher.reproducible else None
 
 

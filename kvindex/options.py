@@ -93,7 +93,7 @@ class EngineFlag(click.ParamType):
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
     ) -> EngineSpec:
-        from indexer.registry import parse_engine_flag  # on use: --help stays quick
+        from indexer.engine_flags import parse_engine_flag  # on use: --help stays quick
 
         try:
             return parse_engine_flag(value)

@@ -30,13 +30,14 @@ from indexer.core.events import (
     WireError,
 )
 from indexer.core.matching import PrefixMatch
+from indexer.engine_flags import parse_engine_flag
 from indexer.engines import catalog
 from indexer.engines.base import MAX_HASHES_PER_EVENT, Prompt
 from indexer.engines.prompts import ChatMessage, ChatOptions
 from indexer.engines.vllm import hashing, native, render
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.prompts import ModelTokenizer
-from indexer.registry import EngineRegistry, EngineSpec, parse_engine_flag
+from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from kvindex.config import ConfigError, load_config
 from producer.publisher import Publisher

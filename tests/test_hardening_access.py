@@ -24,8 +24,9 @@ import pytest
 from fastapi import FastAPI
 
 from api import ApiSettings, create_app
+from indexer.engine_flags import parse_engine_flag
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.registry import BindPolicy, BindRefused, EngineRegistry, EngineSpec, parse_engine_flag
+from indexer.registry import BindPolicy, BindRefused, EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from kvindex.config import (
     AUTH_TOKEN_ENV,

@@ -20,7 +20,8 @@ import httpx
 import msgspec
 import pytest
 
-from indexer.registry import EngineSpec, parse_engine_flag
+from indexer.engine_flags import parse_engine_flag
+from indexer.registry import EngineSpec
 from kvindex.config import ConfigError, ServeConfig, load_config
 from kvindex.http import listen
 from producer.publisher import Publisher

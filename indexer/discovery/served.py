@@ -43,9 +43,10 @@ import msgspec
 import tenacity
 
 from indexer.discovery.source import host_port
+from indexer.engine_flags import nullable, parse_flag_fields
 from indexer.engines import catalog
 from indexer.periodic import repeat
-from indexer.registry import EngineSpec, Registry, is_loopback, nullable, parse_flag_fields
+from indexer.registry import EngineSpec, Registry, is_loopback
 
 log = logging.getLogger("kvindex.discovery")
 
