@@ -29,8 +29,6 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 TOKEN = "real-server-tier-token"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-#: short leases, so that a restarted kvindex hears from the engine within 2 s
-LEASE_SECONDS = 6
 
 
 def free_port() -> int:
@@ -133,9 +131,12 @@ class VllmServer(Process):
     """``vllm serve`` of the tiny model, announcing itself to kvindex as ``name``; its
     ports stay the same across restarts, so it is the same engine to kvindex."""
 
-    def __init__(self, workdir: Path, name: str, model_dir: Path, kvindex_url: str) -> None:
+    def __init__(
+        self, workdir: Path, name: str, model_dir: Path, kvindex_url: str, lease: float
+    ) -> None:
         super().__init__(workdir, name)
         self.name = name
+        self.lease = lease
         self.model_dir = model_dir
         self.kvindex_url = kvindex_url
         self.port, self.events, self.replay = free_port(), free_port(), free_port()
@@ -165,7 +166,7 @@ class VllmServer(Process):
             KVINDEX_ANNOUNCE_TOKEN=TOKEN,
             KVINDEX_ENGINE_HOST="127.0.0.1",
             KVINDEX_ENGINE_NAME=self.name,
-            KVINDEX_ANNOUNCE_LEASE_SECONDS=str(LEASE_SECONDS),
+            KVINDEX_ANNOUNCE_LEASE_SECONDS=str(self.lease),
         )
         self.tap.reset()
         self.spawn(command, env)
@@ -201,8 +202,10 @@ def kv(serve) -> Kvindex:
     return Kvindex(serve.url)
 
 
-def _engine(tmp_path_factory, name: str, model_dir: Path, serve: Serve) -> Iterator[VllmServer]:
-    server = VllmServer(tmp_path_factory.mktemp(name), name, model_dir, serve.url)
+def _engine(
+    tmp_path_factory, name: str, model_dir: Path, serve: Serve, lease: float
+) -> Iterator[VllmServer]:
+    server = VllmServer(tmp_path_factory.mktemp(name), name, model_dir, serve.url, lease)
     try:
         server.start()
         yield server
@@ -213,12 +216,14 @@ def _engine(tmp_path_factory, name: str, model_dir: Path, serve: Serve) -> Itera
 
 @pytest.fixture(scope="session")
 def engine_a(tmp_path_factory, model_dir, serve) -> Iterator[VllmServer]:
-    yield from _engine(tmp_path_factory, "real-a", model_dir, serve)
+    """A short lease: a restarted kvindex hears from A again within 2 s (a third of it)."""
+    yield from _engine(tmp_path_factory, "real-a", model_dir, serve, lease=6)
 
 
 @pytest.fixture(scope="session")
 def engine_b(tmp_path_factory, model_dir, serve) -> Iterator[VllmServer]:
-    yield from _engine(tmp_path_factory, "real-b", model_dir, serve)
+    """A long lease: B restarted is still registered when its new incarnation starts."""
+    yield from _engine(tmp_path_factory, "real-b", model_dir, serve, lease=300)
 
 
 @pytest.fixture(scope="session")
@@ -226,6 +231,12 @@ def announced_a(kv, engine_a) -> VllmServer:
     """Engine A as kvindex knows it once its plugin announced it."""
     kv.wait_registered(engine_a.name)
     return engine_a
+
+
+@pytest.fixture(scope="session")
+def announced_b(kv, engine_b) -> VllmServer:
+    kv.wait_registered(engine_b.name)
+    return engine_b
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -47,6 +47,7 @@ class EventTap:
         """Forget the engine's seq (it restarted) but keep the counts."""
         with self._lock:
             self.seq: int | None = None
+            self.first: int | None = None  # the first seq seen since
             self.at = time.monotonic()
             if not hasattr(self, "counts"):
                 self.counts: dict[str, int] = {}  # events by type
@@ -61,6 +62,7 @@ class EventTap:
             batch = msgspec.msgpack.decode(payload)
             with self._lock:
                 self.seq = int.from_bytes(seq, "big")
+                self.first = self.seq if self.first is None else self.first
                 self.at = time.monotonic()
                 for event in batch[1]:
                     kind = event["type"]
@@ -104,6 +106,12 @@ class Kvindex:
         answer = self.http.post("/prefix-match", json=query).raise_for_status().json()
         (row,) = answer["engines"]
         return {**row, "num_blocks": answer["num_blocks"]}
+
+    def gpu_blocks(self, body: dict[str, Any]) -> dict[str, int]:
+        """Every engine's GPU prefix of ``body``, by name (no engine filter)."""
+        query = {**body, "model": MODEL}
+        answer = self.http.post("/prefix-match", json=query).raise_for_status().json()
+        return {row["engine"]: row["gpu_blocks"] for row in answer["engines"]}
 
     def metric(self, name: str, engine: str) -> float:
         for line in self.http.get("/metrics").raise_for_status().text.splitlines():
@@ -209,11 +217,12 @@ class Turns:
         self.vllm = Vllm(server.url)
         self.done = TALLY.turns.setdefault(kind, [])
 
-    def turn(self, label: str, body: dict[str, Any], max_tokens: int = 4) -> Turn:
+    def turn(self, label: str, body: dict[str, Any], max_tokens: int = 4, **to_vllm: Any) -> Turn:
+        """One comparison; ``to_vllm``: request fields for vLLM only (``vllm_xargs``)."""
         settle(self.kv, self.server.name, self.server.tap)
         row = self.kv.prefix(self.server.name, body)
         assert not row["degraded"], row
-        answer = self.vllm.send(body, max_tokens)
+        answer = self.vllm.send({**body, **to_vllm}, max_tokens)
         usage = answer["usage"]
         length = usage["prompt_tokens"]
         choice = answer["choices"][0]
