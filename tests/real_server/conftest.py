@@ -200,8 +200,11 @@ def serve(tmp_path_factory, model_dir) -> Iterator[Serve]:
 
 
 @pytest.fixture(scope="session")
-def kv(serve) -> Kvindex:
-    return Kvindex(serve.url)
+def kv(serve) -> Iterator[Kvindex]:
+    client = Kvindex(serve.url)
+    yield client
+    took, what = client.slowest
+    TALLY.notes.append(f"slowest /prefix-match: {took:.2f} s ({what})")
 
 
 def _engine(

@@ -49,6 +49,7 @@ class EventTap:
             self.seq: int | None = None
             self.first: int | None = None  # the first seq seen since
             self.at = time.monotonic()
+            self.expected = (0, 0.0)  # see expect()
             if not hasattr(self, "counts"):
                 self.counts: dict[str, int] = {}  # events by type
                 self.hashes: dict[str, int] = {}  # block hashes by event type
@@ -71,8 +72,23 @@ class EventTap:
                     self.hashes[kind] = self.hashes.get(kind, 0) + hashes
 
     def last(self) -> tuple[int | None, float]:
+        """The newest seq, and when the newest batch or the last expect() came."""
         with self._lock:
-            return self.seq, self.at
+            stored, since = self.expected
+            if self.hashes.get("BlockStored", 0) < stored:
+                return self.seq, time.monotonic()  # what the engine stored is still coming
+            return self.seq, max(self.at, since)
+
+    def stored(self) -> int:
+        with self._lock:
+            return self.hashes.get("BlockStored", 0)
+
+    def expect(self, stored: int) -> None:
+        """A request just answered: its stores make the engine's BlockStored hashes at
+        least ``stored`` (the batch may come after the answer: vLLM publishes from a
+        thread of its own)."""
+        with self._lock:
+            self.expected = (stored, time.monotonic())
 
     def close(self) -> None:
         self._stopping.set()
@@ -86,7 +102,8 @@ class Kvindex:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.http = httpx.Client(base_url=url, timeout=10)
+        self.http = httpx.Client(base_url=url, timeout=60)
+        self.slowest = (0.0, "")  # the slowest /prefix-match, for the summary
 
     def engines(self) -> list[dict[str, Any]]:
         return self.http.get("/engines").raise_for_status().json()
@@ -103,7 +120,11 @@ class Kvindex:
         """The engine's row of POST /prefix-match for ``body`` (``prompt`` or ``messages``),
         with the answer's ``num_blocks``."""
         query = {**body, "model": MODEL, "engines": [engine]}
+        started = time.monotonic()
         answer = self.http.post("/prefix-match", json=query).raise_for_status().json()
+        took = time.monotonic() - started
+        if took > self.slowest[0]:
+            self.slowest = (took, f"{len(str(body))} characters of {', '.join(body)}")
         (row,) = answer["engines"]
         return {**row, "num_blocks": answer["num_blocks"]}
 
@@ -139,8 +160,8 @@ class Kvindex:
 
 
 def settle(kv: Kvindex, name: str, tap: EventTap, quiet: float = 0.15, timeout=20.0) -> None:
-    """Wait until the engine published nothing for ``quiet`` seconds and kvindex has
-    applied its newest batch."""
+    """Wait until the engine published what its last answered request stored, then
+    nothing for ``quiet`` seconds, and kvindex has applied its newest batch."""
     deadline = time.monotonic() + timeout
     while True:
         seq, at = tap.last()
@@ -222,14 +243,19 @@ class Turns:
         settle(self.kv, self.server.name, self.server.tap)
         row = self.kv.prefix(self.server.name, body)
         assert not row["degraded"], row
+        stored = self.server.tap.stored()
         answer = self.vllm.send({**body, **to_vllm}, max_tokens)
         usage = answer["usage"]
         length = usage["prompt_tokens"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"] or 0
+        # the prompt's full blocks past the hit were stored (the last one perhaps not, when
+        # the prompt ends on a block boundary and vLLM recomputes a block it holds)
+        self.server.tap.expect(stored + max(0, length // BLOCK - cached // BLOCK - 1))
         choice = answer["choices"][0]
         turn = Turn(
             label=f"{self.server.name} {label}",
             prompt_tokens=length,
-            cached_tokens=usage["prompt_tokens_details"]["cached_tokens"] or 0,
+            cached_tokens=cached,
             kvindex_tokens=min(row["gpu_blocks"] * BLOCK, (length - 1) // BLOCK * BLOCK),
             kvindex_chain=row["num_blocks"],
             reply=choice["message"]["content"] if "message" in choice else choice["text"],

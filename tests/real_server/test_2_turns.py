@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from tests.real_server.harness import Conversations, Turns, assert_exact, completion_prompts
+from tests.real_server.harness import (
+    Conversations,
+    Turns,
+    assert_exact,
+    completion_prompts,
+    settle,
+)
 
 TURNS = 40
 
@@ -31,6 +37,7 @@ def test_the_cache_evicted_and_kvindex_followed(kv, announced_a) -> None:
     removals, kvindex applied them (no unknown ones), and the first prompt, held in
     full before, is now answered as vLLM answers it."""
     tap = announced_a.tap
+    settle(kv, announced_a.name, tap)
     assert tap.counts.get("BlockRemoved", 0) > 0, tap.counts
     assert tap.counts.get("AllBlocksCleared", 0) == 0, tap.counts
     rank = kv.rank(announced_a.name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.real_server.harness import Turns, assert_exact, completion_prompts
+from tests.real_server.harness import Turns, assert_exact, completion_prompts, settle
 
 
 def test_two_engines_each_exact_for_its_own_prompts(kv, announced_a, announced_b) -> None:
@@ -14,6 +14,8 @@ def test_two_engines_each_exact_for_its_own_prompts(kv, announced_a, announced_b
         done.append(a.turn(f"A's {i}", {"prompt": pa}))
         done.append(b.turn(f"B's {i}", {"prompt": pb}))
     for i, (pa, pb) in enumerate(zip(only_a[-4:], only_b[-4:], strict=True)):
+        settle(kv, announced_a.name, announced_a.tap)
+        settle(kv, announced_b.name, announced_b.tap)
         held = kv.gpu_blocks({"prompt": pa})
         assert held[announced_a.name] > 0 and held[announced_b.name] == 0, held
         held = kv.gpu_blocks({"prompt": pb})
