@@ -134,14 +134,26 @@ class Kvindex:
         answer = self.http.post("/prefix-match", json=query).raise_for_status().json()
         return {row["engine"]: row["gpu_blocks"] for row in answer["engines"]}
 
+    def register(self, spec: dict[str, Any], token: str) -> None:
+        """POST /engines: an engine registered by hand (no lease, no announcement)."""
+        headers = {"Authorization": f"Bearer {token}"}
+        self.http.post("/engines", json=spec, headers=headers).raise_for_status()
+
+    def remove(self, name: str, token: str) -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        self.http.delete(f"/engines/{name}", headers=headers).raise_for_status()
+
     def metric(self, name: str, engine: str) -> float:
         for line in self.http.get("/metrics").raise_for_status().text.splitlines():
             if line.startswith(name + "{") and f'engine="{engine}"' in line:
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError(f"/metrics has no {name} for {engine}")
 
-    def wait_registered(self, name: str, other_than: str | None = None, timeout=60.0) -> dict:
-        """The engine as announced (a lease instance other than ``other_than``), connected."""
+    def wait_registered(
+        self, name: str, other_than: str | None = None, timeout=60.0, leased: bool = True
+    ) -> dict:
+        """The engine as announced (a lease instance other than ``other_than``; with
+        ``leased`` false, registered by hand), connected."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -150,8 +162,8 @@ class Kvindex:
                 engine = None
             if (
                 engine is not None
-                and engine["lease"] is not None
-                and engine["lease"]["instance"] != other_than
+                and (engine["lease"] is not None) == leased
+                and (not leased or engine["lease"]["instance"] != other_than)
                 and engine["ranks"][0]["connected"]
             ):
                 return engine
@@ -230,19 +242,23 @@ TALLY = Tally()
 
 
 class Turns:
-    """Turns against one engine: its vLLM server, its name in kvindex, its tap."""
+    """Turns against one engine: its vLLM server and its tap, compared under its name in
+    kvindex and ``also`` under other names that follow the same publisher."""
 
-    def __init__(self, kv: Kvindex, server: Any, kind: str) -> None:
+    def __init__(self, kv: Kvindex, server: Any, kind: str, also: tuple[str, ...] = ()) -> None:
         self.kv = kv
         self.server = server
+        self.names = (server.name, *also)
         self.vllm = Vllm(server.url)
         self.done = TALLY.turns.setdefault(kind, [])
 
     def turn(self, label: str, body: dict[str, Any], max_tokens: int = 4, **to_vllm: Any) -> Turn:
-        """One comparison; ``to_vllm``: request fields for vLLM only (``vllm_xargs``)."""
-        settle(self.kv, self.server.name, self.server.tap)
-        row = self.kv.prefix(self.server.name, body)
-        assert not row["degraded"], row
+        """One comparison (the turn under the engine's own name is returned; all are in
+        ``done``); ``to_vllm``: request fields for vLLM only (``vllm_xargs``)."""
+        for name in self.names:
+            settle(self.kv, name, self.server.tap)
+        rows = [self.kv.prefix(name, body) for name in self.names]
+        assert not any(row["degraded"] for row in rows), rows
         stored = self.server.tap.stored()
         answer = self.vllm.send({**body, **to_vllm}, max_tokens)
         usage = answer["usage"]
@@ -252,16 +268,19 @@ class Turns:
         # the prompt ends on a block boundary and vLLM recomputes a block it holds)
         self.server.tap.expect(stored + max(0, length // BLOCK - cached // BLOCK - 1))
         choice = answer["choices"][0]
-        turn = Turn(
-            label=f"{self.server.name} {label}",
-            prompt_tokens=length,
-            cached_tokens=cached,
-            kvindex_tokens=min(row["gpu_blocks"] * BLOCK, (length - 1) // BLOCK * BLOCK),
-            kvindex_chain=row["num_blocks"],
-            reply=choice["message"]["content"] if "message" in choice else choice["text"],
-        )
-        self.done.append(turn)
-        return turn
+        turns = [
+            Turn(
+                label=f"{name} {label}",
+                prompt_tokens=length,
+                cached_tokens=cached,
+                kvindex_tokens=min(row["gpu_blocks"] * BLOCK, (length - 1) // BLOCK * BLOCK),
+                kvindex_chain=row["num_blocks"],
+                reply=choice["message"]["content"] if "message" in choice else choice["text"],
+            )
+            for name, row in zip(self.names, rows, strict=True)
+        ]
+        self.done.extend(turns)
+        return turns[0]
 
 
 def assert_exact(turns: list[Turn]) -> None:
