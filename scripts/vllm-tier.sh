@@ -25,11 +25,12 @@ if [ "$(cat "$VENV/.tier-deps" 2>/dev/null)" != "$deps" ]; then
 fi
 # what vLLM requires here, before kvindex goes into its venv
 [ -f "$PINS" ] ||
-    "$VENV/bin/python" scripts/engine_pins.py record "$PINS" --requirements "$REQS" --also torch vllm
-# every tracked file's content (a working tree's edits included), and where it lies
-own="$(git ls-files -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1) $(pwd)"
+    "$VENV/bin/python" scripts/engine_pins.py record "$PINS" --requirements "$REQS" \
+        --also torch vllm
+# every tracked file's content (a working tree's edits and deletions included), and where it lies
+own="$( (git ls-files -z | xargs -0 sha256sum 2>&1 || true) | sha256sum | cut -d' ' -f1) $(pwd)"
 if [ "$(cat "$VENV/.tier-kvindex" 2>/dev/null)" != "$own" ]; then
-    echo "== vLLM tier: pip install \"$(pwd)[vllm-plugin]\" into $VENV (the plugin's entry point, kvindex serve)"
+    echo "== vLLM tier: pip install \"$(pwd)[vllm-plugin]\" into $VENV"
     "$VENV/bin/pip" install -q "$(pwd)[vllm-plugin]"
     echo "$own" >"$VENV/.tier-kvindex"
 fi
