@@ -22,8 +22,16 @@ def ids(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(count)]
 
 
+def require(condition: bool, what: object) -> None:
+    """A precondition of the measurement: a failure here is not the expected one."""
+    if not condition:
+        pytest.fail(f"not measured: {what}")
+
+
+# Only the measured AssertionError is expected; strict: once fixed, the mark must go.
 @pytest.mark.xfail(
     strict=True,
+    raises=AssertionError,
     reason="issue 24: kvindex counts reuse reports as stores; the fix is under way in main",
 )
 def test_reused_then_evicted_prefix_is_not_reported(kv, announced_a) -> None:
@@ -32,12 +40,12 @@ def test_reused_then_evicted_prefix_is_not_reported(kv, announced_a) -> None:
     prefix = {"prompt": ids(rng, 300)}  # 9 full blocks: a hit of 288 tokens at most
     before = [turns.turn("first", prefix, **FULL)]
     before += [turns.turn(f"reused {i}", prefix, **FULL) for i in range(1, 5)]
-    assert all(t.cached_tokens == 9 * BLOCK for t in before[1:]), [str(t) for t in before]
+    require(all(t.cached_tokens == 9 * BLOCK for t in before[1:]), [str(t) for t in before])
     # more new blocks than the 128 of the cache: every block of the prefix is evicted
     before += [turns.turn(f"new {i}", {"prompt": ids(rng, 900)}, **FULL) for i in range(6)]
     after = [turns.turn("after eviction", prefix, **FULL)]
     after.append(turns.turn("recomputed, reused", prefix, **FULL))
-    assert after[0].cached_tokens == 0, str(after[0])  # vLLM did evict it
+    require(after[0].cached_tokens == 0, after[0])  # vLLM did evict it
 
     over = [t for t in before + after if t.kvindex_tokens > t.cached_tokens]
     wrong = over + [t for t in after if t.kvindex_tokens != t.cached_tokens and t not in over]
