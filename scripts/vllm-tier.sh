@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The vLLM tier: kvindex's plugin inside vLLM 0.33.0's real code (CPU), tests/vllm_tier.
 # vLLM lives in a venv of its own outside the checkout, built once and reused while its
-# requirements stay the same; kvindex is installed into it again only when this checkout,
-# its build files or its compiled core's sources change (.ci/run runs this after `make test`).
+# requirements stay the same; kvindex is installed into it as a user does (`pip install
+# ".[vllm-plugin]"`, with its dependencies) again whenever this checkout's tracked files
+# change, and the tier fails if that install changed any package vLLM requires here: those
+# of $REQS, torch and vllm (.ci/run runs this after `make test`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVINDEX_VLLM_VENV:-$HOME/.cache/kvindex/vllm-0.33.0-venv}
 REQS=tests/vllm_tier/requirements.txt
+PINS=$VENV/.tier-engine-pins.json
 deps=$(sha256sum "$REQS" | cut -d' ' -f1)
 if [ "$(cat "$VENV/.tier-deps" 2>/dev/null)" != "$deps" ]; then
     echo "== vLLM tier: building $VENV (minutes the first time)"
+    rm -f "$VENV/.tier-kvindex" "$PINS"
     python3 -m venv "$VENV"
     # torch lies on this machine's disk as a CPU build; an exact pin, since a range would
     # pull a CUDA build of gigabytes. vLLM's own requirements name CUDA packages: the
@@ -19,11 +23,17 @@ if [ "$(cat "$VENV/.tier-deps" 2>/dev/null)" != "$deps" ]; then
     "$VENV/bin/pip" install -q --no-deps -r "$REQS"
     echo "$deps" >"$VENV/.tier-deps"
 fi
-own="$(cat pyproject.toml setup.py $(git ls-files '*.pyx') | sha256sum | cut -d' ' -f1) $(pwd)"
+# what vLLM requires here, before kvindex goes into its venv
+[ -f "$PINS" ] ||
+    "$VENV/bin/python" scripts/engine_pins.py record "$PINS" --requirements "$REQS" \
+        --also torch vllm
+# every tracked file's content (a working tree's edits and deletions included), and where it lies
+own="$( (git ls-files -z | xargs -0 sha256sum 2>&1 || true) | sha256sum | cut -d' ' -f1) $(pwd)"
 if [ "$(cat "$VENV/.tier-kvindex" 2>/dev/null)" != "$own" ]; then
-    echo "== vLLM tier: kvindex from $(pwd) into $VENV (its plugin's entry point, kvindex serve)"
-    "$VENV/bin/pip" install -q --no-deps -e .
+    echo "== vLLM tier: pip install \"$(pwd)[vllm-plugin]\" into $VENV"
+    "$VENV/bin/pip" install -q "$(pwd)[vllm-plugin]"
     echo "$own" >"$VENV/.tier-kvindex"
 fi
+"$VENV/bin/python" scripts/engine_pins.py check "$PINS"
 echo "== vLLM tier: tests/vllm_tier with vLLM 0.33.0 (CPU)"
 exec "$VENV/bin/python" -m pytest -c tests/vllm_tier/pytest.ini tests/vllm_tier -q

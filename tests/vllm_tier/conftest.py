@@ -56,7 +56,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 class Serve:
-    """``kvindex serve`` (this venv's kvindex), with a bearer token or without."""
+    """``kvindex serve`` (this venv's kvindex, run outside the checkout so that
+    ``-m`` does not import the checkout's), with a bearer token or without."""
 
     def __init__(self, workdir: Path, token: str | None) -> None:
         port = free_port()
@@ -69,6 +70,7 @@ class Serve:
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
                 command,
+                cwd=workdir,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

