@@ -31,10 +31,22 @@ TOKEN = "real-server-tier-token"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Where kvindex's plugin publishes beside each of vLLM's event ports (its default offset).
+BESIDE = 1000
+
+
+def free_port(beside: int = 0) -> int:
+    """A free port; with ``beside``, one whose port + ``beside`` is free too."""
+    while True:
+        with socket.socket() as s, socket.socket() as other:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                if beside:
+                    other.bind(("127.0.0.1", port + beside))
+            except OSError:
+                continue
+            return port
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -139,7 +151,7 @@ class VllmServer(Process):
         self.lease = lease
         self.model_dir = model_dir
         self.kvindex_url = kvindex_url
-        self.port, self.events, self.replay = free_port(), free_port(), free_port()
+        self.port, self.events, self.replay = free_port(), free_port(BESIDE), free_port(BESIDE)
         self.url = f"http://127.0.0.1:{self.port}"
         self.tap = EventTap(f"tcp://127.0.0.1:{self.events}")
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.real_server.conftest import environment
+from tests.real_server.conftest import BESIDE, environment
 
 
 def test_kvindex_is_installed_from_the_checkout_not_editable(tmp_path: Path) -> None:
@@ -37,8 +37,10 @@ def test_the_plugin_registers_the_engine(kv, announced_a) -> None:
     """The engine is in GET /engines with no POST /engines by the test: announced by the
     plugin from inside vLLM, with what vLLM itself runs, and connected."""
     (listed,) = [e for e in kv.engines() if e["name"] == announced_a.name]
-    assert listed["endpoint"] == f"tcp://127.0.0.1:{announced_a.events}"
-    assert listed["replay_endpoint"] == f"tcp://127.0.0.1:{announced_a.replay}"
+    # the plugin's stream without reuse reports, beside vLLM's
+    assert listed["reuse_reports"] == "filtered"
+    assert listed["endpoint"] == f"tcp://127.0.0.1:{announced_a.events + BESIDE}"
+    assert listed["replay_endpoint"] == f"tcp://127.0.0.1:{announced_a.replay + BESIDE}"
     assert (listed["model"], listed["block_size"], listed["hash_algo"]) == ("tiny", 32, "sha256")
     assert listed["kv_groups"] == [
         {"kind": "full_attention", "sliding_window": None, "block_size": 32}

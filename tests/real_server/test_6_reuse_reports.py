@@ -2,9 +2,10 @@
 each GPU block it reuses as a BlockStored, with no removal of its own; kvindex must never
 say the engine holds a prefix vLLM no longer has.
 
-Issue 24: on today's code kvindex counts each report, so a prefix reused four times and
-then evicted stays resident in kvindex: it still says the engine holds 288 tokens of it
-while vLLM reports 0 cached.
+Before ``reuse_reports`` kvindex counted each report as a copy, so a prefix reused four
+times and then evicted stayed resident in kvindex: it said the engine held 288 tokens of
+it while vLLM reported 0 cached. The plugin now keeps reports out of the stream kvindex
+reads (``filtered``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,6 @@ def require(condition: bool, what: object) -> None:
         pytest.fail(f"not measured: {what}")
 
 
-# Only the measured AssertionError is expected; strict: once fixed, the mark must go.
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue 24: kvindex counts reuse reports as stores; the fix is under way in main",
-)
 def test_reused_then_evicted_prefix_is_not_reported(kv, announced_a) -> None:
     turns = Turns(kv, announced_a, "reuse reports")
     rng = random.Random(8)
@@ -54,5 +49,5 @@ def test_reused_then_evicted_prefix_is_not_reported(kv, announced_a) -> None:
         f" while vLLM reports {t.cached_tokens} cached"
         for t in wrong
     ]
-    TALLY.notes += [f"reuse reports (issue 24, expected to fail): {s}" for s in said]
+    TALLY.notes += [f"reuse reports: {s}" for s in said]
     assert not said, "\n".join(said)
