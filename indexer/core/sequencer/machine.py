@@ -61,6 +61,18 @@ class Sequencer(Stream[B]):
             self._begin_rebuild(had.seq, reason, lost, wiped or not status.degraded)
         return self._take()
 
+    def loss_in_doubt(self, number: int, reason: str) -> str | None:
+        """The ``store_loss`` of a rank whose store noticed loss ``number`` until the rank
+        resynchronises after it (None: it did, or it applied nothing it could lose).
+
+        The rank is degraded from the moment the store knows, not only once its
+        own next store call finds out: it may be sleeping between two store
+        retries, or waiting for its worker to claim it anew.
+        """
+        if number == self.losses_seen or self.mark is None:
+            return None
+        return f"{reason}; finding which batches were lost"
+
     def rebuilding(self, last: int, reason: str) -> list[Action]:
         """The rank's previous consumer had applied up to ``last`` when the store
         lost data (a worker claiming it anew): degraded until that is applied again."""

@@ -47,6 +47,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import msgspec
 
@@ -79,6 +80,14 @@ class Anchor(msgspec.Struct, frozen=True):
         return cls(identity and identity.decode(), int(writes or 0), int(top or 0))
 
 
+class Seal(NamedTuple):
+    """What a read of ``P:meta`` must find there: the identity this process knows (None:
+    none yet) and at least the write count it saw there."""
+
+    identity: bytes | None
+    writes: int
+
+
 class LossWatch:
     """What this process knows of the store's identity, and the losses it noticed.
 
@@ -107,6 +116,26 @@ class LossWatch:
     def saw(self, anchor: int, writes: int) -> None:
         """A write script answered anchor ``anchor``'s ``#w``."""
         self.floors[anchor] = max(self.floors[anchor], writes)
+
+    def seal(self) -> Seal:
+        """What ``P:meta`` must hold for a read sent now (see :meth:`vouch`)."""
+        identity = self.identity
+        return Seal(None if identity is None else identity.encode(), self.floors[0])
+
+    async def vouch(self, sealed: Seal, identity: bytes | None, writes: bytes | None) -> None:
+        """A read sent under ``sealed`` found ``identity`` and ``writes`` in ``P:meta``'s
+        ``#store`` and ``#w``: when that anchor lost data, record the loss before the
+        read is answered.
+
+        So an answer built on a store that was just wiped or rolled back goes
+        out with its ranks flagged, not in the second before the periodic check
+        or a write would notice. Only ``P:meta`` is vouched for: a cluster
+        master that lost buckets alone is found by :meth:`check`.
+        """
+        if sealed.identity is None:
+            return  # nothing known yet to compare with
+        if identity != sealed.identity or int(writes or 0) < sealed.writes:
+            await self.check()
 
     async def known_identity(self) -> str:
         """The store's identity, looked up (or given) at first use; from then on the

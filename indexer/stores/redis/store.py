@@ -59,7 +59,7 @@ from indexer.stores.redis.layout import (
     held_field,
     rank_field,
 )
-from indexer.stores.redis.losses import LOST, LossWatch
+from indexer.stores.redis.losses import LOST
 from indexer.stores.redis.plan import Plan, bucket_writes, plan_writes
 from indexer.stores.redis.reads import RedisReads
 from indexer.stores.redis.scripts import (
@@ -94,7 +94,6 @@ class RedisStore(RedisReads):
         self.config = config
         self._committed: dict[RankId, int] = {}  # highest seq committed here, per rank
         self._claims: dict[RankId, tuple[int, int]] = {}  # token claimed here, losses then
-        self._losses = LossWatch(self.client)
         self._losses.listen(lambda loss: self._cache.clear())
         self._sweeper = Sweeper(self.client, config.sweep_interval)
         # APPLY_OPS calls without a commit (they may run twice); _run is looked up per
@@ -270,7 +269,10 @@ class RedisStore(RedisReads):
 
     async def watermark(self, rank: RankId) -> Watermark | None:
         """:meth:`Store.watermark`: also where this process accepts it as the rank's
-        baseline, so a consumer resuming after a loss may write from there."""
+        baseline, so a consumer resuming after a loss may write from there. Every
+        consumer reads it first: the store's identity is known, and watched, from
+        then on, even while no batch is written."""
+        await self._losses.known_identity()
         _, meta = await self._read_meta(rank)
         if meta is None or meta.seq is None:
             self._committed.pop(rank, None)
