@@ -1,6 +1,7 @@
-"""Redis killed and restarted empty under ``kvindex serve``: no wrong answer goes unflagged.
+"""Redis killed and restarted empty under kvindex: no wrong answer goes unflagged.
 
-Issue 28: four engines publish to a real ``kvindex serve --redis-url`` process
+Issue 28: four engines publish to a real ``kvindex serve --redis-url`` process,
+or to a ``kvindex indexer`` worker that an ``kvindex api`` replica answers for
 (real ZMQ, kvindex's vLLM-wire publishers with their replay buffers). Redis is
 killed with SIGKILL, the engines publish on, so every rank's store calls fail
 and back off, and Redis is restarted empty seconds later. From then on the
@@ -39,7 +40,7 @@ from .events import stored
 from .servers import RedisServer, free_port
 from .test_e2e import until
 
-pytestmark = pytest.mark.slow  # a serve process, four engines, a Redis killed and restarted
+pytestmark = pytest.mark.slow  # kvindex processes, four engines, Redis killed and restarted
 
 ENGINES = 4
 #: Seconds Redis stays down: long enough for the ranks' retries to back off to seconds.
@@ -48,32 +49,41 @@ OUTAGE = 6.0
 DURING_OUTAGE = 20
 #: Seconds of answers still checked once every rank is whole again.
 SETTLED = 1.0
+#: The workers' lease_ttl (seconds): claims, and claims anew after the loss, come sooner.
+LEASE_TTL = 2.0
 #: What an answer row says of a rank's cache.
 COUNTS = ("gpu_blocks", "cpu_blocks", "storage_blocks", "prefix_blocks")
 
 Rows = dict[tuple[str, int], tuple[int, ...]]
 
 
-class Serve:
-    """A ``kvindex serve --redis-url`` child process and an async client to it."""
+class Kvindex:
+    """``kvindex`` child processes over one Redis (``topology``: ``serve``, or an
+    ``indexer`` worker and an ``api`` replica) and an async client to their HTTP API."""
 
-    def __init__(self, log: Path, redis_url: str, specs: list[EngineSpec]) -> None:
-        port, self.log = free_ports(), log
-        engines = []
+    def __init__(self, logs: Path, topology: str, redis_url: str, specs: list[EngineSpec]) -> None:
+        port = free_ports()
+        redis, engines = ["--redis-url", redis_url], []
         for spec in specs:
             replay = f"replay_endpoint={spec.replay_endpoint}"
             engines += ["--engine", f"{spec.name}={spec.endpoint},{replay}"]
-        with log.open("w") as stderr:  # not a pipe: nobody reads it until the end
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvindex.cli", "--log-level", "INFO", "serve",
-                 "--port", str(port), "--redis-url", redis_url, *engines],
-                stderr=stderr,
-            )  # fmt: skip
+        http = ["--port", str(port), *redis]
+        commands = {"serve": [["serve", *http, *engines]]}.get(topology) or [
+            ["indexer", "--lease-ttl", str(LEASE_TTL), *redis, *engines],
+            ["api", *http],  # the registry is the workers' (--engine registers there)
+        ]
+        self.procs: list[tuple[subprocess.Popen, Path]] = []
+        for command in commands:
+            log = logs / f"{command[0]}.log"
+            with log.open("w") as stderr:  # not a pipe: nobody reads it until the end
+                argv = [sys.executable, "-m", "kvindex.cli", "--log-level", "INFO", *command]
+                self.procs.append((subprocess.Popen(argv, stderr=stderr), log))
         self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
 
     async def get(self, path: str) -> httpx.Response | None:
         """The answer, or None while the process does not answer HTTP yet."""
-        assert self.proc.poll() is None, f"serve exited: {self.log.read_text()}"
+        for proc, log in self.procs:
+            assert proc.poll() is None, f"{log.stem} exited: {log.read_text()}"
         try:
             return await self.http.get(path)
         except httpx.TransportError:
@@ -92,12 +102,14 @@ class Serve:
 
     async def close(self) -> None:
         await self.http.aclose()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        for proc, _ in self.procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def gpu_chains(batches: list[EventBatch], count: int) -> list[tuple[int, ...]]:
@@ -165,14 +177,14 @@ class Observed:
                 self.unflagged.append(wrong)
 
 
-async def poll(serve: Serve, expected: dict, seen: Observed, done: Callable[[], bool]) -> None:
+async def poll(kvindex: Kvindex, expected: dict, seen: Observed, done: Callable[[], bool]) -> None:
     """``/readyz``, then every chain, in turn, until ``done()``."""
     while not done():
-        ready = await serve.get("/readyz")
-        assert ready is not None, "serve stopped answering HTTP"
+        ready = await kvindex.get("/readyz")
+        assert ready is not None, "kvindex stopped answering HTTP"
         seen.ready(ready.status_code)
         for chain, want in expected.items():
-            status, counts, flags = await rows(serve.http, chain)
+            status, counts, flags = await rows(kvindex.http, chain)
             if status == 503:
                 seen.unavailable += 1
             else:
@@ -189,9 +201,11 @@ def volatile_redis(tmp_path: Path) -> RedisServer:
     server.stop()
 
 
+@pytest.mark.parametrize("topology", ["serve", "scale-out"])
 async def test_every_wrong_answer_after_an_empty_restart_is_flagged(
-    tmp_path: Path, volatile_redis: RedisServer
+    tmp_path: Path, volatile_redis: RedisServer, topology: str
 ) -> None:
+    """``scale-out``: an ``indexer`` worker ingests, an ``api`` replica answers."""
     batches = trace_batches(*TRACE_NAMES)
     later = outage_batches(batches[-1])
     specs, publishers = [], []
@@ -204,7 +218,7 @@ async def test_every_wrong_answer_after_an_empty_restart_is_flagged(
         publishers.append(Publisher(spec.endpoint, spec.replay_endpoint, bind=True))
     reference = LiveApi()
     reference.publishers += publishers  # closed with it
-    serve = Serve(tmp_path / "serve.log", volatile_redis.url, specs)
+    kvindex = Kvindex(tmp_path, topology, volatile_redis.url, specs)
     await reference.__aenter__()
     try:
         for spec in specs:
@@ -222,7 +236,9 @@ async def test_every_wrong_answer_after_an_empty_restart_is_flagged(
             return {chain: (await rows(reference.client, chain))[1] for chain in chains}
 
         await publish(batches)
-        await until(lambda: serve.applied(specs, len(batches) - 1), 60, "serve to apply the trace")
+        await until(
+            lambda: kvindex.applied(specs, len(batches) - 1), 60, "kvindex to apply the trace"
+        )
         chains = gpu_chains(batches, 6)
         expected = await reference_rows()
         assert any(any(counts) for want in expected.values() for counts in want.values())
@@ -239,17 +255,17 @@ async def test_every_wrong_answer_after_an_empty_restart_is_flagged(
         async def watch_whole() -> None:
             last = len(batches) + len(later) - 1
             while not whole:
-                if await serve.applied(specs, last):
+                if await kvindex.applied(specs, last):
                     whole.append(seen.now())
                 await asyncio.sleep(0.05)
 
         def done() -> bool:
             return bool(whole) and seen.now() > whole[0] + SETTLED
 
-        polls = asyncio.gather(poll(serve, expected, seen, done), watch_whole())
+        polls = asyncio.gather(poll(kvindex, expected, seen, done), watch_whole())
         await asyncio.wait_for(polls, 120)
     finally:
-        await serve.close()
+        await kvindex.close()
         await reference.__aexit__()
     print(
         f"\nafter the restart: {seen.answers} answers ({seen.rows} rows) checked,"

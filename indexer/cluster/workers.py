@@ -242,7 +242,7 @@ class Worker:
                 await record(self._redis, "failed", rank, worker=self.id, token=token, seq=seq)
                 await self._leases.release(rank)
                 continue
-            self._follow_loss(rank, consumer)
+            self._follow_loss(rank, consumer, losses)
             self._owned[rank] = _Owned(consumer, token, entry, sent + self._ttl / 2, losses)
             log.info("rank claimed", extra={**consumer.ids(), "token": token, "from_seq": seq})
 
@@ -278,17 +278,27 @@ class Worker:
         if seq is not None:
             self._retired[rank] = (seq, losses)
 
-    def _follow_loss(self, rank: RankId, consumer: RankConsumer) -> None:
+    def _follow_loss(self, rank: RankId, consumer: RankConsumer, losses: int) -> None:
         """A rank claimed anew after the store lost data that an earlier consumer here
-        had applied: degraded until that is applied again (the store may be behind it)."""
+        had applied: degraded until that is applied again (the store may be behind it).
+
+        ``losses``: the store's when the claim began. A loss noticed since voids
+        the claim (the rank is dropped and claimed again): what was applied is
+        then kept for the next claim to follow up, or that consumer would start
+        from the empty store unflagged.
+        """
         retired, loss = self._retired.get(rank), self._store.last_loss()
         if retired is not None and loss is not None and retired[1] != loss.number:
-            del self._retired[rank]
+            if losses == loss.number:
+                del self._retired[rank]
             consumer.rebuilding(retired[0], loss.reason)
 
     # --- statuses ---------------------------------------------------------------------
 
     async def _publish(self) -> None:
+        """Publish the statuses of the ranks owned here, read after the store's anchor:
+        never a rank's unflagged status over data the store lost unnoticed."""
+        await self._store.ping()
         entries = [
             Published(rank.engine, owned.token, self._status(owned.consumer))
             for rank, owned in list(self._owned.items())

@@ -139,15 +139,20 @@ class LossWatch:
 
     async def known_identity(self) -> str:
         """The store's identity, looked up (or given) at first use; from then on the
-        anchors are watched every ``identity_check`` seconds."""
+        anchors are watched (:meth:`watch`)."""
         if self.identity is None:
             await self.check()
-            interval = self._client.config.identity_check
-            if self._watch is None and interval:
-                watch = repeat(interval, self.check, "store identity check")
-                self._watch = asyncio.get_running_loop().create_task(watch)
+            self.watch()
         assert self.identity is not None
         return self.identity
+
+    def watch(self) -> None:
+        """Check the anchors every ``identity_check`` seconds from now on (the first check
+        learns the identity; an unreachable store is retried), once per process."""
+        interval = self._client.config.identity_check
+        if self._watch is None and interval:
+            watch = repeat(interval, self.check, "store identity check")
+            self._watch = asyncio.get_running_loop().create_task(watch)
 
     async def lost(self, since: int) -> StoreLost:
         """A write found lost data: the error to raise, once the loss is on record."""

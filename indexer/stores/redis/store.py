@@ -364,6 +364,12 @@ class RedisStore(RedisReads):
     def on_loss(self, listener: Callable[[Loss], None]) -> None:
         self._losses.listen(listener)
 
+    def watch(self) -> None:
+        """Look for lost data every ``identity_check`` seconds from now on, for a process
+        that reads but may never write (an API replica): its prefix matches then
+        know what ``P:meta`` must hold (:meth:`~indexer.stores.redis.losses.LossWatch.vouch`)."""
+        self._losses.watch()
+
     async def check(self, suspect: str | None = None) -> None:
         """Look for lost data now (:meth:`~indexer.stores.redis.losses.LossWatch.check`)."""
         await self._losses.check(suspect)
