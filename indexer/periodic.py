@@ -48,8 +48,8 @@ async def until_done(
     attempt runs outside tenacity, so a call that succeeds (nearly every
     call of the apply loop) costs no retry bookkeeping; the retries start
     with an immediate second attempt. ``sleep`` waits between attempts: a
-    caller whose retries news can make pointless ends the wait early, or
-    raises from it to end the retries.
+    caller may end the wait early when news makes it pointless, or raise
+    from it to end the retries.
     """
     try:
         return await call(*args, **kwargs)
