@@ -300,11 +300,17 @@ class Worker:
         never a rank's unflagged status over data the store lost unnoticed."""
         await self._store.ping()
         entries = [
-            Published(rank.engine, owned.token, self._status(owned.consumer))
+            Published(rank.engine, owned.token, self._status(owned))
             for rank, owned in list(self._owned.items())
         ]
         ttl = max(3 * self._settings.status_interval, self._ttl)
         await publish(self._redis, self.id, entries, ttl)
 
-    def _status(self, consumer: RankConsumer) -> RankStatus:
-        return msgspec.structs.replace(consumer.snapshot(), owner=self.id)
+    def _status(self, owned: _Owned) -> RankStatus:
+        """A rank's status as published; flagged if claimed before the store's last loss
+        (the claim is void, whatever its consumer applied: the rank is claimed anew)."""
+        status = msgspec.structs.replace(owned.consumer.snapshot(), owner=self.id)
+        loss = self._store.last_loss()
+        if loss is not None and owned.losses != loss.number and status.store_loss is None:
+            status.degraded, status.store_loss = True, f"{loss.reason}; being claimed anew"
+        return status

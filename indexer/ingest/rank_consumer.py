@@ -415,16 +415,14 @@ class RankConsumer:
 
     async def _retry_pause(self, seconds: float) -> None:
         """Wait between two attempts of a failing store call, or until the store notices
-        a loss. A wipe the rank is yet to resynchronise after ends the retries
-        (:class:`StoreLost`: it lost everything; the batch in hand comes back by
-        replay); after a roll-back the call is retried: the store tells the ranks
-        that lost batches."""
+        a loss. A loss the rank is yet to resynchronise after ends the retries
+        (:class:`StoreLost`): the loop resynchronises at once, not after its
+        backoff, and the batch in hand comes back by replay."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._loss_heard.wait(), seconds)
         self._loss_heard.clear()
-        loss = self._store.last_loss()
-        if loss is not None and loss.wiped and self._loss_in_doubt() is not None:
-            raise StoreLost(loss.reason)
+        if (doubt := self._loss_in_doubt()) is not None:
+            raise StoreLost(doubt)
 
     def rebuilding(self, last: int, reason: str) -> None:
         """The rank's previous consumer here had applied up to ``last`` when the store

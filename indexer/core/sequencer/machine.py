@@ -41,13 +41,14 @@ class Sequencer(Stream[B]):
     ) -> list[Action]:
         """The store lost data (loss ``loss_number``); ``stored`` is its watermark now.
 
-        A rank whose stored watermark is its own lost nothing. Otherwise it is
-        degraded, with the reason in its status, until the batches it had
-        applied are applied again (:meth:`settle_rebuild`).
+        A rank whose stored watermark is its own lost nothing; a batch in hand
+        (its store call ended with the news) is asked from replay again.
+        Otherwise the rank is degraded, with the reason in its status, until
+        the batches it had applied are applied again (:meth:`settle_rebuild`).
         """
         self.losses_seen = loss_number
         had, status = self.mark, self.status
-        if stored == had:
+        if stored == had and self.next == (0 if had is None else had.seq + 1):
             return self._take()
         self._abandon_request()
         self.mark = stored
