@@ -29,6 +29,7 @@ acknowledged (the watermark) only by the store applying it. Not retried:
 consumer stops applying, :attr:`RankConsumer.fenced`) and
 :class:`~indexer.stores.base.StoreLost` (the store lost acknowledged data:
 the sequencer resumes from the store's watermark and rebuilds from replay).
+A loss the store notices flags every rank at once and ends their backoff.
 """
 
 from __future__ import annotations

@@ -22,8 +22,11 @@ it (:class:`LossWatch`):
   checks P:meta's alone: one server loses or rolls back every anchor
   together); the process also reads the anchors every ``identity_check``
   seconds, so a loss is noticed within about a second even when nothing is
-  written. The store's apply path also refuses a rank whose stored watermark
-  is below the last one this process committed for it.
+  written, and every prefix match and ping compares ``P:meta``'s with what it
+  knows (:meth:`LossWatch.vouch`), so no answer read from a lost ``P:meta``
+  goes out before the loss is on record. The store's apply path also refuses
+  a rank whose stored watermark is below the last one this process committed
+  for it.
 
 What a loss means for the ranks (:class:`~indexer.stores.base.Loss`):
 
