@@ -1,10 +1,11 @@
-"""Redis killed and restarted empty under kvindex: no wrong answer goes unflagged.
+"""Redis killed and restarted empty (or older) under kvindex: no wrong answer goes unflagged.
 
 Issue 28: four engines publish to a real ``kvindex serve --redis-url`` process,
 or to a ``kvindex indexer`` worker that an ``kvindex api`` replica answers for
 (real ZMQ, kvindex's vLLM-wire publishers with their replay buffers). Redis is
 killed with SIGKILL, the engines publish on, so every rank's store calls fail
-and back off, and Redis is restarted empty seconds later. From then on the
+and back off, and Redis is restarted seconds later: empty, or from a snapshot
+taken at half the engines' streams (a roll-back). From then on the
 test polls prefix matches and ``/readyz`` and compares every answer with an
 embedded store following the same engines (in this process): an answer that
 differs must be flagged ``degraded`` (the ranks sleeping between two store
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 
 from indexer.core.events import GPU, BlockStored, EventBatch
 from indexer.registry import EngineSpec
@@ -193,6 +195,15 @@ async def poll(kvindex: Kvindex, expected: dict, seen: Observed, done: Callable[
         await asyncio.sleep(0.005)
 
 
+async def save(server: RedisServer) -> None:
+    """Have the server write its snapshot now (a restart comes back to it)."""
+    redis = Redis.from_url(server.url)
+    try:
+        await redis.save()
+    finally:
+        await redis.aclose()
+
+
 @pytest.fixture
 def volatile_redis(tmp_path: Path) -> RedisServer:
     """A private server without persistence: a restart comes back empty."""
@@ -201,12 +212,17 @@ def volatile_redis(tmp_path: Path) -> RedisServer:
     server.stop()
 
 
-@pytest.mark.parametrize("topology", ["serve", "scale-out"])
-async def test_every_wrong_answer_after_an_empty_restart_is_flagged(
-    tmp_path: Path, volatile_redis: RedisServer, topology: str
+@pytest.mark.parametrize(
+    ("topology", "restart"), [("serve", "empty"), ("scale-out", "empty"), ("serve", "snapshot")]
+)
+async def test_every_wrong_answer_after_redis_restarts_is_flagged(
+    tmp_path: Path, volatile_redis: RedisServer, topology: str, restart: str
 ) -> None:
-    """``scale-out``: an ``indexer`` worker ingests, an ``api`` replica answers."""
+    """``scale-out``: an ``indexer`` worker ingests, an ``api`` replica answers.
+    ``snapshot``: Redis comes back from an RDB snapshot taken at half the trace, a
+    roll-back (the answers of an older state may over-report too)."""
     batches = trace_batches(*TRACE_NAMES)
+    half = len(batches) // 2 if restart == "snapshot" else len(batches)
     later = outage_batches(batches[-1])
     specs, publishers = [], []
     for i in range(ENGINES):
@@ -235,10 +251,15 @@ async def test_every_wrong_answer_after_an_empty_restart_is_flagged(
         async def reference_rows() -> dict:
             return {chain: (await rows(reference.client, chain))[1] for chain in chains}
 
-        await publish(batches)
-        await until(
-            lambda: kvindex.applied(specs, len(batches) - 1), 60, "kvindex to apply the trace"
-        )
+        async def publish_applied(part: list[EventBatch]) -> None:
+            await publish(part)
+            last = publishers[0].next_seq - 1
+            await until(lambda: kvindex.applied(specs, last), 60, f"kvindex to apply {last}")
+
+        await publish_applied(batches[:half])
+        if restart == "snapshot":
+            await save(volatile_redis)
+            await publish_applied(batches[half:])
         chains = gpu_chains(batches, 6)
         expected = await reference_rows()
         assert any(any(counts) for want in expected.values() for counts in want.values())
@@ -248,7 +269,7 @@ async def test_every_wrong_answer_after_an_empty_restart_is_flagged(
         await publish(later)  # the ranks' store calls fail and back off meanwhile
         assert await reference_rows() == expected  # what is queried did not change
         await asyncio.sleep(max(0.0, down + OUTAGE - time.monotonic()))
-        await asyncio.to_thread(volatile_redis.start)  # empty: no persistence
+        await asyncio.to_thread(volatile_redis.start)  # empty, or back to the snapshot
         seen = Observed(time.monotonic())
         whole: list[float] = []
 
