@@ -206,7 +206,8 @@ async def save(server: RedisServer) -> None:
 
 @pytest.fixture
 def volatile_redis(tmp_path: Path) -> RedisServer:
-    """A private server without persistence: a restart comes back empty."""
+    """A private server without persistence: a restart comes back empty, or to the
+    snapshot :func:`save` took last."""
     server = RedisServer(tmp_path / "redis", free_port()).start()
     yield server
     server.stop()
