@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import signal
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -38,22 +37,13 @@ from producer.publisher import Publisher
 
 from .apikit import LiveApi
 from .conftest import assert_matches_trace, free_ports, trace_batches, trace_path, wait_until
-from .servers import RedisServer, free_port
+from .servers import RedisServer
 from .test_e2e import until
 from .test_store_conformance import RANK, check_trace_state, redis_config
 
 pytestmark = pytest.mark.slow  # every test restarts or flushes real Redis servers
 
 TRACE = "chat-clear"  # GPU + CPU offload and an AllBlocksCleared part-way
-
-
-@pytest.fixture
-def volatile_redis(tmp_path: Path) -> RedisServer:
-    """A private server without persistence: a restart comes back empty, or from the
-    last RDB snapshot taken with SAVE."""
-    server = RedisServer(tmp_path / "redis", free_port()).start()
-    yield server
-    server.stop()
 
 
 class Rank:

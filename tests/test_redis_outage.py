@@ -39,7 +39,7 @@ from producer.publisher import Publisher
 from .apikit import LiveApi
 from .conftest import TRACE_NAMES, free_ports, trace_batches
 from .events import stored
-from .servers import RedisServer, free_port
+from .servers import RedisServer
 from .test_e2e import until
 
 pytestmark = pytest.mark.slow  # kvindex processes, four engines, Redis killed and restarted
@@ -202,15 +202,6 @@ async def save(server: RedisServer) -> None:
         await redis.save()
     finally:
         await redis.aclose()
-
-
-@pytest.fixture
-def volatile_redis(tmp_path: Path) -> RedisServer:
-    """A private server without persistence: a restart comes back empty, or to the
-    snapshot :func:`save` took last."""
-    server = RedisServer(tmp_path / "redis", free_port()).start()
-    yield server
-    server.stop()
 
 
 @pytest.mark.parametrize("restart", ["empty", "snapshot"])
