@@ -416,13 +416,14 @@ class RankConsumer:
 
     async def _retry_pause(self, seconds: float) -> None:
         """Wait between two attempts of a failing store call, or until the store notices
-        a loss. A loss the rank is yet to resynchronise after ends the retries
-        (:class:`StoreLost`): the loop resynchronises at once, not after its
-        backoff, and the batch in hand comes back by replay."""
+        a loss. A loss heard that the rank is yet to resynchronise after ends the
+        retries (:class:`StoreLost`): the loop resynchronises at once, not after
+        its backoff, and the batch in hand comes back by replay."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._loss_heard.wait(), seconds)
-        self._loss_heard.clear()
-        if (doubt := self._loss_in_doubt()) is not None:
+        heard = self._loss_heard.is_set()
+        self._loss_heard.clear()  # so the resynchronisation's own retries back off
+        if heard and (doubt := self._loss_in_doubt()) is not None:
             raise StoreLost(doubt)
 
     def rebuilding(self, last: int, reason: str) -> None:
