@@ -14,9 +14,10 @@ handler answers that.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -101,14 +102,17 @@ class GuardedStore:
 
     Every call site would otherwise need its own ``try``: the API cannot know
     which exceptions a backend's client library raises. Each call is timed
-    here too (``kvindex_api_store_seconds``), for the same reason.
+    here too (``kvindex_api_store_seconds``), for the same reason. Methods that
+    are not coroutines are the store's own, as they are.
     """
 
     def __init__(self, store: Store) -> None:
         self._store = store
 
-    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+    def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._store, name)
+        if not inspect.iscoroutinefunction(method):
+            return method  # what the store already knows (last_loss): no I/O to guard or time
         seconds = STORE_SECONDS.labels(name)
 
         @functools.wraps(method)

@@ -90,7 +90,10 @@ class PrefixMatcher:
             lookups = self._token_lookups(query.prompt, query.overrides, specs)
         # Statuses before the store call: an engine removed meanwhile has none after.
         statuses = {s.name: self._consumers.rank_status(s.name) for s in specs}
+        loss = self._store.last_loss()
         found = await self._run(lookups)
+        if self._store.last_loss() is not loss:
+            statuses = self._flagged_since(statuses)
         weights = query.weights or self._weights
         pick = None
         if query.route:
@@ -101,6 +104,22 @@ class PrefixMatcher:
         if pick is not None:
             answer.routed_to = RankRef(pick.engine, pick.dp_rank)
         return answer
+
+    def _flagged_since(self, before: dict[str, list[RankStatus]]) -> dict[str, list[RankStatus]]:
+        """The statuses once more, after a store call during which the store noticed a
+        loss: the call may have read what was lost, which the ranks are flagged for
+        now. A rank flagged before the call stays so (it may have been rebuilt
+        since, after the read)."""
+        statuses = {}
+        for name, earlier in before.items():
+            try:
+                now = self._consumers.rank_status(name)
+            except UnknownEngine:
+                now = earlier
+            statuses[name] = [
+                old if is_degraded(old) else new for old, new in zip(earlier, now, strict=False)
+            ]
+        return statuses
 
     def chain_of(self, query: Query, spec: EngineSpec) -> list[BlockHash]:
         """The chain a query stands for on one engine (``POST /routed``); 422 when only

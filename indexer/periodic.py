@@ -34,6 +34,7 @@ async def until_done(
     extra: Mapping[str, Any] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
     stopping: Callable[[], bool] | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     **kwargs: Any,
 ) -> T:
     """``await call(*args, **kwargs)`` until it succeeds, waiting ``wait`` between attempts.
@@ -46,7 +47,9 @@ async def until_done(
     never drop what it writes gives up only when it shuts down. The first
     attempt runs outside tenacity, so a call that succeeds (nearly every
     call of the apply loop) costs no retry bookkeeping; the retries start
-    with an immediate second attempt.
+    with an immediate second attempt. ``sleep`` waits between attempts: a
+    caller may end the wait early when news makes it pointless, or raise
+    from it to end the retries.
     """
     try:
         return await call(*args, **kwargs)
@@ -67,6 +70,7 @@ async def until_done(
         wait=wait,
         stop=stop_never if stopping is None else (lambda _: stopping()),
         after=failed,
+        sleep=sleep,
     )
     async for attempt in retrying:
         with attempt:

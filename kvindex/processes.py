@@ -133,6 +133,7 @@ async def run_api(
     registry.declare(config.engines)  # registered again should the registry be lost
     polls = config.indexer
     board = StatusBoard(store.client, registry, stale_after=3 * polls.status_interval)
+    store.on_loss(board.forget)  # the statuses read before a loss may be of what it lost
     routed = RedisRouted(redis, store.client)
     # every replica sees and sweeps the same leases: an engine may renew through any of them
     book = RedisBook(store.client)
@@ -144,6 +145,7 @@ async def run_api(
     tasks: list[asyncio.Task] = []
     try:
         with stop_signals() as stop, listen(host, port) as sock:
+            store.watch()  # a replica writes no batch: it looks for lost data all the same
             with contextlib.suppress(StoreUnavailable):  # the polls retry; /readyz says 503
                 await registry.refresh()
                 await board.refresh()

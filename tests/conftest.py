@@ -228,4 +228,9 @@ def redis_config(url: str, cluster: bool = False) -> RedisConfig:
 
 
 # Real redis-server / Redis Cluster processes, shared by the session (tests/servers.py).
-from .servers import durable_redis, redis_cluster, redis_server  # noqa: E402, F401
+from .servers import (  # noqa: E402, F401
+    durable_redis,
+    redis_cluster,
+    redis_server,
+    volatile_redis,
+)

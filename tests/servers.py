@@ -178,3 +178,14 @@ def durable_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis", free_port(), aof).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def volatile_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private server without persistence: a restart comes back empty, or from the
+    last RDB snapshot taken with SAVE."""
+    if REDIS_SERVER is None:
+        pytest.fail("redis-server not installed: run make setup (scripts/ensure-redis.sh)")
+    server = RedisServer(tmp_path / "redis", free_port()).start()
+    yield server
+    server.stop()

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -32,27 +32,18 @@ from indexer.ingest.subscriber import RankPool
 from indexer.ingest.trace import apply_trace, load_trace
 from indexer.registry import EngineSpec
 from indexer.stores import Fenced, StoreUnavailable, apply_events
-from indexer.stores.redis import RedisStore
+from indexer.stores.redis import RedisConfig, RedisStore
 from producer.publisher import Publisher
 
 from .apikit import LiveApi
 from .conftest import assert_matches_trace, free_ports, trace_batches, trace_path, wait_until
-from .servers import RedisServer, free_port
+from .servers import RedisServer
 from .test_e2e import until
 from .test_store_conformance import RANK, check_trace_state, redis_config
 
 pytestmark = pytest.mark.slow  # every test restarts or flushes real Redis servers
 
 TRACE = "chat-clear"  # GPU + CPU offload and an AllBlocksCleared part-way
-
-
-@pytest.fixture
-def volatile_redis(tmp_path: Path) -> RedisServer:
-    """A private server without persistence: a restart comes back empty, or from the
-    last RDB snapshot taken with SAVE."""
-    server = RedisServer(tmp_path / "redis", free_port()).start()
-    yield server
-    server.stop()
 
 
 class Rank:
@@ -292,6 +283,40 @@ async def answered(call):
         return await call
     except StoreUnavailable:
         return None
+
+
+def unwatched(url: str) -> RedisConfig:
+    """A config whose store never checks for losses by itself: only what it reads or
+    writes can notice one."""
+    return dataclasses.replace(redis_config(url), identity_check=None)
+
+
+async def test_a_prefix_match_of_a_wiped_store_records_the_loss_before_it_answers(
+    redis_server: RedisServer,
+) -> None:
+    """Its statuses then flag the ranks (tests/test_redis_outage.py): an answer read from
+    the empty store never goes out as if nothing happened."""
+    async with opened(unwatched(redis_server.url)) as store:
+        heard = []
+        store.on_loss(heard.append)
+        (first, *_) = trace_batches(TRACE)
+        assert (await apply_events(store, RANK, 0, first)).applied
+        await store.client.execute([("FLUSHALL",)])
+        assert heard == []
+        chain = next(e.block_hashes for e in first.events if isinstance(e, BlockStored))
+        assert await store.prefix_match(chain, {RANK.engine: None}) == {}
+        assert [loss.wiped for loss in heard] == [True]
+
+
+async def test_a_health_check_notices_a_roll_back(volatile_redis: RedisServer) -> None:
+    async with opened(unwatched(volatile_redis.url)) as store:
+        batches = trace_batches(TRACE)
+        await apply_events(store, RANK, 0, batches[0])
+        await store.client.execute([("SAVE",)])
+        await apply_events(store, RANK, 1, batches[1])
+        await asyncio.to_thread(volatile_redis.restart, signal.SIGKILL)  # back to the snapshot
+        await store.ping()
+        assert store.last_loss() is not None and not store.last_loss().wiped
 
 
 async def test_a_store_that_lost_nothing_says_so(store) -> None:

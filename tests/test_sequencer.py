@@ -359,6 +359,35 @@ def test_a_store_loss_of_nothing_of_ours_changes_nothing() -> None:
     assert shell.seq.losses_seen == 1 and not shell.status.degraded
 
 
+def test_a_store_loss_that_ended_the_batch_in_hand_asks_it_again() -> None:
+    """Batch 3's store call ended with the news of a loss that took nothing of the
+    rank's: 3 comes back by replay, it is not skipped."""
+    shell = Shell()
+    for seq in range(3):
+        shell.live(seq)
+    in_hand = shell.seq.live(3, T0 + 3, b"batch 3", shell.now)  # not acknowledged
+    assert [a.seq for a in in_hand if isinstance(a, Apply)] == [3]
+    shell.run(shell.seq.resync(1, "redis restarted", False, Mark(2, T0 + 2)))
+    assert not shell.status.degraded and shell.status.store_loss is None
+    assert shell.ask() == Ask(2, probe=False)
+    shell.answer([2, 3])
+    assert shell.applied == [0, 1, 2, 3]
+
+
+def test_a_store_loss_is_in_doubt_from_when_the_store_knows_until_the_rank_resyncs() -> None:
+    """What the status says of a loss between its notice and the rank's resync (the rank
+    may be sleeping between store retries): in doubt if the rank applied anything."""
+    shell = Shell()
+    assert shell.seq.loss_in_doubt(1, "redis restarted") is None  # nothing applied to lose
+    shell.live(0)
+    assert shell.seq.loss_in_doubt(1, "redis restarted") == (
+        "redis restarted; finding which batches were lost"
+    )
+    shell.run(shell.seq.resync(1, "redis restarted", False, Mark(0, T0)))
+    assert shell.seq.loss_in_doubt(1, "redis restarted") is None  # it lost nothing
+    assert shell.seq.loss_in_doubt(2, "again") is not None
+
+
 def test_a_store_loss_abandons_the_request_in_flight() -> None:
     shell = Shell()
     shell.live(0)

@@ -18,7 +18,8 @@ import msgspec
 
 from indexer.cluster.leases import live_workers
 from indexer.periodic import repeat
-from indexer.registry import RankStatus, Registry, blank_status
+from indexer.registry import EngineSpec, RankStatus, Registry, blank_status
+from indexer.stores.base import Loss
 from indexer.stores.redis.client import RedisClient
 
 log = logging.getLogger("kvindex.status")
@@ -61,11 +62,17 @@ class StatusBoard:
         self._ranks: dict[tuple[str, int], Published] = {}
         self._workers = 0
         self._refreshed = float("-inf")
+        self._forgotten = 0  # losses of data noticed: a refresh read before one is dropped
+        self._loss: Loss | None = None  # the last one
+        self._published: set[tuple[str, int]] = set()  # ranks a worker published since
 
     async def refresh(self) -> None:
+        forgotten = self._forgotten
         workers = await live_workers(self._client)
         status_key = self._client.layout.status_key
         blobs = await self._client.execute([("GET", status_key(worker)) for worker in workers])
+        if forgotten != self._forgotten:
+            return
         ranks: dict[tuple[str, int], Published] = {}
         for blob in filter(None, blobs):
             for entry in _decode(blob):
@@ -73,6 +80,17 @@ class StatusBoard:
                 if key not in ranks or ranks[key].token < entry.token:  # the newest owner's
                     ranks[key] = entry
         self._ranks, self._workers, self._refreshed = ranks, len(workers), time.monotonic()
+        self._published.update(ranks)
+
+    def forget(self, loss: Loss) -> None:
+        """The store lost data (a loss listener): statuses read before may be of workers
+        that had not noticed yet, and are dropped. Until a worker publishes a rank
+        again (workers publish only statuses read after they checked the store),
+        the rank is flagged with the loss as its ``store_loss`` (``/readyz`` 503).
+        """
+        self._ranks, self._workers, self._loss = {}, 0, loss
+        self._published.clear()
+        self._forgotten += 1
 
     async def follow(self, interval: float) -> None:
         """Refresh every ``interval`` seconds, forever (run it as a task)."""
@@ -82,7 +100,16 @@ class StatusBoard:
         """One status per dp rank of a registered engine (raises UnknownEngine)."""
         spec = self._registry.get(engine)
         found = [self._ranks.get((engine, r)) for r in range(spec.dp_ranks)]
-        return [blank_status(spec, r) if p is None else p.status for r, p in enumerate(found)]
+        return [self._blank(spec, r) if p is None else p.status for r, p in enumerate(found)]
+
+    def _blank(self, spec: EngineSpec, dp_rank: int) -> RankStatus:
+        """A rank no live worker publishes: not connected, and in doubt if no worker has
+        published it since the last loss of data."""
+        status, loss = blank_status(spec, dp_rank), self._loss
+        if loss is not None and (spec.name, dp_rank) not in self._published and spec.events:
+            status.degraded = True
+            status.store_loss = f"{loss.reason}; no worker has consumed the rank since"
+        return status
 
     def running(self) -> bool:
         """Whether some worker is alive, as of a refresh recent enough to trust."""

@@ -242,7 +242,7 @@ class Worker:
                 await record(self._redis, "failed", rank, worker=self.id, token=token, seq=seq)
                 await self._leases.release(rank)
                 continue
-            self._follow_loss(rank, consumer)
+            self._follow_loss(rank, consumer, losses)
             self._owned[rank] = _Owned(consumer, token, entry, sent + self._ttl / 2, losses)
             log.info("rank claimed", extra={**consumer.ids(), "token": token, "from_seq": seq})
 
@@ -278,23 +278,39 @@ class Worker:
         if seq is not None:
             self._retired[rank] = (seq, losses)
 
-    def _follow_loss(self, rank: RankId, consumer: RankConsumer) -> None:
+    def _follow_loss(self, rank: RankId, consumer: RankConsumer, losses: int) -> None:
         """A rank claimed anew after the store lost data that an earlier consumer here
-        had applied: degraded until that is applied again (the store may be behind it)."""
+        had applied: degraded until that is applied again (the store may be behind it).
+
+        ``losses``: the store's when the claim began. A loss noticed since voids
+        the claim (the rank is dropped and claimed again): what was applied is
+        then kept for the next claim to follow up, or that consumer would start
+        from the empty store unflagged.
+        """
         retired, loss = self._retired.get(rank), self._store.last_loss()
         if retired is not None and loss is not None and retired[1] != loss.number:
-            del self._retired[rank]
+            if losses == loss.number:
+                del self._retired[rank]
             consumer.rebuilding(retired[0], loss.reason)
 
     # --- statuses ---------------------------------------------------------------------
 
     async def _publish(self) -> None:
+        """Publish the statuses of the ranks owned here, read after the store's anchor:
+        never a rank's unflagged status over data the store lost unnoticed."""
+        await self._store.ping()
         entries = [
-            Published(rank.engine, owned.token, self._status(owned.consumer))
+            Published(rank.engine, owned.token, self._status(owned))
             for rank, owned in list(self._owned.items())
         ]
         ttl = max(3 * self._settings.status_interval, self._ttl)
         await publish(self._redis, self.id, entries, ttl)
 
-    def _status(self, consumer: RankConsumer) -> RankStatus:
-        return msgspec.structs.replace(consumer.snapshot(), owner=self.id)
+    def _status(self, owned: _Owned) -> RankStatus:
+        """A rank's status as published; flagged if claimed before the store's last loss
+        (the claim is void, whatever its consumer applied: the rank is claimed anew)."""
+        status = msgspec.structs.replace(owned.consumer.snapshot(), owner=self.id)
+        loss = self._store.last_loss()
+        if loss is not None and owned.losses != loss.number and status.store_loss is None:
+            status.degraded, status.store_loss = True, f"{loss.reason}; being claimed anew"
+        return status

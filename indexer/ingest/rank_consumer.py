@@ -29,11 +29,13 @@ acknowledged (the watermark) only by the store applying it. Not retried:
 consumer stops applying, :attr:`RankConsumer.fenced`) and
 :class:`~indexer.stores.base.StoreLost` (the store lost acknowledged data:
 the sequencer resumes from the store's watermark and rebuilds from replay).
+A loss the store notices flags every rank at once and ends their backoff.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -143,6 +145,9 @@ class RankConsumer:
             self.ids,
         )
         self._slot_held = False
+        self._loss_heard = asyncio.Event()  # the store noticed a loss: retry now
+        if (loss := store.last_loss()) is not None:  # what it applies is read after it
+            self._seq.losses_seen = loss.number
         self._report = Report(
             self.metrics, self.ids, self._replay.endpoint, settings.replay_attempts
         )
@@ -157,6 +162,7 @@ class RankConsumer:
             extra=self.ids(),
             on_error=self._store_error,
             stopping=self._is_stopping,
+            sleep=self._retry_pause,
         )
 
     # --- lifecycle -------------------------------------------------------------
@@ -200,8 +206,8 @@ class RankConsumer:
         self._intake.put_nowait((WAKE, 0, 0, b"", 0.0))
 
     def snapshot(self) -> RankStatus:
-        """A copy of the status, with lag computed now (counting batches still queued)."""
-        status, mark = self.status, self._seq.mark
+        """A copy of the status, lag computed now (counting queued batches), losses in doubt."""
+        status, mark, doubt = self.status, self._seq.mark, self._loss_in_doubt()
         last_seq, received_ts = status.last_seq, self._seq.received_ts
         queued = self._live.queued
         if queued is not None and not self._intake.empty() and queued[0] > (last_seq or -1):
@@ -217,7 +223,13 @@ class RankConsumer:
             lag_seconds=lag_seconds,
             missing=list(status.missing),
             rejected=dict(status.rejected),
+            **({} if doubt is None else {"degraded": True, "store_loss": doubt}),
         )
+
+    def _loss_in_doubt(self) -> str | None:
+        """:meth:`Sequencer.loss_in_doubt` of the store's last loss."""
+        loss = self._store.last_loss()
+        return None if loss is None else self._seq.loss_in_doubt(loss.number, loss.reason)
 
     def ids(self, **extra: Any) -> dict[str, Any]:
         return {"engine": self.rank.engine, "dp_rank": self.rank.dp_rank, **extra}
@@ -398,8 +410,21 @@ class RankConsumer:
     # --- the store -------------------------------------------------------------------
 
     def notice_store_loss(self) -> None:
-        """The store noticed a loss of data: resynchronise now, even if idle."""
+        """The store noticed a loss of data: resynchronise now, even if idle or backing off."""
+        self._loss_heard.set()
         self._wake()
+
+    async def _retry_pause(self, seconds: float) -> None:
+        """Wait between two attempts of a failing store call, or until the store notices
+        a loss. A loss heard that the rank is yet to resynchronise after ends the
+        retries (:class:`StoreLost`): the loop resynchronises at once, not after
+        its backoff, and the batch in hand comes back by replay."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._loss_heard.wait(), seconds)
+        heard = self._loss_heard.is_set()
+        self._loss_heard.clear()  # so the resynchronisation's own retries back off
+        if heard and (doubt := self._loss_in_doubt()) is not None:
+            raise StoreLost(doubt)
 
     def rebuilding(self, last: int, reason: str) -> None:
         """The rank's previous consumer here had applied up to ``last`` when the store

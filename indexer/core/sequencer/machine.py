@@ -41,13 +41,14 @@ class Sequencer(Stream[B]):
     ) -> list[Action]:
         """The store lost data (loss ``loss_number``); ``stored`` is its watermark now.
 
-        A rank whose stored watermark is its own lost nothing. Otherwise it is
-        degraded, with the reason in its status, until the batches it had
-        applied are applied again (:meth:`settle_rebuild`).
+        A rank whose stored watermark is its own lost nothing; a batch in hand
+        (its store call ended with the news) is asked from replay again.
+        Otherwise the rank is degraded, with the reason in its status, until
+        the batches it had applied are applied again (:meth:`settle_rebuild`).
         """
         self.losses_seen = loss_number
         had, status = self.mark, self.status
-        if stored == had:
+        if stored == had and self.next == (0 if had is None else had.seq + 1):
             return self._take()
         self._abandon_request()
         self.mark = stored
@@ -60,6 +61,18 @@ class Sequencer(Stream[B]):
             lost = f"batches {self.next}..{had.seq}"
             self._begin_rebuild(had.seq, reason, lost, wiped or not status.degraded)
         return self._take()
+
+    def loss_in_doubt(self, number: int, reason: str) -> str | None:
+        """The ``store_loss`` of a rank whose store noticed loss ``number`` until the rank
+        resynchronises after it (None: it did, or it applied nothing it could lose).
+
+        The rank is degraded from the moment the store knows, not only once its
+        own next store call finds out: it may be sleeping between two store
+        retries, or waiting for its worker to claim it anew.
+        """
+        if number == self.losses_seen or self.mark is None:
+            return None
+        return f"{reason}; finding which batches were lost"
 
     def rebuilding(self, last: int, reason: str) -> list[Action]:
         """The rank's previous consumer had applied up to ``last`` when the store

@@ -24,11 +24,12 @@ class RedisConfig:
     a pooled connection may sit idle before it is PINGed ahead of its next
     command. ``sweep_interval``: seconds between garbage sweeps run by a
     store that applies batches (None: never). ``identity_check``: seconds
-    between a writing store's looks for lost data (None: only when a write
-    finds it). The server must not evict keys (``maxmemory-policy
-    noeviction``) and should persist (AOF) for the index to survive a Redis
-    restart; without it, a restart is recovered only as far as the engines'
-    replay buffers reach.
+    between a store's looks for lost data, from its first watermark read or
+    write, or :meth:`~indexer.stores.redis.RedisStore.watch` (None: only when
+    a write, a prefix match or a ping finds it). The server must not evict
+    keys (``maxmemory-policy noeviction``) and should persist (AOF) for the
+    index to survive a Redis restart; without it, a restart is recovered only
+    as far as the engines' replay buffers reach.
     """
 
     url: str = "redis://127.0.0.1:6379/0"

@@ -22,8 +22,11 @@ it (:class:`LossWatch`):
   checks P:meta's alone: one server loses or rolls back every anchor
   together); the process also reads the anchors every ``identity_check``
   seconds, so a loss is noticed within about a second even when nothing is
-  written. The store's apply path also refuses a rank whose stored watermark
-  is below the last one this process committed for it.
+  written, and every prefix match and ping compares ``P:meta``'s with what it
+  knows (:meth:`LossWatch.vouch`), so no answer read from a lost ``P:meta``
+  goes out before the loss is on record. The store's apply path also refuses
+  a rank whose stored watermark is below the last one this process committed
+  for it.
 
 What a loss means for the ranks (:class:`~indexer.stores.base.Loss`):
 
@@ -47,6 +50,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import msgspec
 
@@ -79,6 +83,14 @@ class Anchor(msgspec.Struct, frozen=True):
         return cls(identity and identity.decode(), int(writes or 0), int(top or 0))
 
 
+class Seal(NamedTuple):
+    """What a read of ``P:meta`` must find there: the identity this process knows (None:
+    none yet) and at least the write count it saw there."""
+
+    identity: bytes | None
+    writes: int
+
+
 class LossWatch:
     """What this process knows of the store's identity, and the losses it noticed.
 
@@ -108,17 +120,42 @@ class LossWatch:
         """A write script answered anchor ``anchor``'s ``#w``."""
         self.floors[anchor] = max(self.floors[anchor], writes)
 
+    def seal(self) -> Seal:
+        """What ``P:meta`` must hold for a read sent now (see :meth:`vouch`)."""
+        identity = self.identity
+        return Seal(None if identity is None else identity.encode(), self.floors[0])
+
+    async def vouch(self, sealed: Seal, identity: bytes | None, writes: bytes | None) -> None:
+        """A read sent under ``sealed`` found ``identity`` and ``writes`` in ``P:meta``'s
+        ``#store`` and ``#w``: when that anchor lost data, record the loss before the
+        read is answered.
+
+        So an answer built on a store that was just wiped or rolled back goes
+        out with its ranks flagged, not in the second before the periodic check
+        or a write would notice. Only ``P:meta`` is vouched for: a cluster
+        master that lost buckets alone is found by :meth:`check`.
+        """
+        if sealed.identity is None:
+            return  # nothing known yet to compare with
+        if identity != sealed.identity or int(writes or 0) < sealed.writes:
+            await self.check()
+
     async def known_identity(self) -> str:
         """The store's identity, looked up (or given) at first use; from then on the
-        anchors are watched every ``identity_check`` seconds."""
+        anchors are watched (:meth:`watch`)."""
         if self.identity is None:
             await self.check()
-            interval = self._client.config.identity_check
-            if self._watch is None and interval:
-                watch = repeat(interval, self.check, "store identity check")
-                self._watch = asyncio.get_running_loop().create_task(watch)
+            self.watch()
         assert self.identity is not None
         return self.identity
+
+    def watch(self) -> None:
+        """Check the anchors every ``identity_check`` seconds from now on (the first check
+        learns the identity; an unreachable store is retried), once per process."""
+        interval = self._client.config.identity_check
+        if self._watch is None and interval:
+            watch = repeat(interval, self.check, "store identity check")
+            self._watch = asyncio.get_running_loop().create_task(watch)
 
     async def lost(self, since: int) -> StoreLost:
         """A write found lost data: the error to raise, once the loss is on record."""

@@ -25,6 +25,7 @@ from indexer.stores.redis.layout import (
     parse_rank_field,
     rank_field,
 )
+from indexer.stores.redis.losses import LossWatch
 
 #: Blocks fetched by a prefix query's first round trip; later ones double.
 FIRST_WINDOW = 128
@@ -45,6 +46,8 @@ class RedisReads:
         self.client = client
         self.layout = client.layout
         self._cache: dict[RankId, tuple[bytes, RankMeta]] = {}
+        #: what this process knows of the store's identity: prefix matches check it
+        self._losses = LossWatch(client)
 
     async def _run(self, commands: Sequence[tuple]) -> list:
         try:
@@ -87,9 +90,11 @@ class RedisReads:
     ) -> dict[RankId, PrefixMatch]:
         keys = [self.layout.block_key(h) for h in chain]
         window = min(len(chain), FIRST_WINDOW)
+        sealed = self._losses.seal()
         reply, *blocks = await self._run(
             [("HGETALL", self.layout.meta_key), *(("HGETALL", k) for k in keys[:window])]
         )
+        await self._losses.vouch(sealed, reply.get(b"#store"), reply.get(b"#w"))
         metas = parse_metas(reply)
         matchers = {
             rank: _RankMatch(meta, chunk_blocks[rank.engine] or meta.chunk)
@@ -140,7 +145,10 @@ class RedisReads:
         return sorted(r for r in map(parse_rank_field, names) if r is not None)
 
     async def ping(self) -> None:
-        await self._run([("PING",)])
+        """Reach the store and read ``P:meta``'s anchor: a health check notices a loss too."""
+        sealed = self._losses.seal()
+        ((identity, writes),) = await self._run([("HMGET", self.layout.meta_key, "#store", "#w")])
+        await self._losses.vouch(sealed, identity, writes)
 
 
 class _RankMatch:

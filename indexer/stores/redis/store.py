@@ -59,7 +59,7 @@ from indexer.stores.redis.layout import (
     held_field,
     rank_field,
 )
-from indexer.stores.redis.losses import LOST, LossWatch
+from indexer.stores.redis.losses import LOST
 from indexer.stores.redis.plan import Plan, bucket_writes, plan_writes
 from indexer.stores.redis.reads import RedisReads
 from indexer.stores.redis.scripts import (
@@ -94,7 +94,6 @@ class RedisStore(RedisReads):
         self.config = config
         self._committed: dict[RankId, int] = {}  # highest seq committed here, per rank
         self._claims: dict[RankId, tuple[int, int]] = {}  # token claimed here, losses then
-        self._losses = LossWatch(self.client)
         self._losses.listen(lambda loss: self._cache.clear())
         self._sweeper = Sweeper(self.client, config.sweep_interval)
         # APPLY_OPS calls without a commit (they may run twice); _run is looked up per
@@ -270,7 +269,10 @@ class RedisStore(RedisReads):
 
     async def watermark(self, rank: RankId) -> Watermark | None:
         """:meth:`Store.watermark`: also where this process accepts it as the rank's
-        baseline, so a consumer resuming after a loss may write from there."""
+        baseline, so a consumer resuming after a loss may write from there. Every
+        consumer reads it first: the store's identity is known, and watched, from
+        then on, even while no batch is written."""
+        await self._losses.known_identity()
         _, meta = await self._read_meta(rank)
         if meta is None or meta.seq is None:
             self._committed.pop(rank, None)
@@ -361,6 +363,12 @@ class RedisStore(RedisReads):
 
     def on_loss(self, listener: Callable[[Loss], None]) -> None:
         self._losses.listen(listener)
+
+    def watch(self) -> None:
+        """Look for lost data every ``identity_check`` seconds from now on, for a process
+        that reads but may never write (an API replica): its prefix matches then
+        know what ``P:meta`` must hold (:meth:`~indexer.stores.redis.losses.LossWatch.vouch`)."""
+        self._losses.watch()
 
     async def check(self, suspect: str | None = None) -> None:
         """Look for lost data now (:meth:`~indexer.stores.redis.losses.LossWatch.check`)."""
