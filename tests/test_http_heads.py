@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from .conftest import free_ports, wait_until
+from . import served
+from .conftest import wait_until
+from .served import healthy, memory, reset_peak
 
 MB = 1 << 20
 CONNECTIONS = 120
@@ -35,45 +34,13 @@ SLACK = 24 * MB
 LEFT = 8 * MB
 
 
-def memory(pid: int, field: str) -> int:
-    """``VmRSS`` (now) or ``VmHWM`` (peak since :func:`reset_peak`) of ``pid``, bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
-def reset_peak(pid: int) -> int:
-    """Start measuring ``pid``'s peak from now; its resident memory now."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-    return memory(pid, "VmRSS")
-
-
 @contextlib.contextmanager
 def serve(tmp_path: Path, **api: int) -> Iterator[tuple[int, int]]:
     """``kvindex serve`` with these ``api`` settings: its port and pid."""
-    port = free_ports()
     config = tmp_path / "kvindex.yaml"
     config.write_text("api:\n" + "".join(f"  {k}: {v}\n" for k, v in api.items()))
-    argv = [sys.executable, "-m", "kvindex.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen([*argv, "--config", str(config)], stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 30
-        while not healthy(port):
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.1)
-        yield port, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(15)
-
-
-def healthy(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
+    with served.serve(config) as running:
+        yield running
 
 
 async def slow_head(port: int, writers: list[asyncio.StreamWriter]) -> None:
