@@ -250,6 +250,14 @@ class RankConsumer:
             self._reject(e)
             return None
 
+    def _decode_held(self, payload: bytes) -> EventBatch:
+        """A held batch, decoded when its turn comes. It decoded when it was held;
+        if the observers want token ids only since, it decodes without them."""
+        try:
+            return self._decode_batch(payload, tokens=self._shared.reads_tokens(self.rank.engine))
+        except WireError:
+            return self._decode_batch(payload, tokens=False)
+
     # --- the loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -337,6 +345,8 @@ class RankConsumer:
         for action in actions:
             if type(action) is seq_rules.Apply:
                 await self._apply(action.seq, action.batch, action.ts)
+            elif type(action) is seq_rules.ApplyHeld:
+                await self._apply(action.seq, self._decode_held(action.payload), action.ts)
             elif type(action) is seq_rules.Clear:
                 await self._store_call(
                     self._store.clear,

@@ -87,7 +87,10 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     live and replay readers one in hand), the held batches under
     ``pending_bytes`` plus one, and ZeroMQ, per connection, the mark's
     messages plus the one it is reading (:meth:`receive_hwm`); the sequencer
-    decodes one batch at a time. A
+    decodes one batch at a time, also when a gap filled or given up releases
+    every batch held behind it (each is decoded as its turn to be applied
+    comes: decoded with its token ids, a batch takes about six times its
+    payload). A
     message is counted as ``max_message_bytes``, its largest frame: that holds
     for the wire's messages (a short topic and seq, then the batch), not for a
     peer sending more or padded frames (ZeroMQ bounds frames, not messages).
