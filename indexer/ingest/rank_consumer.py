@@ -48,6 +48,7 @@ from indexer.core.events import GPU, EventBatch, RankId, WireError
 from indexer.core.hybrid import GroupDeclaration
 from indexer.core.routed import GPU_CLEARED
 from indexer.core.sequencer import Mark, Sequencer
+from indexer.ingest.capacity import Capacity, rank_bounds
 from indexer.ingest.intake import END, HELD, LIVE, REPLAY, WAKE, Intake, Item
 from indexer.ingest.live_feed import LiveFeed
 from indexer.ingest.replay_client import ReplayClient
@@ -142,6 +143,8 @@ class RankConsumer:
             self._connected,
             self.ids,
         )
+        bounds = rank_bounds(spec, settings.max_blocks)
+        self._capacity = Capacity(bounds, self.status, self.metrics, self.ids)
         self._slot_held = False
         self._report = Report(
             self.metrics, self.ids, self._replay.endpoint, settings.replay_attempts
@@ -357,6 +360,8 @@ class RankConsumer:
                 )
                 if GPU in action.media:  # observers (routed entries) hear of it as a clear
                     self._shared.notify(self.rank, GPU_CLEARED)
+                if action.reset_seq:  # the engine restarted
+                    self._capacity.restarted(action.media)
             else:
                 self._note(action)
 
@@ -373,6 +378,7 @@ class RankConsumer:
             self._report(action)
 
     async def _apply(self, seq: int, batch: EventBatch, ts: float) -> None:
+        batch = self._capacity.admit(batch)
         applied = batch
         if self._groups is not None:
             self._check_groups(batch)
@@ -397,6 +403,10 @@ class RankConsumer:
         self.metrics.batches.inc()
         self.metrics.block_ops.inc(result.block_ops)
         self._shared.notify(self.rank, batch)
+        if self._capacity.stored(batch):  # some medium may be over its bound: count exactly
+            counts = await self._store_call(self._store.block_counts, self.rank)
+            if over := self._capacity.counted(counts):
+                await self._perform([seq_rules.Clear(tuple(over))])
 
     def _check_groups(self, batch: EventBatch) -> None:
         """Count and log (once each) what events say against the declared KV groups."""
