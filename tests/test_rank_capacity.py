@@ -55,7 +55,7 @@ async def test_a_rank_past_its_bound_is_cleared_and_refused_until_its_engine_res
             degraded_reasons(st)
         )
         assert (await store.block_counts(RANK))[GPU] == 0
-        await publish(pub, [stores(2000, 10, 1002.0), stores(3000, 10, 1003.0, CPU)])
+        await publish(pub, [stores(2000, 10, 1002.0), stores(3000, 10, 1003.0, "cpu")])
         await applied(sub, 3)
         counts = await store.block_counts(RANK)
         assert (counts[GPU], counts[CPU]) == (0, 10)  # GPU refused, CPU within its bound

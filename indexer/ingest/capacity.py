@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from indexer.core.events import GPU, MEDIA, BlockRemoved, EventBatch
+from indexer.core.events import GPU, MEDIA, BlockRemoved, EventBatch, normalise_medium
 from indexer.metrics import RankMetrics
 from indexer.registry import EngineSpec, RankStatus
 
@@ -48,7 +48,7 @@ def stored_hashes(batch: EventBatch) -> dict[str, int]:
     stored = dict.fromkeys(MEDIA, 0)
     for event in batch.events:
         if event.block_hashes and type(event) is not BlockRemoved:
-            stored[event.medium or GPU] += len(event.block_hashes)
+            stored[normalise_medium(event.medium)] += len(event.block_hashes)
     return stored
 
 
@@ -77,7 +77,7 @@ class Capacity:
         """The batch without the events of refused media."""
         if not self._refused:
             return batch
-        kept = [e for e in batch.events if (e.medium or GPU) not in self._refused]
+        kept = [e for e in batch.events if normalise_medium(e.medium) not in self._refused]
         if len(kept) < len(batch.events):
             self._rejected()
         return EventBatch(batch.ts, kept, batch.data_parallel_rank)
