@@ -19,6 +19,7 @@ import pytest
 from indexer.core.events import CPU, GPU, BlockStored, EventBatch, RankId
 from indexer.ingest.capacity import OVER_CAPACITY
 from indexer.registry import degraded_reasons, is_degraded
+from indexer.stores import MemoryStore
 from producer.publisher import Publisher
 
 from .conftest import free_ports, wait_until
@@ -134,3 +135,35 @@ def test_fresh_hashes_every_batch_cost_the_bound_not_memory(tmp_path: Path) -> N
     assert st["over_capacity"] and st["degraded_reasons"], st
     assert st["rejected"][OVER_CAPACITY] == BATCHES - WITHIN  # the bound passed, then each dropped
     assert st["blocks"]["GPU"] == 0
+
+
+class CountingStore(MemoryStore):
+    """A MemoryStore that counts the exact counts it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    async def block_counts(self, rank: RankId) -> dict[str, int]:
+        self.asked += 1
+        return await super().block_counts(rank)
+
+
+async def test_the_store_is_asked_only_when_the_bound_may_have_passed() -> None:
+    e = Engine(replay=False)
+    spec = msgspec.structs.replace(e.spec, gpu_blocks=500)  # GPU bound: 1,000 blocks
+    store = CountingStore()
+    sub = await consuming(store, spec)
+    try:
+        pub = e.publisher()
+        await wait_until(lambda: status(sub).connected, what="connected")
+        # 150 batches storing 10 hashes each, the same 400 over and over: a full cache
+        await publish(pub, [stores(seq % 40 * 10, 10, 1000.0 + seq) for seq in range(150)])
+        await applied(sub, 149)
+        # at the first batch (10 blocks); then when the hashes stored since could make
+        # it over 1,000 (10 + 10 x 100: it holds 400); not again (400 + 490)
+        assert store.asked == 2
+        assert not status(sub).over_capacity
+    finally:
+        await sub.stop()
+        e.close()
