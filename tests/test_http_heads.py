@@ -110,3 +110,20 @@ async def test_a_connection_beyond_the_limit_is_answered_before_it_sends(tmp_pat
         for _, other in [*held, (reader, writer)]:
             other.close()
         await wait_until(lambda: healthy(port), 10, "a connection is free again")
+
+
+async def test_with_the_budget_full_whole_heads_are_served_and_partial_ones_refused(
+    tmp_path: Path,
+) -> None:
+    with serve(tmp_path, head_bytes=MB, header_timeout=30) as (port, _):
+        _, holder = await asyncio.open_connection("127.0.0.1", port)
+        holder.write(HEAD[: MB - 1024])  # holds the budget but for 1 KiB
+        await holder.drain()
+        await wait_until(lambda: unread(port) == 0, 30, "the server to read the head")
+        assert healthy(port)  # a whole head in one read: parsed at once, never held
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(HEAD[: 4 << 10])  # would take the heads over the budget
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"too many request heads" in answer
+        for other in (holder, writer):
+            other.close()
