@@ -43,15 +43,6 @@ def rank_bounds(spec: EngineSpec, max_blocks: int) -> dict[str, int]:
     return bounds
 
 
-def stored_hashes(batch: EventBatch) -> dict[str, int]:
-    """Hashes a batch stores per medium: the most blocks it can add there."""
-    stored = dict.fromkeys(MEDIA, 0)
-    for event in batch.events:
-        if event.block_hashes and type(event) is not BlockRemoved:
-            stored[normalise_medium(event.medium)] += len(event.block_hashes)
-    return stored
-
-
 class Capacity:
     """One rank's blocks per medium against its bounds (:func:`rank_bounds`).
 
@@ -83,12 +74,15 @@ class Capacity:
         return EventBatch(batch.ts, kept, batch.data_parallel_rank)
 
     def stored(self, batch: EventBatch) -> bool:
-        """Count an applied batch's stores; whether the store must now be asked
-        (some medium may be over its bound)."""
-        most = self._most
-        for medium, hashes in stored_hashes(batch).items():
-            most[medium] += hashes
-        return any(most[m] > bound for m, bound in self.bounds.items() if m not in self._refused)
+        """Count an applied batch's stores (a hash adds at most one block); whether
+        the store must now be asked (some medium may be over its bound)."""
+        most, bounds, refused, over = self._most, self.bounds, self._refused, False
+        for event in batch.events:
+            if event.block_hashes and type(event) is not BlockRemoved:
+                medium = normalise_medium(event.medium)
+                most[medium] += len(event.block_hashes)
+                over = over or (most[medium] > bounds[medium] and medium not in refused)
+        return over
 
     def counted(self, counts: Mapping[str, int]) -> list[str]:
         """Take the store's exact counts: the media newly over their bounds, refused
