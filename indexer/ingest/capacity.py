@@ -91,17 +91,20 @@ class Capacity:
         over = [m for m, bound in bounds.items() if counts[m] > bound and m not in self._refused]
         self._most.update(counts)
         if over:
-            self._most.update(dict.fromkeys(over, 0))
-            self._refused |= frozenset(over)
-            reason = ", ".join(f"{m} held {counts[m]} blocks, over {bounds[m]}" for m in over)
-            status = self._status
-            status.over_capacity = "; ".join(filter(None, [status.over_capacity, reason]))
-            self._rejected()
-            log.warning(
-                "rank over capacity: cleared until the engine restarts",
-                extra=self._ids(over_capacity=reason),
-            )
+            self._refuse(over, counts)
         return over
+
+    def _refuse(self, over: list[str], counts: Mapping[str, int]) -> None:
+        self._most.update(dict.fromkeys(over, 0))  # about to be cleared
+        self._refused |= frozenset(over)
+        reason = ", ".join(f"{m} held {counts[m]} blocks, over {self.bounds[m]}" for m in over)
+        status = self._status
+        status.over_capacity = "; ".join(filter(None, [status.over_capacity, reason]))
+        self._rejected()
+        log.warning(
+            "rank over capacity: cleared until the engine restarts",
+            extra=self._ids(over_capacity=reason),
+        )
 
     def restarted(self, cleared: Collection[str]) -> None:
         """The engine restarted and ``cleared`` were emptied: nothing is refused
