@@ -31,8 +31,13 @@ class ApiSettings:
     ``header_timeout``: seconds a client has to send a request's head, from
     connecting or from the previous response (slower clients are
     disconnected, so a slowloris cannot hold connections); ``max_connections``:
-    beyond that many open connections (or requests in flight) requests are
-    answered 503 until some close. ``engine_binds``: where ``POST /engines``
+    beyond that many open connections (or requests in flight) a new connection
+    is answered 503 at once, its head never read, until some close.
+    ``head_bytes``: the bytes of unfinished request heads held at once across
+    all connections (each may be up to ``max_body_bytes``); a connection whose
+    head would take them over is answered 503 and closed. Memory for heads is
+    thus at most this plus one socket read (256 KiB) in hand, whatever the
+    number of connections. ``engine_binds``: where ``POST /engines``
     may ask for a bind, the subscriber's ``bind`` policy (checked here too so
     an API replica refuses what its workers would). ``models``: the tokenizer
     (and optional chat template) of each model ``prompt``/``messages`` queries
@@ -51,11 +56,14 @@ class ApiSettings:
     auth_token_file: str | None = None
     header_timeout: float = 10.0
     max_connections: int = 1024
+    head_bytes: int = 64 << 20
     engine_binds: BindPolicy = field(default_factory=BindPolicy)
     models: Mapping[str, ModelTokenizer] = field(default_factory=dict)
     #: the leases of self-registered engines (``POST /engines/announce``): bounds, sweep
     announce: LeaseRules = field(default_factory=LeaseRules)
 
     def __post_init__(self) -> None:
-        if self.header_timeout <= 0 or self.max_connections < 1:
-            raise ValueError("header_timeout must be above 0 and max_connections at least 1")
+        if self.header_timeout <= 0 or self.max_connections < 1 or self.head_bytes < 1:
+            raise ValueError(
+                "header_timeout must be above 0, max_connections and head_bytes at least 1"
+            )

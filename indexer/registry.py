@@ -355,6 +355,7 @@ class RankStatus(msgspec.Struct):
     degraded: bool = False
     missing: list[Gap] = []  # unfilled gaps, newest last
     store_loss: str | None = None  # the store lost batches of it: why, and how it recovers
+    over_capacity: str | None = None  # media over the rank's bound, refused until a restart
     gaps: int = 0
     gaps_filled: int = 0
     gaps_unfilled: int = 0
@@ -381,7 +382,8 @@ def blank_status(spec: EngineSpec, dp_rank: int) -> RankStatus:
 
 def is_degraded(status: RankStatus | None) -> bool:
     """Whether a rank's answers may be wrong: no live connection, an unfilled gap,
-    or batches the store lost that are not applied again.
+    batches the store lost that are not applied again, or media refused for
+    holding more blocks than the rank's bound.
 
     A rank with no status at all (unknown) counts as not connected; a rank of
     an engine without events is never degraded (its answers are approximate by
@@ -390,7 +392,8 @@ def is_degraded(status: RankStatus | None) -> bool:
     """
     if status is not None and not status.events:
         return False
-    return status is None or status.degraded or not status.connected
+    over = status is not None and status.over_capacity is not None
+    return status is None or status.degraded or not status.connected or over
 
 
 def degraded_reasons(status: RankStatus | None) -> list[str]:
@@ -409,6 +412,8 @@ def degraded_reasons(status: RankStatus | None) -> list[str]:
     if status.missing:
         gaps = ", ".join(f"{g.first}..{g.last}" for g in status.missing)
         reasons.append(f"unfilled gaps: batches {gaps}")
+    if status.over_capacity is not None:
+        reasons.append(f"over capacity: {status.over_capacity}")
     if status.degraded and status.store_loss is None and not status.missing:
         reasons.append("missed batches replay could not fill")
     return reasons

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import functools
+import json
 import logging
 import signal
 import socket
@@ -56,8 +58,65 @@ def cannot_listen(host: str, port: int, error: OSError, flag: str) -> str:
     return f"cannot listen on {host} port {port}: {error.strerror or error}"
 
 
+class HeadBudget:
+    """The bytes of unfinished request heads held across a server's connections.
+
+    Each connection may buffer a head of up to ``max_body_bytes`` (h11's limit)
+    for ``header_timeout`` seconds: without a shared bound, many slow heads
+    hold that much each at once. When the heads held fall back to none after
+    holding at least ``TRIM_AFTER``, the allocator is asked to return the
+    freed pages: glibc keeps them otherwise (heads are freed in whatever
+    order their clients leave, so its heap cannot shrink from the top):
+    measured, a 16 MiB budget filled once left about as much resident.
+    """
+
+    TRIM_AFTER = 4 << 20
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._peak = 0  # the most held since the allocator last returned memory
+
+    def fits(self, size: int) -> bool:
+        return self.held + size <= self.limit
+
+    def take(self, size: int) -> None:
+        self.held += size
+        self._peak = max(self._peak, self.held)
+
+    def give_back(self, size: int) -> None:
+        self.held -= size
+        if self.held == 0 and self._peak >= self.TRIM_AFTER:
+            self._peak = 0
+            # after this callback, once the connection's buffers are freed
+            asyncio.get_running_loop().call_soon(_return_freed_memory)
+
+
+def _return_freed_memory() -> None:
+    """Have glibc give freed heap pages back to the system (elsewhere: nothing)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _busy(message: str) -> bytes:
+    """A whole 503 response that closes the connection, sent outside h11 (which
+    answers only a request it has read, and these are refused before that)."""
+    body = json.dumps({"error": message}).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_TOO_MANY_CONNECTIONS = _busy("too many connections: try again when some have closed")
+_TOO_MANY_HEADS = _busy("too many request heads in progress: try again shortly")
+
+
 class _H11WithHeadTimeout(H11Protocol):
-    """uvicorn's h11 protocol, with a deadline for each request head.
+    """uvicorn's h11 protocol, with a deadline for each request head and bounds
+    on what unfinished heads hold.
 
     uvicorn bounds only the idle time after a response (``timeout_keep_alive``,
     cancelled by the first byte that arrives): a client that connects and
@@ -65,21 +124,58 @@ class _H11WithHeadTimeout(H11Protocol):
     forever. Here a head must be complete within ``head_timeout`` seconds of
     the connection opening or of the previous response, or the connection
     is closed.
+
+    uvicorn checks its connection limit only once a head is complete, so
+    connections beyond it buffer heads too: here a connection beyond
+    ``max_connections`` (or arriving while that many requests are in flight,
+    which uvicorn's limit counted too) is answered 503 at once and what it
+    sends is dropped unread until it closes (or its head deadline passes). The bytes of
+    unfinished heads are counted in ``heads`` until they are freed (the head
+    is parsed, or the connection is gone); a read that would take them over
+    the budget is dropped and its connection answered 503 and closed, unless
+    the read ends a head.
     """
 
-    def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        head_timeout: float,
+        heads: HeadBudget,
+        max_connections: int,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._head_timeout = head_timeout
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._heads, self._max_connections = heads, max_connections
+        self._head_bytes = 0  # this connection's share of ``heads``
+        self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        limit = self._max_connections
+        if len(self.connections) > limit or len(self.tasks) >= limit:
+            self._refused = True
+            transport.write(_TOO_MANY_CONNECTIONS)
+            if transport.can_write_eof():
+                transport.write_eof()  # the client reads the answer, then closes
         self._await_head()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # dropped: a refused connection buffers nothing
+        if self.conn.their_state is h11.IDLE and not self._room_for(data):
+            self._refused = True
+            self.transport.write(_TOO_MANY_HEADS)
+            self.transport.close()  # frees the head held so far (connection_lost)
+            return
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the head is in
             self._cancel_head_deadline()
+            self._release_head()
+        elif not self.transport.is_closing():
+            self._head_bytes += len(data)
+            self._heads.take(len(data))
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -88,7 +184,18 @@ class _H11WithHeadTimeout(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_deadline()
+        self._release_head()
         super().connection_lost(exc)
+
+    def _room_for(self, data: bytes) -> bool:
+        """Whether this read may be buffered: it fits in the budget, or it ends a
+        head (a complete head is parsed at once and holds nothing afterwards)."""
+        return self._heads.fits(len(data)) or b"\r\n\r\n" in data
+
+    def _release_head(self) -> None:
+        if self._head_bytes:
+            self._heads.give_back(self._head_bytes)
+            self._head_bytes = 0
 
     def _await_head(self) -> None:
         self._cancel_head_deadline()
@@ -102,7 +209,7 @@ class _H11WithHeadTimeout(H11Protocol):
 
     def _head_late(self) -> None:
         self._head_deadline = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if (self._refused or self.conn.their_state is h11.IDLE) and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -138,15 +245,19 @@ async def serve_http(
     # h11 is named, not left to "auto": uvicorn would pick httptools whenever
     # it is installed, whose parser refuses heads over a fixed ~80 KB whatever
     # is configured here (a 16k-token GET prompt is about 100 KB).
-    # uvicorn answers 503 once its connections reach limit_concurrency, so
-    # one more than the connections allowed.
+    # uvicorn's own limit_concurrency is not set: it is checked only once a head
+    # is in, and it would count the connections the protocol has refused.
     config = uvicorn.Config(
         app,
-        http=functools.partial(_H11WithHeadTimeout, head_timeout=settings.header_timeout),
+        http=functools.partial(
+            _H11WithHeadTimeout,
+            head_timeout=settings.header_timeout,
+            heads=HeadBudget(settings.head_bytes),
+            max_connections=settings.max_connections,
+        ),
         log_config=None,
         access_log=False,
         h11_max_incomplete_event_size=settings.max_body_bytes,
-        limit_concurrency=settings.max_connections + 1,
     )
     server = _Server(config)
     http = asyncio.create_task(server.serve(sockets=[sock]))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from indexer.core.sequencer import (
     VOLATILE,
     Apply,
+    ApplyHeld,
     Ask,
     Clear,
     Duplicate,
@@ -59,6 +60,8 @@ class Shell:
     def run(self, actions: list) -> None:
         for action in actions:
             self.actions.append(action)
+            if isinstance(action, ApplyHeld):  # decoded only now
+                action = Apply(action.seq, action.ts, self._decode(action.payload))
             if isinstance(action, Apply):
                 assert action.batch == b"batch %d" % action.seq
                 self.applied.append(action.seq)

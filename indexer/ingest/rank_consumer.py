@@ -50,6 +50,7 @@ from indexer.core.events import GPU, EventBatch, RankId, WireError
 from indexer.core.hybrid import GroupDeclaration
 from indexer.core.routed import GPU_CLEARED
 from indexer.core.sequencer import Mark, Sequencer
+from indexer.ingest.capacity import Capacity, rank_bounds
 from indexer.ingest.intake import END, HELD, LIVE, REPLAY, WAKE, Intake, Item
 from indexer.ingest.live_feed import LiveFeed
 from indexer.ingest.replay_client import ReplayClient
@@ -144,6 +145,8 @@ class RankConsumer:
             self._connected,
             self.ids,
         )
+        bounds = rank_bounds(spec, settings.max_blocks)
+        self._capacity = Capacity(bounds, self.status, self.metrics, self.ids)
         self._slot_held = False
         self._loss_heard = asyncio.Event()  # the store noticed a loss: retry now
         if (loss := store.last_loss()) is not None:  # what it applies is read after it
@@ -262,6 +265,14 @@ class RankConsumer:
             self._reject(e)
             return None
 
+    def _decode_held(self, payload: bytes) -> EventBatch:
+        """A held batch, decoded when its turn comes. It decoded when it was held;
+        if the observers want token ids only since, it decodes without them."""
+        try:
+            return self._decode_batch(payload, tokens=self._shared.reads_tokens(self.rank.engine))
+        except WireError:
+            return self._decode_batch(payload, tokens=False)
+
     # --- the loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -349,6 +360,8 @@ class RankConsumer:
         for action in actions:
             if type(action) is seq_rules.Apply:
                 await self._apply(action.seq, action.batch, action.ts)
+            elif type(action) is seq_rules.ApplyHeld:
+                await self._apply(action.seq, self._decode_held(action.payload), action.ts)
             elif type(action) is seq_rules.Clear:
                 await self._store_call(
                     self._store.clear,
@@ -359,6 +372,8 @@ class RankConsumer:
                 )
                 if GPU in action.media:  # observers (routed entries) hear of it as a clear
                     self._shared.notify(self.rank, GPU_CLEARED)
+                if action.reset_seq:  # the engine restarted
+                    self._capacity.restarted(action.media)
             else:
                 self._note(action)
 
@@ -375,6 +390,7 @@ class RankConsumer:
             self._report(action)
 
     async def _apply(self, seq: int, batch: EventBatch, ts: float) -> None:
+        batch = self._capacity.admit(batch)
         applied = batch
         if self._groups is not None:
             self._check_groups(batch)
@@ -399,6 +415,10 @@ class RankConsumer:
         self.metrics.batches.inc()
         self.metrics.block_ops.inc(result.block_ops)
         self._shared.notify(self.rank, batch)
+        if self._capacity.stored(batch):  # some medium may be over its bound: count exactly
+            counts = await self._store_call(self._store.block_counts, self.rank)
+            if over := self._capacity.counted(counts):
+                await self._perform([seq_rules.Clear(tuple(over))])
 
     def _check_groups(self, batch: EventBatch) -> None:
         """Count and log (once each) what events say against the declared KV groups."""

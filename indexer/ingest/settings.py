@@ -79,6 +79,13 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
       the loop is yielded to the API's queries (a burst otherwise holds a
       router's query for the whole run of batches between yields).
     - ``max_missing``: unfilled ranges kept per rank for operators.
+    - ``max_blocks``: the blocks (distinct hashes) a rank may hold on one
+      medium: on CPU and storage, and on GPU unless its engine declares
+      ``gpu_blocks`` (then twice that: :mod:`indexer.ingest.capacity`). A
+      medium past its bound is cleared and its events dropped (counted as
+      rejected, ``over_capacity``) until the engine restarts, the rank
+      degraded meanwhile. A block of 32-byte hashes costs the embedded store
+      about 160 bytes: the default's 2,097,152 are ~330 MB per medium.
     - ``bind``: where engines with ``bind: true`` may make kvindex listen
       (:class:`~indexer.registry.BindPolicy`; default: loopback tcp only).
 
@@ -87,7 +94,10 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     live and replay readers one in hand), the held batches under
     ``pending_bytes`` plus one, and ZeroMQ, per connection, the mark's
     messages plus the one it is reading (:meth:`receive_hwm`); the sequencer
-    decodes one batch at a time. A
+    decodes one batch at a time, also when a gap filled or given up releases
+    every batch held behind it (each is decoded as its turn to be applied
+    comes: decoded with its token ids, a batch takes about six times its
+    payload). A
     message is counted as ``max_message_bytes``, its largest frame: that holds
     for the wire's messages (a short topic and seq, then the batch), not for a
     peer sending more or padded frames (ZeroMQ bounds frames, not messages).
@@ -114,6 +124,7 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     stop_grace: Seconds = 5.0
     apply_slice: Seconds = 0.001
     max_missing: Count = 100
+    max_blocks: Count = 1 << 21
     bind: BindPolicy = BindPolicy()
 
     def rules(self, has_replay: bool) -> Rules:

@@ -22,7 +22,9 @@ what the engine does, not what an operator typed:
   (:mod:`producer.vllm_plugin.reports`) unless that is turned off; the name
   stays the one of vLLM's endpoint;
 - offload chunk size: with vLLM's ``OffloadingConnector``, the
-  ``blocks_per_chunk`` vLLM computes from ``kv_connector_extra_config``.
+  ``blocks_per_chunk`` vLLM computes from ``kv_connector_extra_config``;
+- GPU capacity: ``kv_cache_config.num_blocks``, the blocks of the rank's
+  pool (kvindex bounds what a rank may hold on GPU by it).
 
 vLLM is imported here only inside functions: kvindex never depends on it.
 """
@@ -86,6 +88,7 @@ def announcement(vllm_config: Any, kv_cache_config: Any, settings: PluginSetting
         "bind": bind,
         "kv_groups": [_group(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups],
         "reuse_reports": reuse_reports,
+        "gpu_blocks": kv_cache_config.num_blocks,
     }
     return Announcement(spec, seeded=seed is not None or algo.startswith("xxhash"))
 

@@ -149,6 +149,7 @@ def test_kvindex_registers_the_engines_real_config(serve, model_dir, monkeypatch
     assert engine["hash_seed"] == "4242"
     assert engine["lookahead_tokens"] == config.num_hash_lookahead_tokens == 0  # a KV connector
     assert engine["dp_ranks"] == config.parallel_config.data_parallel_size == 2
+    assert engine["gpu_blocks"] == core.kv_cache_config.num_blocks  # bounds a rank's GPU blocks
     # the plugin's stream without reuse reports, beside vLLM's (ports + 1000)
     assert engine["reuse_reports"] == "filtered"
     assert engine["endpoint"] == beside(events.endpoint)

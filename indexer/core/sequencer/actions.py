@@ -50,6 +50,22 @@ class Apply(Generic[B]):
     batch: B
 
 
+@dataclass(slots=True)
+class ApplyHeld:
+    """Apply the batch held behind a gap as ``seq``, decoding ``payload`` only now;
+    then report it with :meth:`Sequencer.applied`.
+
+    A filled or given-up gap releases every batch held behind it at once, up
+    to ``pending_bytes`` of them: decoded all together (a decoded batch with
+    its token ids takes about six times its payload), they would take many
+    times the bound. The payload decoded when it was held, so it decodes.
+    """
+
+    seq: int
+    ts: float
+    payload: bytes
+
+
 @dataclass(frozen=True, slots=True)
 class Clear:
     """Drop the rank's counts of ``media`` (and its watermark if ``reset_seq``)."""
@@ -126,6 +142,7 @@ class RebuildSettled:
 
 Action = (
     Apply
+    | ApplyHeld
     | Clear
     | EndRequest
     | Duplicate

@@ -16,6 +16,7 @@ from indexer.core.sequencer.actions import (
     VOLATILE,
     Action,
     Apply,
+    ApplyHeld,
     B,
     Clear,
     Duplicate,
@@ -171,14 +172,16 @@ class Stream(Generic[B]):
     # --- gaps ----------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Apply held batches while they continue the stream."""
+        """Apply held batches while they continue the stream (each decoded only when
+        its turn comes: :class:`ApplyHeld`)."""
         heap, pending = self._heap, self._pending
         while heap and heap[0] <= self.next:
             seq = heapq.heappop(heap)
             payload, ts = pending.pop(seq)
             self._pending_bytes -= len(payload)
-            if seq == self.next and (batch := self._decode(payload)) is not None:
-                self._apply(seq, ts, batch)
+            if seq == self.next:
+                self.next = seq + 1
+                self._out.append(ApplyHeld(seq, ts, payload))
         self._close_gap()
 
     def _forget_pending(self) -> None:

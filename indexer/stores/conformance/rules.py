@@ -235,6 +235,25 @@ async def bytes_hashes_are_their_own_keys(store: Store) -> None:
     expect((await hit(store, [first, second])).gpu_blocks, 2, "hit of bytes hashes")
 
 
+@check
+async def a_batch_adds_at_most_one_block_per_hash_it_stores(store: Store) -> None:
+    """What a rank consumer's bound of its rank's blocks counts on (it asks for the
+    exact counts only when that bound passes a limit): copies, holds, groups,
+    owners and removals never make a medium's count grow by more."""
+    rng = random.Random(28)
+    for seq in range(40):
+        medium = rng.choice([GPU, CPU, STORAGE])
+        hashes = [rng.randrange(60) for _ in range(rng.randrange(1, 8))]
+        events = [
+            stored(hashes, medium, group=rng.randrange(2), owner=rng.choice([None, "kvcr"])),
+            removed(rng.sample(range(60), 3), medium),
+        ]
+        before = await store.block_counts(RANK)
+        await apply(store, seq, *rng.sample(events, 2), hold_gpu=rng.random() < 0.5)
+        grew = (await store.block_counts(RANK))[medium] - before[medium]
+        expect(grew <= len(hashes), True, f"batch {seq}: {grew} blocks for {len(hashes)} hashes")
+
+
 # --- prefix matching ----------------------------------------------------------
 
 
