@@ -47,10 +47,10 @@ import tenacity
 from indexer import metrics
 from indexer.core import sequencer as seq_rules
 from indexer.core.events import GPU, EventBatch, RankId, WireError
-from indexer.core.hybrid import GroupDeclaration
 from indexer.core.routed import GPU_CLEARED
 from indexer.core.sequencer import Mark, Sequencer
 from indexer.ingest.capacity import Capacity, rank_bounds
+from indexer.ingest.declared_groups import DeclaredGroups
 from indexer.ingest.intake import END, HELD, LIVE, REPLAY, WAKE, Intake, Item
 from indexer.ingest.live_feed import LiveFeed
 from indexer.ingest.replay_client import ReplayClient
@@ -66,16 +66,6 @@ log = logging.getLogger("kvindex.subscriber")
 _SLOT_POLL = 0.05
 
 T = TypeVar("T")
-
-
-def _declaration(spec: EngineSpec) -> GroupDeclaration | None:
-    groups = spec.kv_groups
-    if not groups:
-        return None
-    size = spec.block_size
-    return GroupDeclaration(
-        [(g.kind, g.sliding_window, g.block_size or size) for g in groups], size
-    )
 
 
 def _mark(watermark: Watermark | None) -> Mark | None:
@@ -110,8 +100,7 @@ class RankConsumer:
         self._settings = settings = shared.settings
         self._store, self._fence = store, fence
         #: the declared KV groups, told to the store with the first batch applied
-        self._groups = _declaration(spec)
-        self._groups_told = self._groups is None
+        self._groups = DeclaredGroups.of(spec, self.status, self.metrics, self.ids)
         self._intake = Intake(settings.intake_limit, settings.intake_bytes)
         self._stopping = False
         self._failed = False  # the loop died of a bug
@@ -391,11 +380,7 @@ class RankConsumer:
 
     async def _apply(self, seq: int, batch: EventBatch, ts: float) -> None:
         batch = self._capacity.admit(batch)
-        applied = batch
-        if self._groups is not None:
-            self._check_groups(batch)
-            if not self._groups_told:
-                applied = self._groups.prepended(batch)
+        applied = batch if self._groups is None else self._groups.to_apply(batch)
         started = time.perf_counter()
         result = await self._store_call(
             apply_events,
@@ -411,7 +396,8 @@ class RankConsumer:
         if not result.applied:  # the store had it already (another writer)
             self.metrics.duplicates.inc()
             return
-        self._groups_told = True
+        if self._groups is not None:
+            self._groups.told = True
         self.metrics.batches.inc()
         self.metrics.block_ops.inc(result.block_ops)
         self._shared.notify(self.rank, batch)
@@ -419,13 +405,6 @@ class RankConsumer:
             counts = await self._store_call(self._store.block_counts, self.rank)
             if over := self._capacity.counted(counts):
                 await self._perform([seq_rules.Clear(tuple(over))])
-
-    def _check_groups(self, batch: EventBatch) -> None:
-        """Count and log (once each) what events say against the declared KV groups."""
-        for conflict in self._groups.conflicts(batch):
-            self.status.kv_group_mismatches += 1
-            self.metrics.kv_group_mismatches.inc()
-            log.warning("kv group differs from its declaration", extra=self.ids(**conflict))
 
     # --- the store -------------------------------------------------------------------
 
