@@ -16,12 +16,15 @@ import logging
 import signal
 import socket
 from collections.abc import Iterator
+from http import HTTPStatus
 from typing import Any
 
 import h11
 import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from api.errors import error_response
 from api.settings import ApiSettings
 
 log = logging.getLogger("kvindex.serve")
@@ -56,27 +59,54 @@ def cannot_listen(host: str, port: int, error: OSError, flag: str) -> str:
     return f"cannot listen on {host} port {port}: {error.strerror or error}"
 
 
+async def _within_limit(
+    app: ASGIApp, connections: set[Any], tasks: set[Any], limit: int,
+    scope: Scope, receive: Receive, send: Send,
+) -> None:  # fmt: skip
+    """``app``, unless this request makes more than ``limit`` open connections or
+    requests in flight: then a JSON 503 (uvicorn's own ``limit_concurrency`` answers
+    plain text, where every other refusal of the API is ``{"error": ...}``)."""
+    if len(connections) > limit or len(tasks) > limit:
+        message = f"over {limit} open connections or requests in flight (api.max_connections)"
+        refusal = error_response(503, f"{message}: try again shortly", {"Connection": "close"})
+        await refusal(scope, receive, send)
+        return
+    await app(scope, receive, send)
+
+
 class _H11WithHeadTimeout(H11Protocol):
-    """uvicorn's h11 protocol, with a deadline for each request head.
+    """uvicorn's h11 protocol, with a deadline for each request head, a bound on
+    connections, and JSON refusals.
 
     uvicorn bounds only the idle time after a response (``timeout_keep_alive``,
     cancelled by the first byte that arrives): a client that connects and
     sends nothing, or sends a head a byte at a time, holds its connection
     forever. Here a head must be complete within ``head_timeout`` seconds of
     the connection opening or of the previous response, or the connection
-    is closed.
+    is closed. Beyond ``max_connections`` requests are answered 503; a head
+    h11 cannot take (over ``max_head`` bytes: 431) is answered as the API
+    answers, before a close that lets the answer arrive.
     """
 
-    def __init__(self, *args: Any, head_timeout: float, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, head_timeout: float, max_head: int, max_connections: int, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.app = functools.partial(
+            _within_limit, self.app, self.connections, self.tasks, max_connections
+        )
         self._head_timeout = head_timeout
+        self._max_head = max_head
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._await_head()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the connection is closing: what still comes is dropped
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the head is in
             self._cancel_head_deadline()
@@ -104,6 +134,38 @@ class _H11WithHeadTimeout(H11Protocol):
         self._head_deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request head h11 refuses, as JSON: a head over
+        ``max_head`` bytes (a GET prompt too long for a URL) is a 431 that says to
+        POST it. Closing at once would reset the connection while the client is
+        still sending, and the client would lose the answer: instead kvindex stops
+        sending, drops what still comes, and closes when the client does (or after
+        ``head_timeout``)."""
+        buffered, _ = self.conn.trailing_data
+        if len(buffered) > self._max_head:
+            refusal = error_response(
+                431,
+                f"request head over {self._max_head} bytes: send a long prompt as a JSON"
+                " body (POST /prefix-match)",
+            )
+        else:
+            refusal = error_response(400, msg)
+        head = h11.Response(
+            status_code=refusal.status_code,
+            headers=[*refusal.raw_headers, (b"connection", b"close")],
+            reason=HTTPStatus(refusal.status_code).phrase,
+        )
+        for event in (head, h11.Data(data=refusal.body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self._linger()
+
+    def _linger(self) -> None:
+        self._cancel_head_deadline()
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(self._head_timeout, self.transport.close)
 
 
 class _Server(uvicorn.Server):
@@ -138,15 +200,20 @@ async def serve_http(
     # h11 is named, not left to "auto": uvicorn would pick httptools whenever
     # it is installed, whose parser refuses heads over a fixed ~80 KB whatever
     # is configured here (a 16k-token GET prompt is about 100 KB).
-    # uvicorn answers 503 once its connections reach limit_concurrency, so
-    # one more than the connections allowed.
+    # The protocol answers 503 beyond max_connections itself, in JSON (uvicorn's
+    # limit_concurrency would answer plain text).
+    protocol = functools.partial(
+        _H11WithHeadTimeout,
+        head_timeout=settings.header_timeout,
+        max_head=settings.max_body_bytes,
+        max_connections=settings.max_connections,
+    )
     config = uvicorn.Config(
         app,
-        http=functools.partial(_H11WithHeadTimeout, head_timeout=settings.header_timeout),
+        http=protocol,
         log_config=None,
         access_log=False,
         h11_max_incomplete_event_size=settings.max_body_bytes,
-        limit_concurrency=settings.max_connections + 1,
     )
     server = _Server(config)
     http = asyncio.create_task(server.serve(sockets=[sock]))
