@@ -2,7 +2,7 @@
 
 Over real sockets against the server ``kvindex serve`` runs: a GET head too long
 for the server, a connection beyond the limit, a parameter or key given twice,
-an engine whose topic or replay endpoint cannot work.
+an engine whose topic or replay endpoint cannot work, a Redis that hangs.
 """
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,9 +21,11 @@ import pytest
 from api import ApiSettings, create_app
 from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
+from indexer.stores.redis import RedisConfig, RedisStore
 
 from .apikit import FakeConsumers, served
 from .conftest import free_ports
+from .servers import RedisServer, free_port
 
 ENGINE = {"name": "a", "endpoint": "tcp://127.0.0.1:1"}
 
@@ -143,3 +148,39 @@ async def test_a_replay_endpoint_that_is_the_endpoint_is_refused(bind: bool) -> 
         message = refusal(await client.post("/engines", json=same), 422, "replay_endpoint")
         assert ("kvindex's own SUB" in message) == bind
         assert (await client.get("/engines")).json() == []
+
+
+# --- a store known to be down ----------------------------------------------------
+
+
+async def timed(client: httpx.AsyncClient, path: str) -> tuple[int, float]:
+    started = time.monotonic()
+    answer = await client.get(path)
+    return answer.status_code, time.monotonic() - started
+
+
+async def test_requests_fail_fast_while_the_store_is_down_and_never_once_it_is_up(
+    tmp_path: Path,
+) -> None:
+    server = RedisServer(tmp_path / "redis", free_port()).start()
+    config = RedisConfig(server.url, prefix="t", socket_timeout=2.0, sweep_interval=None)
+    store, settings = RedisStore(config), ApiSettings()
+    app = create_app(store, EngineRegistry(), FakeConsumers(store), settings)
+    try:
+        async with served(app, settings) as client:
+            assert (await client.get("/blocks/1")).status_code == 200
+            server.proc.send_signal(signal.SIGSTOP)  # Redis hangs: connections stay open
+            status, took = await timed(client, "/blocks/1")
+            assert status == 503 and took >= 1.5  # the first one finds out
+            for path in ("/blocks/1", "/stats", "/readyz", "/engines"):
+                status, took = await timed(client, path)
+                assert (status, took < 0.5) == (503, True), (path, took)
+            answer = await client.get("/blocks/1")
+            assert "failing fast until the store answers" in answer.json()["error"]
+            server.proc.send_signal(signal.SIGCONT)
+            for _ in range(20):  # up again: no request is refused on old news
+                assert (await client.get("/blocks/1")).status_code == 200
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        await store.close()
+        server.stop()
