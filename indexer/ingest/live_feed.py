@@ -138,8 +138,9 @@ class LiveFeed:
                 "the engine closed the connection, or sent a frame over max_message_bytes"
                 f" ({limit} bytes): ZeroMQ does not tell them apart when the engine connects"
             )
-        try:
-            after = await asyncio.wait_for(monitor.recv_multipart(), _RETRY_WAIT)
+        try:  # not wait_for: on 3.11 it can swallow a stop's cancellation
+            async with asyncio.timeout(_RETRY_WAIT):
+                after = await monitor.recv_multipart()
         except TimeoutError:
             after = None
         if after is not None and parse_monitor_message(after)["event"] == zmq.EVENT_CONNECT_RETRIED:
