@@ -3,7 +3,8 @@
 :func:`listen` binds the socket (a taken port is an error that names the
 fix), :func:`serve_http` serves an ASGI app on it until an event is set
 (:func:`stop_signals`: SIGTERM or SIGINT), with a deadline for each request
-head. ``kvindex serve`` and ``kvindex api`` both serve through it.
+head, a bound on connections, and refusals in the API's JSON shape.
+``kvindex serve`` and ``kvindex api`` both serve through it.
 """
 
 from __future__ import annotations
