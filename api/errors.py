@@ -13,11 +13,12 @@ handler answers that.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -97,35 +98,90 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+#: Seconds a request waits for the store's probe while the store is known down.
+PROBE_WAIT = 0.1
+
+
+class StoreHealth:
+    """Whether the store answered its last call; while it has not, requests fail fast.
+
+    A Redis that hangs (paused, or its host gone) makes each call wait out its
+    socket timeout: without this every request would, though the first failure
+    already told. So after a failure one probe (a ping) is kept asking the store:
+    a request waits at most :data:`PROBE_WAIT` for it, and is refused at once unless
+    it answers. The race with recovery is the probe's: it is in flight while the
+    store is away, so a store that answers again answers it within a round trip,
+    and a request arriving then waits for that very answer instead of being refused
+    on old news. A probe that fails starts no other until a request needs one, so an
+    idle API does not poll a store that is down.
+    """
+
+    def __init__(self, ping: Callable[[], Awaitable[object]]) -> None:
+        self._ping = ping
+        self._down: str | None = None  # the last failure, while not answered since
+        self._probe: asyncio.Task[None] | None = None
+
+    def answered(self) -> None:
+        self._down = None
+
+    def failed(self, error: BaseException) -> None:
+        self._down = str(error) or type(error).__name__
+
+    async def admit(self) -> None:
+        """Return when the store may be called; StoreUnavailable while it is known down."""
+        if self._down is None:
+            return
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._check(), name="store probe")
+        await asyncio.wait([self._probe], timeout=PROBE_WAIT)
+        if self._down is not None:
+            raise StoreUnavailable(f"{self._down} (failing fast until the store answers)")
+
+    async def _check(self) -> None:
+        try:
+            await self._ping()
+        except Exception as e:
+            self.failed(e)
+        else:
+            self.answered()
+
+
 class GuardedStore:
     """Delegates to a :class:`Store`; any failure raises :class:`StoreUnavailable`.
 
     Every call site would otherwise need its own ``try``: the API cannot know
     which exceptions a backend's client library raises. Each call is timed
-    here too (``kvindex_api_store_seconds``), for the same reason. Methods that
-    are not coroutines are the store's own, as they are.
+    here too (``kvindex_api_store_seconds``), for the same reason, and fails
+    fast while the store is known down (:class:`StoreHealth`). Methods that are
+    not coroutines are the store's own, as they are.
     """
 
     def __init__(self, store: Store) -> None:
         self._store = store
+        self._health = StoreHealth(store.ping)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._store, name)
         if not inspect.iscoroutinefunction(method):
             return method  # what the store already knows (last_loss): no I/O to guard or time
-        seconds = STORE_SECONDS.labels(name)
+        seconds, health = STORE_SECONDS.labels(name), self._health
 
         @functools.wraps(method)
         async def guarded(*args: Any, **kwargs: Any) -> Any:
+            await health.admit()
             started = time.perf_counter()
             try:
-                return await method(*args, **kwargs)
-            except StoreUnavailable:
+                result = await method(*args, **kwargs)
+            except StoreUnavailable as e:
+                health.failed(e)
                 raise
             except Exception as e:
+                health.failed(e)
                 raise StoreUnavailable(str(e) or type(e).__name__) from e
             finally:
                 seconds.observe(time.perf_counter() - started)
+            health.answered()
+            return result
 
         setattr(self, name, guarded)  # built once per method
         return guarded

@@ -16,7 +16,7 @@ from typing import Annotated, TypeVar
 import msgspec
 from fastapi import APIRouter, Path, Request, Response
 
-from api.auth import require_token
+from api.auth import authenticated, optional_security, require_token
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.openapi import answers, body
@@ -26,10 +26,12 @@ from api.schemas import (
     BlockResidencies,
     EngineState,
     EngineSummary,
+    EngineView,
     RankCounts,
     RankState,
     Stats,
     UrlRegistration,
+    engine_view,
 )
 from indexer.compiled import Status, combined
 from indexer.core.events import MEDIA, RankId
@@ -126,7 +128,7 @@ class Operators:
             **fields, blocks=blocks, anomalies=anomalies, degraded_reasons=degraded_reasons(status)
         )
 
-    async def engine_state(self, spec: EngineSpec) -> EngineState:
+    async def engine_state(self, spec: EngineSpec, with_seed: bool) -> EngineState:
         held = (await self.stored_ranks()).get(spec.name, set())
         ranks = await asyncio.gather(
             *(self.rank_state(spec, status) for status in self.statuses(spec, held))
@@ -135,7 +137,7 @@ class Operators:
         checks = self.misdeclared
         size = checks.block_size(spec.name) if checks else spec.block_size
         return EngineState(
-            **msgspec.structs.asdict(spec),
+            **engine_view(spec, with_seed),
             ranks=list(ranks),
             lease=lease,
             misdeclared=checks.reasons(spec.name) if checks else [],
@@ -143,11 +145,11 @@ class Operators:
             unmatched=unmatched(spec, checks, size),
         )
 
-    async def summaries(self) -> list[EngineSummary]:
+    async def summaries(self, with_seed: bool) -> list[EngineSummary]:
         held = await self.stored_ranks()
         return [
             EngineSummary(
-                **msgspec.structs.asdict(spec),
+                **engine_view(spec, with_seed),
                 **msgspec.structs.asdict(count(self.statuses(spec, held.get(spec.name, set())))),
             )
             for spec in self.registry.all()
@@ -291,7 +293,12 @@ def _total(counts: list[dict[str, int]]) -> dict[str, int]:
 def router(ctx: ApiContext) -> APIRouter:
     ops = Operators(ctx)
     routes = APIRouter(tags=["operators"], route_class=StrictQueryRoute)
-    guarded = require_token(ctx.settings.auth_token)
+    token = ctx.settings.auth_token
+    guarded = require_token(token)
+
+    def view(spec: EngineSpec, request: Request, status: int = 200) -> Response:
+        """An engine as answered, its seed only to a caller who presented the token."""
+        return _json(EngineView(**engine_view(spec, authenticated(token, request))), status)
 
     @routes.get(
         "/engines",
@@ -299,10 +306,11 @@ def router(ctx: ApiContext) -> APIRouter:
             _200=(list[EngineSummary], "registered engines, by name, with their rank counts"),
             _503=_UNAVAILABLE,
         ),
+        openapi_extra=optional_security(token),
         summary="List engines",
     )
-    async def list_engines() -> Response:
-        return _json(await ops.summaries())
+    async def list_engines(request: Request) -> Response:
+        return _json(await ops.summaries(authenticated(token, request)))
 
     @routes.post(
         "/engines",
@@ -310,7 +318,7 @@ def router(ctx: ApiContext) -> APIRouter:
         dependencies=guarded,
         openapi_extra=body(EngineSpec, UrlRegistration),
         responses=answers(
-            _201=(EngineSpec, "registered; consumption has started"),
+            _201=(EngineView, "registered; consumption has started"),
             _409=(ErrorBody, "an engine of that name is already registered"),
             **(REFUSALS | URL_REFUSALS),
         ),
@@ -320,7 +328,7 @@ def router(ctx: ApiContext) -> APIRouter:
         given = await decode_body(request, _registration, "engine")
         spec = given if isinstance(given, EngineSpec) else await described(given)
         await register(ctx, spec, lambda: ops.registry.add(spec))
-        return _json(spec, 201)
+        return view(spec, request, 201)
 
     @routes.get(
         "/engines/{name}",
@@ -329,29 +337,30 @@ def router(ctx: ApiContext) -> APIRouter:
             _404=_UNKNOWN,
             _503=_UNAVAILABLE,
         ),
+        openapi_extra=optional_security(token),
         summary="One engine's state",
     )
-    async def get_engine(name: EngineName) -> Response:
-        return _json(await ops.engine_state(ops.spec(name)))
+    async def get_engine(name: EngineName, request: Request) -> Response:
+        return _json(await ops.engine_state(ops.spec(name), authenticated(token, request)))
 
     @routes.delete(
         "/engines/{name}",
         dependencies=guarded,
         responses=answers(
-            _200=(EngineSpec, "removed: no longer consumed, its residency dropped"),
+            _200=(EngineView, "removed: no longer consumed, its residency dropped"),
             _401=AUTH_REFUSAL,
             _404=_UNKNOWN,
             _503=_UNAVAILABLE,
         ),
         summary="Remove an engine",
     )
-    async def remove_engine(name: EngineName) -> Response:
+    async def remove_engine(name: EngineName, request: Request) -> Response:
         try:
             spec = await ops.registry.remove(name)
         except UnknownEngine:
             raise ApiError(404, f"unknown engine {name!r}") from None
         await ctx.routed.forget(name)  # its routed entries end with it
-        return _json(spec)
+        return view(spec, request)
 
     @routes.get(
         "/blocks/{block_hash}",

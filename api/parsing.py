@@ -12,8 +12,11 @@ walked item by item, to parse it or to name the culprit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import re
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, TypeVar
 
@@ -178,21 +181,50 @@ def hash_text(block_hash: BlockHash) -> str:
 
 
 async def decode_body(request: Request, decode: Callable[[bytes], T], what: str) -> T:
-    """A JSON body through a msgspec decoder: 400 if not JSON, 422 if not a valid ``what``."""
+    """A JSON body through a msgspec decoder: 400 if not JSON, 422 if not a valid ``what``
+    or if an object repeats a key (msgspec, like most decoders, keeps the last value)."""
+    raw = await request.body()
     try:
-        return decode(await request.body())
+        value = decode(raw)
     except msgspec.ValidationError as e:
         raise ApiError(422, f"invalid {what}: {e}") from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"body is not JSON: {e}") from None
+    refuse_repeated_keys(raw)
+    return value
+
+
+#: A JSON key: a string followed by a colon. In valid JSON only a key's closing quote
+#: is followed by a colon, so this finds exactly the keys, never text inside a value.
+_KEY = re.compile(rb'"((?:[^"\\]|\\.)*)"\s*:')
+
+
+def refuse_repeated_keys(raw: bytes) -> None:
+    """422 naming a key some object of a valid JSON body holds twice. Bodies whose keys
+    are all different texts (a prompt by tokens or hashes) are settled by one scan for
+    keys; only others (chat messages repeat "role" and "content" across objects, an
+    escaped key may spell another) are parsed again to look object by object."""
+    keys = _KEY.findall(raw)
+    if len(set(keys)) == len(keys) and not any(b"\\" in key for key in keys):
+        return
+    with contextlib.suppress(RecursionError, ValueError):  # what only msgspec reads (an int
+        json.loads(raw, object_pairs_hook=_unique_keys)  # of 5,000 digits): no key to name
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    counts = Counter(key for key, _ in pairs)
+    repeated = [key for key, n in counts.items() if n > 1]
+    if repeated:
+        raise ApiError(422, f"body: key {repeated[0][:40]!r} is given more than once in an object")
+    return dict(pairs)
 
 
 def parse_query(request: Request, struct: type[S]) -> S:
     """A route's query parameters as ``struct``, in one msgspec pass (FastAPI parses
     parameter by parameter, which for prefix-match cost more than the match itself);
     422 naming the malformed one. An integer is plain ASCII digits, as tokens are
-    (msgspec's own str-to-int takes ``1e3`` and ``null``). The last of a repeated
-    parameter counts, as FastAPI's did."""
+    (msgspec's own str-to-int takes ``1e3`` and ``null``). A repeated parameter
+    never gets here (:class:`StrictQueryRoute` refuses it)."""
     given: dict[str, Any] = dict(request.query_params)
     for name in _int_fields(struct):
         value = given.get(name)
@@ -235,15 +267,17 @@ def _parameter(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {**parameter, "schema": {**schema, **lifted, "title": title}}
 
 
-_UNKNOWN_QUERY = "an unknown query parameter"
+_UNKNOWN_QUERY = "an unknown query parameter, or one given twice"
 
 
 class StrictQueryRoute(APIRoute):
-    """A route that answers 422 to query parameters it does not take, naming them.
+    """A route that answers 422 to query parameters it does not take, naming them,
+    and to one given twice.
 
     FastAPI ignores them, so a misspelt filter (``engine=`` for ``engines=``)
     would answer as if no filter had been given: a wrong answer that looks
-    right. Bodies already refuse unknown fields; this makes query strings
+    right; of a repeated one it keeps one value and drops the others. Bodies
+    already refuse unknown fields (and repeated keys); this makes query strings
     agree. Every such route documents the 422 (added to its own, if any).
     """
 
@@ -265,9 +299,18 @@ class StrictQueryRoute(APIRoute):
             unknown = [name for name in dict.fromkeys(request.query_params) if name not in known]
             if unknown:
                 raise ApiError(422, _unknown_query_message(unknown, known))
+            refuse_repeated_parameters(request)
             return await handler(request)
 
         return strict_handler
+
+
+def refuse_repeated_parameters(request: Request) -> None:
+    """422 naming a query parameter given twice: one of its values would be dropped."""
+    counts = Counter(name for name, _ in request.query_params.multi_items())
+    repeated = [name for name, n in counts.items() if n > 1]
+    if repeated:
+        raise ApiError(422, f"query parameter {repeated[0][:40]!r} is given more than once")
 
 
 def _query_names(dependant: Dependant) -> frozenset[str]:

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 from fastapi import APIRouter, Request, Response
 
+from api.auth import demand_token, optional_security
 from api.chains import Overrides, Prompt
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
@@ -58,6 +59,7 @@ _ANSWERS = answers(
         " refuses (empty, a chat template error, incompatible flags); no tokenizer"
         " configured for `model`, or the `tokenize` extra not installed",
     ),
+    _401=(ErrorBody, "`route` without the bearer token (when one is configured)"),
     _404=(ErrorBody, "an engine in `engines` is not registered, or no engine serves `model`"),
     _413=(ErrorBody, "prompt or body over the configured maximum"),
     _422=(ErrorBody, "a malformed or unknown field: non-integer token, hash out of range..."),
@@ -99,7 +101,8 @@ configured weights for this query. `route: "best"` also picks the
 best-scoring rank (ties: the rank with the fewest live routed entries, then
 engine name, then dp rank), records the prompt beyond its GPU run as routed
 to it (`ttl_ms`, else the configured TTL) in the same atomic step, and names
-it in `routed_to`.
+it in `routed_to`; like `POST /routed` it then needs the bearer token when
+one is configured.
 """
 _TOKENS_DOC = "comma-separated token ids; kvindex hashes them as each engine does"
 _HASHES_DOC = "comma-separated block hashes: decimal uint64, or 0x-hex for raw-digest engines"
@@ -230,7 +233,9 @@ def router(ctx: ApiContext) -> APIRouter:
     matcher, settings = PrefixMatcher(ctx), ctx.settings
     routes = APIRouter(tags=["routers"], route_class=StrictQueryRoute)
 
-    async def answer(q: PrefixMatchBody) -> Response:
+    async def answer(q: PrefixMatchBody, request: Request) -> Response:
+        if q.route is not None:  # records routed entries, as POST /routed does
+            demand_token(settings.auth_token, request)
         started = time.perf_counter()
         query = await to_query(q, settings, ctx.tokenizers)
         result = await matcher.match(query)
@@ -242,7 +247,7 @@ def router(ctx: ApiContext) -> APIRouter:
     @routes.get(
         "/prefix-match",
         responses=_ANSWERS,
-        openapi_extra=query_parameters(GetQuery),
+        openapi_extra=query_parameters(GetQuery) | optional_security(settings.auth_token),
         summary="Prefix held by each engine",
         description=_CONTRACT,
     )
@@ -264,17 +269,17 @@ def router(ctx: ApiContext) -> APIRouter:
             route=q.route,
             ttl_ms=q.ttl_ms,
         )
-        return await answer(body)
+        return await answer(body, request)
 
     @routes.post(
         "/prefix-match",
         responses=_ANSWERS,
-        openapi_extra=body(PrefixMatchBody),
+        openapi_extra=body(PrefixMatchBody) | optional_security(settings.auth_token),
         summary="Prefix held by each engine (JSON body, for long prompts)",
         description=_CONTRACT
         + "\nThe same fields as GET, with lists instead of comma-separated strings.",
     )
     async def prefix_match_post(request: Request) -> Response:
-        return await answer(await decode_body(request, _decode_body, "body"))
+        return await answer(await decode_body(request, _decode_body, "body"), request)
 
     return routes

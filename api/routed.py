@@ -4,7 +4,9 @@ The engine's events for that prompt come tens to hundreds of milliseconds
 later; until then (or until the entry's TTL passes) the prompt's blocks count
 as routed to that rank in every prefix-match answer (``routed_blocks``), so a
 burst sharing a new prefix follows the first request instead of scattering.
-Like ``/prefix-match`` it is a router's call and needs no token.
+Because an entry steers every router's answers for its TTL, recording one
+needs the token when one is configured, as registering an engine does:
+routers that record hold it.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import msgspec
 from fastapi import APIRouter, Request, Response
 
+from api.auth import require_token
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.matching import PrefixMatcher
 from api.openapi import answers, body
+from api.operators import AUTH_REFUSAL
 from api.parsing import StrictQueryRoute, decode_body
 from api.prefix import routed_ttl, to_query
 from api.schemas import PrefixMatchBody, PromptBody, RoutedAnswer, RoutedBody
@@ -38,6 +42,7 @@ restarts or is removed, each block counts in that rank's `routed_blocks`.
 Exact counts (`gpu_blocks`, `cpu_blocks`, `storage_blocks`) never change.
 A rank keeps at most the configured `max_per_rank` entries (an engine with
 `events: false`: its `gpu_blocks`), those whose TTL ends first going first.
+With a token configured, the call needs `Authorization: Bearer <token>`.
 """
 
 
@@ -58,10 +63,12 @@ def router(ctx: ApiContext) -> APIRouter:
 
     @routes.post(
         "/routed",
+        dependencies=require_token(settings.auth_token),
         openapi_extra=body(RoutedBody),
         responses=answers(
             _200=(RoutedAnswer, "recorded"),
             _400=(ErrorBody, "not exactly one of block_hashes and tokens, or not JSON"),
+            _401=AUTH_REFUSAL,
             _404=(ErrorBody, "the engine is not registered"),
             _413=(ErrorBody, "prompt or body over the configured maximum"),
             _422=(

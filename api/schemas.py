@@ -216,12 +216,27 @@ class RankCounts(msgspec.Struct):
     degraded_ranks: int = 0
 
 
+class EngineView(EngineSpec):
+    """An engine's declaration as the API answers it. ``hash_seed`` is the engine's
+    ``PYTHONHASHSEED``, which lets whoever has it predict what an engine holds: it is
+    set only with the token, and shown only to a caller who presents it (null to
+    others); ``hash_seed_set`` tells every caller whether one is declared."""
+
+    hash_seed_set: bool = False
+
+
+def engine_view(spec: EngineSpec, with_seed: bool) -> dict[str, Any]:
+    """``spec``'s fields as :class:`EngineView` and its subclasses take them."""
+    fields = msgspec.structs.asdict(spec) | {"hash_seed_set": spec.hash_seed is not None}
+    return fields if with_seed else fields | {"hash_seed": None}
+
+
 #: ``GET /engines``: an engine's declaration and its :class:`RankCounts` (msgspec has no
-#: multiple inheritance: the counts' fields are added to the spec's here).
+#: multiple inheritance: the counts' fields are added to the view's here).
 EngineSummary = msgspec.defstruct(
     "EngineSummary",
     [(f.name, f.type, f.default) for f in msgspec.structs.fields(RankCounts)],
-    bases=(EngineSpec,),
+    bases=(EngineView,),
     module=__name__,
 )
 
@@ -248,7 +263,7 @@ UrlRegistration = msgspec.defstruct(
 )
 
 
-class EngineState(EngineSpec):
+class EngineState(EngineView):
     """An engine's declaration and the state of each of its dp ranks."""
 
     ranks: list[RankState] = []

@@ -22,6 +22,7 @@ from typing import Annotated, Literal, Protocol
 
 import msgspec
 
+from indexer.core.addresses import check_topic_and_replay
 from indexer.engines import catalog
 from indexer.engines.base import EngineAdapter
 
@@ -152,6 +153,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if self.block_size is None:
                 raise ValueError("kv_groups: declared groups need the engine's block_size")
             check_kv_groups(self.kv_groups, self.block_size)
+        check_topic_and_replay(self.topic, self.endpoint, self.replay_endpoint, self.bind)
         if self.events != (self.endpoint is not None):
             raise ValueError(
                 "endpoint: required for an engine that publishes events, and only for one"

@@ -3,7 +3,9 @@
 :func:`listen` binds the socket (a taken port is an error that names the
 fix), :func:`serve_http` serves an ASGI app on it until an event is set
 (:func:`stop_signals`: SIGTERM or SIGINT), with a deadline for each request
-head. ``kvindex serve`` and ``kvindex api`` both serve through it.
+head, bounds on connections and on what unfinished heads hold, and refusals
+in the API's JSON shape. ``kvindex serve`` and ``kvindex api`` both serve
+through it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ import logging
 import signal
 import socket
 from collections.abc import Iterator
+from http import HTTPStatus
 from typing import Any
 
 import h11
 import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from api.errors import error_response
 from api.settings import ApiSettings
 
 log = logging.getLogger("kvindex.serve")
@@ -114,6 +119,19 @@ _TOO_MANY_CONNECTIONS = _busy("too many connections: try again when some have cl
 _TOO_MANY_HEADS = _busy("too many request heads in progress: try again shortly")
 
 
+async def _within_limit(
+    app: ASGIApp, tasks: set[Any], limit: int, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """``app``, unless this request makes more than ``limit`` requests in flight: then a
+    JSON 503 (uvicorn's own ``limit_concurrency`` answers plain text, where every other
+    refusal of the API is ``{"error": ...}``)."""
+    if len(tasks) > limit:
+        message = f"over {limit} requests in flight (api.max_connections): try again shortly"
+        await error_response(503, message, {"Connection": "close"})(scope, receive, send)
+        return
+    await app(scope, receive, send)
+
+
 class _H11WithHeadTimeout(H11Protocol):
     """uvicorn's h11 protocol, with a deadline for each request head and bounds
     on what unfinished heads hold.
@@ -133,7 +151,9 @@ class _H11WithHeadTimeout(H11Protocol):
     unfinished heads are counted in ``heads`` until they are freed (the head
     is parsed, or the connection is gone); a read that would take them over
     the budget is dropped and its connection answered 503 and closed, unless
-    the read ends a head.
+    the read ends a head. A head h11 cannot take (over ``max_head`` bytes: 431,
+    saying to POST it; anything else it refuses: 400) is answered as the API
+    answers, before a close that lets the answer arrive.
     """
 
     def __init__(
@@ -142,9 +162,12 @@ class _H11WithHeadTimeout(H11Protocol):
         head_timeout: float,
         heads: HeadBudget,
         max_connections: int,
+        max_head: int,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.app = functools.partial(_within_limit, self.app, self.tasks, max_connections)
+        self._max_head = max_head
         self._head_timeout = head_timeout
         self._head_deadline: asyncio.TimerHandle | None = None
         self._heads, self._max_connections = heads, max_connections
@@ -170,12 +193,42 @@ class _H11WithHeadTimeout(H11Protocol):
             self.transport.close()  # frees the head held so far (connection_lost)
             return
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is in
+        if self._refused:  # the head was refused (400/431): its deadline closes it
+            self._release_head()
+        elif self.conn.their_state is not h11.IDLE:  # the head is in
             self._cancel_head_deadline()
             self._release_head()
         elif not self.transport.is_closing():
             self._head_bytes += len(data)
             self._heads.take(len(data))
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request head h11 refuses, as JSON: a head over
+        ``max_head`` bytes (a GET prompt too long for a URL) is a 431 that says to
+        POST it. Closing at once would reset the connection while the client is
+        still sending, and the client would lose the answer: instead kvindex stops
+        sending, drops what still comes, and closes when the client does (or at the
+        head deadline)."""
+        buffered, _ = self.conn.trailing_data
+        if len(buffered) > self._max_head:
+            message = (
+                f"request head over {self._max_head} bytes: send a long prompt as a JSON"
+                " body (POST /prefix-match)"
+            )
+            refusal = error_response(431, message)
+        else:
+            refusal = error_response(400, msg)
+        head = h11.Response(
+            status_code=refusal.status_code,
+            headers=[*refusal.raw_headers, (b"connection", b"close")],
+            reason=HTTPStatus(refusal.status_code).phrase,
+        )
+        for event in (head, h11.Data(data=refusal.body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self._refused = True  # what still comes is dropped
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._await_head()  # closed at the deadline, if the client has not closed by then
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -254,6 +307,7 @@ async def serve_http(
             head_timeout=settings.header_timeout,
             heads=HeadBudget(settings.head_bytes),
             max_connections=settings.max_connections,
+            max_head=settings.max_body_bytes,
         ),
         log_config=None,
         access_log=False,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from fastapi import FastAPI
@@ -15,6 +17,7 @@ from indexer.ingest.trace import Trace
 from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore, apply_events
 from indexer.stores.base import Store
+from kvindex.http import listen, serve_http
 from producer.publisher import Publisher
 
 from .conftest import free_ports, wait_until
@@ -148,3 +151,19 @@ class LiveApi:
             return all(a is not None and a >= w for a, w in zip(marks, seqs, strict=True))
 
         await wait_until(applied, timeout=30.0, what=f"{name} to apply seqs {seqs}")
+
+
+@contextlib.asynccontextmanager
+async def served(app: FastAPI, settings: ApiSettings) -> AsyncIterator[httpx.AsyncClient]:
+    """``app`` on a real port through uvicorn as ``kvindex serve`` runs it
+    (:func:`~kvindex.http.serve_http`), and a client of it."""
+    stop = asyncio.Event()
+    with listen("127.0.0.1", 0) as sock:
+        server = asyncio.create_task(serve_http(app, settings, sock, stop))
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        try:
+            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+                yield client
+        finally:
+            stop.set()
+            await asyncio.wait_for(server, 15)

@@ -14,12 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import REGISTRY
 
 from indexer.core.events import GPU, RankId
 from indexer.ingest.rank_consumer import RankConsumer
@@ -101,6 +105,47 @@ async def test_a_frame_over_the_size_limit_is_never_read() -> None:
     assert grew < 100 * MB, f"peak grew {grew / MB:.0f} MB for a 200 MB frame"
     assert st.degraded and [(g.first, g.last) for g in st.missing] == [(10, 10)]
     assert (await store.block_counts(RANK))[GPU] == 19  # every batch but the oversize one
+
+
+def oversize_count() -> float:
+    labels = {"engine": "e", "dp_rank": "0", "reason": "oversize"}
+    return REGISTRY.get_sample_value("kvindex_ingest_rejected_frames_total", labels) or 0.0
+
+
+def disconnections(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.reason for r in caplog.records if r.getMessage() == "rank disconnected"]
+
+
+async def test_an_oversize_frame_is_a_rejected_frame_with_a_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """libzmq reports only a disconnection: the rank says why, and counts it, while a
+    publisher that merely closes is neither counted nor blamed."""
+    caplog.set_level(logging.INFO, "kvindex.subscriber")
+    pub, before = free_ports(), oversize_count()
+    ctx = zmq.asyncio.Context()
+    xpub = ctx.socket(zmq.XPUB)
+    xpub.bind(f"tcp://127.0.0.1:{pub}")
+    sub, _ = await consume(MemoryStore(), spec(pub, None), max_message_bytes=4096)
+    try:
+        assert await xpub.recv() == b"\x01"  # subscribed
+        await xpub.send_multipart(flood._frame(0, flood.batch(0, 8192)))
+        await wait_until(lambda: sub.rank_status("e")[0].rejected, 10, "the frame counted")
+        assert sub.rank_status("e")[0].rejected == {"oversize": 1}
+        assert oversize_count() == before + 1
+        assert disconnections(caplog) == [
+            "ZeroMQ dropped the publisher for breaking the protocol, most likely with a frame"
+            " over max_message_bytes (4096 bytes)"
+        ]
+        await wait_until(lambda: sub.rank_status("e")[0].connected, 10, "reconnected")
+        xpub.close(linger=0)
+        await wait_until(lambda: not sub.rank_status("e")[0].connected, 10, "closed")
+        assert sub.rank_status("e")[0].rejected == {"oversize": 1}
+        assert oversize_count() == before + 1
+        assert disconnections(caplog)[1:] == ["the publisher closed the connection"]
+    finally:
+        await sub.stop()
+        ctx.destroy(linger=0)
 
 
 #: Limits small beside the 500 MB the engine sends, so that a queue they miss shows.

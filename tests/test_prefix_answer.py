@@ -156,9 +156,10 @@ async def test_a_malformed_query_parameter_is_a_422_naming_it(
     assert f"$.{named}" in answer.json()["error"]
 
 
-async def test_the_last_of_a_repeated_parameter_counts(fleet: Api) -> None:
+async def test_a_repeated_parameter_is_a_422_naming_it(fleet: Api) -> None:
     answer = await fleet.client.get("/prefix-match?block_hashes=5&block_size=8&block_size=4")
-    assert answer.json()["block_size"] == 4
+    assert answer.status_code == 422
+    assert answer.json()["error"] == "query parameter 'block_size' is given more than once"
 
 
 async def test_a_prompt_over_the_limit_is_a_413_whatever_its_items() -> None:

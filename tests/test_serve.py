@@ -280,4 +280,4 @@ async def test_request_heads_are_bounded_by_max_body_bytes() -> None:
         codes = [await status(port, n) for n in (2048, 200_000, 2_000_000, 2048)]
         stop.set()
         await asyncio.wait_for(served, 10)
-    assert codes == [200, 200, 400, 200]
+    assert codes == [200, 200, 431, 200]

@@ -39,11 +39,16 @@ OUTCOMES = ("recorded", "confirmed", "expired", "evicted")
 class RoutedRules:
     """TTL of routed entries (ms: default and the bounds a request's ``ttl_ms`` must
     fall within) and entries kept per rank of an engine that publishes events (an
-    event-less engine is bounded by its declared ``gpu_blocks`` instead)."""
+    event-less engine is bounded by its declared ``gpu_blocks`` instead).
+
+    An entry stands in for events that come within a second; only an event-less
+    engine's entries outlive that, as long as its cache keeps a prompt. Ten minutes
+    at most by default, so one mistaken (or hostile) record steers answers for no
+    longer than that."""
 
     default_ttl_ms: int = 10_000
     min_ttl_ms: int = 10
-    max_ttl_ms: int = 3_600_000
+    max_ttl_ms: int = 600_000
     max_per_rank: int = 100_000
 
     def __post_init__(self) -> None:

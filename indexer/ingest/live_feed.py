@@ -24,6 +24,9 @@ from indexer.ingest.sockets import close_sub, messages, open_sub
 from indexer.registry import EngineSpec, RankStatus
 
 log = logging.getLogger("kvindex.subscriber")
+#: Seconds a connecting SUB's retry may take to follow a disconnection (libzmq
+#: reports both from its I/O thread at once) before the disconnection counts as its own.
+_RETRY_WAIT = 0.2
 
 
 class LiveFeed:
@@ -102,18 +105,52 @@ class LiveFeed:
         peers, status = 0, self._status
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            why = None
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 peers += 1
             elif event == zmq.EVENT_DISCONNECTED:
                 peers = max(0, peers - 1)
+                why = await self._why_disconnected(monitor)
             if (peers > 0) != status.connected:
                 status.connected = peers > 0
-                log.info("rank connected" if peers else "rank disconnected", extra=self._ids())
                 if peers:
+                    log.info("rank connected", extra=self._ids())
                     self._connected()
+                else:
+                    log.info("rank disconnected", extra=self._ids(reason=why))
             if event == zmq.EVENT_DISCONNECTED and not self._spec.bind:
                 self._replace()
                 return
+
+    async def _why_disconnected(self, monitor: zmq.asyncio.Socket) -> str:
+        """Why the publisher went, as far as ZeroMQ tells, in words.
+
+        libzmq cuts a connection whose next frame announces more than
+        ``max_message_bytes`` and reports only a disconnection. A connecting SUB
+        then says which it was: after the peer closed it retries at once, after a
+        protocol error (from a real publisher, that frame) never. The second is
+        counted as a rejected frame (``oversize``). An engine that connects to
+        kvindex (``bind``) reconnects by itself either way: there the two look alike.
+        """
+        limit = self._settings.max_message_bytes
+        if self._spec.bind:
+            return (
+                "the engine closed the connection, or sent a frame over max_message_bytes"
+                f" ({limit} bytes): ZeroMQ does not tell them apart when the engine connects"
+            )
+        try:  # not wait_for: on 3.11 it can swallow a stop's cancellation
+            async with asyncio.timeout(_RETRY_WAIT):
+                after = await monitor.recv_multipart()
+        except TimeoutError:
+            after = None
+        if after is not None and parse_monitor_message(after)["event"] == zmq.EVENT_CONNECT_RETRIED:
+            return "the publisher closed the connection"
+        why = (
+            "ZeroMQ dropped the publisher for breaking the protocol, most likely with a frame"
+            f" over max_message_bytes ({limit} bytes)"
+        )
+        self._reject(WireError("oversize", why))
+        return why
 
     def _replace(self) -> None:
         """A fresh SUB socket after a disconnection. ZeroMQ reconnects after a

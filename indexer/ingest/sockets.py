@@ -69,12 +69,14 @@ def open_sub(
     bind: bool,
 ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
     """A SUB socket bound or connected to ``endpoint``, and the monitor of its
-    connections (handshakes and disconnections); nothing is left open on failure."""
+    connections (handshakes, disconnections, and the reconnections that tell a
+    publisher that closed from one ZeroMQ dropped); nothing is left open on failure."""
     sub = open_socket(context, settings, zmq.SUB, settings.sub_hwm)
     sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
     try:
         with socket_limit(context):
-            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            monitor = sub.get_monitor_socket(events)
     except BaseException:
         sub.close(linger=0)
         raise
