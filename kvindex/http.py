@@ -115,7 +115,6 @@ def _busy(message: str) -> bytes:
     return head.encode() + body
 
 
-_TOO_MANY_CONNECTIONS = _busy("too many connections: try again when some have closed")
 _TOO_MANY_HEADS = _busy("too many request heads in progress: try again shortly")
 
 
@@ -179,7 +178,12 @@ class _H11WithHeadTimeout(H11Protocol):
         limit = self._max_connections
         if len(self.connections) > limit or len(self.tasks) >= limit:
             self._refused = True
-            transport.write(_TOO_MANY_CONNECTIONS)
+            transport.write(
+                _busy(
+                    f"too many connections: over {limit} open connections or requests in"
+                    " flight (api.max_connections); try again when some have closed"
+                )
+            )
             if transport.can_write_eof():
                 transport.write_eof()  # the client reads the answer, then closes
         self._await_head()
