@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import functools
 import json
@@ -30,6 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from api.errors import error_response
 from api.settings import ApiSettings
+from indexer.allocator import return_freed_memory
 
 log = logging.getLogger("kvindex.serve")
 
@@ -94,14 +94,7 @@ class HeadBudget:
         if self.held == 0 and self._peak >= self.TRIM_AFTER:
             self._peak = 0
             # after this callback, once the connection's buffers are freed
-            asyncio.get_running_loop().call_soon(_return_freed_memory)
-
-
-def _return_freed_memory() -> None:
-    """Have glibc give freed heap pages back to the system (elsewhere: nothing)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
+            asyncio.get_running_loop().call_soon(return_freed_memory)
 
 
 def _busy(message: str) -> bytes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import tracemalloc
 
 from indexer.core.events import EventBatch, RankId
 from indexer.core.residency import add_references, drop_references
@@ -139,3 +140,26 @@ def test_the_walk_over_a_wrapped_cluster_equals_the_reference() -> None:
     assert fast[0][a].gpu_blocks == 80 and fast[0][b].gpu_blocks == 50
     assert fast[1][a].gpu_blocks == 20
     assert type(MemoryStore(compiled.REFERENCE)._holders) is holders.HolderIndex
+
+
+def test_a_table_emptied_gives_its_room_back() -> None:
+    """Filled with 120k hashes (ints and bytes) and emptied but for a few, a table
+    shrinks, side list and all: it keeps the room of a few hashes, not of 120k (a
+    rank cleared, or an engine refused over its bound, leaves no room behind)."""
+    rng = random.Random(11)
+    ints = [rng.getrandbits(64) for _ in range(100_000)]
+    digests = [rng.randbytes(32) for _ in range(20_000)]
+    keep = ints[:10] + digests[:10]
+    tracemalloc.start()
+    try:
+        table = compiled.core.CountTable()
+        base = tracemalloc.get_traced_memory()[0]
+        table.add(ints + digests)
+        full = tracemalloc.get_traced_memory()[0] - base
+        table.drop(ints[10:] + digests[10:])
+        left = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    check(table, dict.fromkeys(keep, 1))
+    assert full > 1_000_000 and left < full // 50, (full, left)
+

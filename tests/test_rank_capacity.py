@@ -129,9 +129,10 @@ def test_fresh_hashes_every_batch_cost_the_bound_not_memory(tmp_path: Path) -> N
         f" bound ({2 * GPU_BLOCKS} blocks) costs at most {BOUND_BYTES / MB:.0f} MB"
         f" (+{SLACK / MB:.0f} MB slack)"
     )
-    # What the rank held is cleared; the store's tables and the allocator keep
-    # the room it took (measured: 56-58 of 78 MB), no more than at the peak.
-    assert left < BOUND_BYTES + SLACK, f"{left / MB:.0f} MB still held once the rank was refused"
+    # What the rank held is cleared and its room given back: the store's tables
+    # shrink and the allocator returns the pages (measured: 18 MB of a 78 MB peak
+    # left; 56-58 MB before either)
+    assert left < grew / 2, f"{left / MB:.0f} of {grew / MB:.0f} MB still held once refused"
     assert st["over_capacity"] and st["degraded_reasons"], st
     assert st["rejected"][OVER_CAPACITY] == BATCHES - WITHIN  # the bound passed, then each dropped
     assert st["blocks"]["GPU"] == 0

@@ -140,6 +140,8 @@ class Fleet:
                 "/engines", json=body, headers={"authorization": f"Bearer {TOKEN}"}
             )
             assert answer.status_code == 201, answer.text
+        for engine in ("a", "b", "c"):  # else a late SUB misses the drops: no gap to show
+            self.serve.until(lambda e=engine: self.rank(e).get("connected"), f"{engine} connected")
         publish(a, trace_batches("chat-sha256"))
         publish(b, trace_batches("chat-gpu-only"))
         publish(c, [EventBatch(time.time(), [held(case, n) for case, n in PROMPT_CASES])])

@@ -111,6 +111,10 @@ cdef enum:
     LOAD_DEN = 5
     GROW_NUM = 3
     GROW_DEN = 2
+    # and halves below 1 / SHRINK_DEN full (to twice that load, under the growth's),
+    # down to SHRINK_FLOOR slots: a rank cleared or an attack over gives its room back
+    SHRINK_DEN = 5
+    SHRINK_FLOOR = 64
 
 
 ctypedef struct Answer:
@@ -516,6 +520,31 @@ cdef class KeyTable:
                 i = j
         self.entries[i].val = 0
         self.count -= 1
+        if self.cap > SHRINK_FLOOR and self.count * SHRINK_DEN < self.cap:
+            self.rehash(self.cap // 2)
+            self.compact_side()
+        return 0
+
+    cdef int compact_side(self) except -1:
+        """Renumber the side list's places densely, so its free places are let go too
+        (a table shrunk after holding many non-int hashes would keep their list)."""
+        if not self.side_free:
+            return 0
+        cdef list side = []
+        cdef Py_ssize_t live = max(1, len(self.side) - len(self.side_free))
+        cdef uint64_t *hashes = <uint64_t *>PyMem_Malloc(live * 8)
+        if not hashes:
+            raise MemoryError()
+        cdef Py_ssize_t i, place
+        for i in range(self.cap):
+            if self.entries[i].val & KV_SIDE:
+                place = len(side)
+                side.append(self.side[self.entries[i].key])
+                hashes[place] = self.side_hash[self.entries[i].key]
+                self.entries[i].key = place
+        PyMem_Free(self.side_hash)
+        self.side, self.side_free = side, []
+        self.side_hash, self.side_cap = hashes, live
         return 0
 
     cdef inline object key_at(self, Py_ssize_t i):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from indexer.allocator import return_freed_memory
 from indexer.core.events import MEDIA, BlockHash, RankId
 from indexer.core.matching import PrefixMatch
 from indexer.core.residency import Op
@@ -89,6 +90,7 @@ class MemoryStore:
         self._check_fence(rank, fence)
         if rank in self._ranks:
             self._ranks[rank].clear(media)
+            return_freed_memory()  # a rank's tables go at once: give their room back
         if reset_seq:
             self._watermarks.pop(rank, None)
 
