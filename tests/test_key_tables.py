@@ -162,4 +162,3 @@ def test_a_table_emptied_gives_its_room_back() -> None:
         tracemalloc.stop()
     check(table, dict.fromkeys(keep, 1))
     assert full > 1_000_000 and left < full // 50, (full, left)
-
