@@ -63,6 +63,8 @@ class Serve:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "kvindex.cli", "serve", "--port", str(port)]
+        # as an operator reads it: a hash seed is answered only to the token's holder
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         if token is not None:
             (workdir / "token").write_text(token)
             command += ["--auth-token-file", str(workdir / "token")]
@@ -85,7 +87,7 @@ class Serve:
         raise AssertionError(f"kvindex serve did not start: {self.log.read_text()}")
 
     def engine(self, name: str) -> httpx.Response:
-        return httpx.get(f"{self.url}/engines/{name}")
+        return httpx.get(f"{self.url}/engines/{name}", headers=self._headers)
 
     def stop(self) -> None:
         self.proc.terminate()

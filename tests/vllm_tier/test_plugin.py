@@ -14,6 +14,7 @@ import json
 import time
 from importlib.metadata import entry_points
 
+import httpx
 import pytest
 import torch
 from vllm.config import KVEventsConfig, KVTransferConfig
@@ -146,7 +147,8 @@ def test_kvindex_registers_the_engines_real_config(serve, model_dir, monkeypatch
     assert engine["block_size"] == config.cache_config.block_size == 16
     assert engine["block_size"] == core.kv_cache_config.hash_block_size
     assert engine["hash_algo"] == config.cache_config.prefix_caching_hash_algo == "sha256_cbor"
-    assert engine["hash_seed"] == "4242"
+    assert engine["hash_seed"] == "4242"  # read with the token
+    assert httpx.get(f"{serve.url}/engines/tier-hybrid").json()["hash_seed"] is None
     assert engine["lookahead_tokens"] == config.num_hash_lookahead_tokens == 0  # a KV connector
     assert engine["dp_ranks"] == config.parallel_config.data_parallel_size == 2
     assert engine["gpu_blocks"] == core.kv_cache_config.num_blocks  # bounds a rank's GPU blocks
