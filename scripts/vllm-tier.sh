@@ -27,13 +27,6 @@ fi
 [ -f "$PINS" ] ||
     "$VENV/bin/python" scripts/engine_pins.py record "$PINS" --requirements "$REQS" \
         --also torch vllm
-# every tracked file's content (a working tree's edits and deletions included), and where it lies
-own="$( (git ls-files -z | xargs -0 sha256sum 2>&1 || true) | sha256sum | cut -d' ' -f1) $(pwd)"
-if [ "$(cat "$VENV/.tier-kvindex" 2>/dev/null)" != "$own" ]; then
-    echo "== vLLM tier: pip install \"$(pwd)[vllm-plugin]\" into $VENV"
-    "$VENV/bin/pip" install -q "$(pwd)[vllm-plugin]"
-    echo "$own" >"$VENV/.tier-kvindex"
-fi
-"$VENV/bin/python" scripts/engine_pins.py check "$PINS"
+scripts/install-into-engine-venv.sh "$VENV" "$PINS" "vLLM tier"
 echo "== vLLM tier: tests/vllm_tier with vLLM 0.33.0 (CPU)"
 exec "$VENV/bin/python" -m pytest -c tests/vllm_tier/pytest.ini tests/vllm_tier -q
