@@ -24,6 +24,8 @@ from indexer.engines.vllm.hashing import (
     published_ints,
 )
 
+from .hash_cases import case_spec, hash_case
+
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.33.0"
 CASES = json.loads((FIXTURES / "hash_vectors.json").read_text())
 REPO = Path(__file__).resolve().parents[1]
@@ -51,25 +53,6 @@ def _case_id(case: dict) -> str:
     )
 
 
-def _spec(case: dict) -> HashSpec:
-    return HashSpec(
-        case["algo"], case["PYTHONHASHSEED"], case["block_size"], case.get("lookahead_tokens", 0)
-    )
-
-
-def _hash_case(case: dict, *, as_bytes: bool, hashes=block_hashes) -> list:
-    spec = _spec(case)
-    return hashes(
-        spec,
-        case["tokens"],
-        lora_name=case["lora_name"],
-        lora_path=case["lora_path"],
-        cache_salt=case["cache_salt"],
-        mm_features=[MMFeature(**item) for item in case["mm"]],
-        as_bytes=as_bytes,
-    )
-
-
 def test_fixture_covers_every_algorithm() -> None:
     assert {case["algo"] for case in CASES} == set(HASH_ALGOS)
 
@@ -88,20 +71,20 @@ def test_lookahead_fixture_covers_its_cases() -> None:
 
 @pytest.mark.parametrize("case", CASES + LOOKAHEAD_CASES, ids=_case_id)
 def test_none_hash_matches_vllm(case: dict) -> None:
-    assert _spec(case).none_hash.hex() == case["none_hash_hex"]
+    assert case_spec(case).none_hash.hex() == case["none_hash_hex"]
 
 
 @pytest.mark.parametrize("hashes", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", CASES + LOOKAHEAD_CASES, ids=_case_id)
 def test_block_digests_match_vllm(case: dict, hashes) -> None:
-    digests = _hash_case(case, as_bytes=True, hashes=hashes)
+    digests = hash_case(case, as_bytes=True, hashes=hashes)
     assert [d.hex() for d in digests] == case["block_hashes_hex"]
 
 
 @pytest.mark.parametrize("hashes", IMPLEMENTATIONS.values(), ids=IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", CASES + LOOKAHEAD_CASES, ids=_case_id)
 def test_published_ints_match_vllm(case: dict, hashes) -> None:
-    assert _hash_case(case, as_bytes=False, hashes=hashes) == case["block_hashes_int64"]
+    assert hash_case(case, as_bytes=False, hashes=hashes) == case["block_hashes_int64"]
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "reference"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from indexer.engines.vllm import wire
-from indexer.engines.vllm.hashing import HashSpec, MMFeature, block_hashes
+from tests.hash_cases import case_spec, hash_case
 from tests.vllm_tier.lookahead_vectors import cases, fixture_text, vllm_case
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "lookahead_hash_vectors.json"
@@ -31,20 +31,8 @@ def _id(case: dict) -> str:
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "reference"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_kvindex_hashes_as_vllm_with_lookahead(case: dict, compiled: bool) -> None:
-    spec = HashSpec(
-        case["algo"], case["PYTHONHASHSEED"], case["block_size"], case["lookahead_tokens"]
-    )
-    assert spec.none_hash.hex() == case["none_hash_hex"]
-    digests = block_hashes(
-        spec,
-        case["tokens"],
-        lora_name=case["lora_name"],
-        lora_path=case["lora_path"],
-        cache_salt=case["cache_salt"],
-        mm_features=[MMFeature(**item) for item in case["mm"]],
-        as_bytes=True,
-        compiled=compiled,
-    )
+    assert case_spec(case).none_hash.hex() == case["none_hash_hex"]
+    digests = hash_case(case, as_bytes=True, compiled=compiled)
     assert [d.hex() for d in digests] == case["block_hashes_hex"]
 
 
