@@ -59,6 +59,11 @@ GAPS = Counter(
 )
 REPLAYS = Counter("kvindex_ingest_replays_total", "Replay requests sent.", _RANK)
 RESTARTS = Counter("kvindex_ingest_restarts_total", "Engine restarts detected.", _RANK)
+SNAPSHOTS = Counter(
+    "kvindex_ingest_snapshots_total",
+    "Engine snapshots asked for when replay could not fill a range, by outcome.",
+    [*_RANK, "outcome"],
+)
 DUPLICATES = Counter(
     "kvindex_ingest_duplicates_total", "Batches received again and skipped.", _RANK
 )
@@ -109,6 +114,10 @@ class RankMetrics:
 
     def gap(self, outcome: str) -> None:
         self._third(GAPS, outcome).inc()
+
+    def snapshot(self, outcome: str) -> None:
+        """A snapshot ``applied``, or ``failed``."""
+        self._third(SNAPSHOTS, outcome).inc()
 
     def _third(self, counter: Counter, value: str) -> Counter:
         self._labelled.add((counter, value))

@@ -147,6 +147,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reuse_reports: ReuseReports = "capped"
     #: the engine's OpenAI server (``http://HOST:PORT``) when it was registered by it
     url: str | None = None
+    #: where the engine answers snapshots of its residency (kvindex's vLLM plugin; rank r
+    #: at the port + r): asked when replay cannot fill a range (:mod:`indexer.ingest.snapshots`)
+    snapshot_endpoint: Endpoint | None = None
 
     def __post_init__(self) -> None:
         if self.kv_groups:
@@ -164,7 +167,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "an engine with events: false needs gpu_blocks (its GPU capacity in blocks)"
                 " and has no replay_endpoint or bind"
             )
-        for field in ("endpoint", "replay_endpoint"):
+        if self.snapshot_endpoint and not self.replay_endpoint:
+            raise ValueError("snapshot_endpoint: needs the engine's replay_endpoint too")
+        for field in ("endpoint", "replay_endpoint", "snapshot_endpoint"):
             endpoint = getattr(self, field)
             if endpoint is None:
                 continue
@@ -183,6 +188,12 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The endpoint of one rank, offset as its engine offsets it."""
         endpoint = self.replay_endpoint if replay else self.endpoint
         return self.engine_adapter.rank_endpoint(endpoint, dp_rank)
+
+    def rank_snapshot_endpoint(self, dp_rank: int) -> str | None:
+        """Where one rank answers snapshots (None: it does not)."""
+        if self.snapshot_endpoint is None:
+            return None
+        return self.engine_adapter.rank_endpoint(self.snapshot_endpoint, dp_rank)
 
 
 def check_kv_groups(groups: list[KVGroup], block_size: int) -> None:
@@ -363,6 +374,8 @@ class RankStatus(msgspec.Struct):
     gaps_unfilled: int = 0
     replays: int = 0
     restarts: int = 0
+    restores: int = 0  # snapshots of the engine applied (replay could not fill a range)
+    snapshot_error: str | None = None  # why the last snapshot asked for did not come
     rejected: dict[str, int] = {}  # bad frames by reason
     duplicates: int = 0  # batches received again (live and replay overlap) and skipped
     store_errors: int = 0  # failed store calls, each retried

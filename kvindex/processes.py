@@ -42,7 +42,7 @@ from indexer.registry import EngineSpec
 from indexer.routed import RedisRouted
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.redis import RedisConfig, RedisStore
-from kvindex.config import ServeConfig
+from kvindex.config import ServeConfig, resolve_auth_token
 from kvindex.http import cannot_listen, listen, serve_http, stop_signals
 
 log = logging.getLogger("kvindex.processes")
@@ -71,7 +71,8 @@ async def run_indexer(
     targets = config.url_engines(engine_urls)
     store = RedisStore(redis)
     registry = RedisRegistry(store.client)
-    pool = RankPool(config.subscriber)
+    # the API's token (flag aside), which engines' snapshot endpoints ask for
+    pool = RankPool(config.subscriber, resolve_auth_token(config.api_settings()).auth_token)
     # confirmed and cleared by the batches this worker applies
     routed = RedisRouted(redis, store.client)
     pool.add_observer(routed.observe)

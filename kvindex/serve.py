@@ -74,7 +74,7 @@ async def serve(
     settings = settings or config.api_settings()
     store = open_store(redis)
     registry = EngineRegistry()
-    subscriber = Subscriber(store, registry, config.subscriber)
+    subscriber = Subscriber(store, registry, config.subscriber, settings.auth_token)
     routed = open_routed(redis, store)
     leases = Leases(registry, settings.announce, on_removed=routed.forget)
     app = create_app(store, registry, subscriber, settings, routed=routed, leases=leases)

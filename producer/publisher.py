@@ -100,6 +100,7 @@ class Publisher:
         self._progress = threading.Condition()
         self._pending_holes = 0
         self._enqueued = 0
+        self._offered = 0  # batches given to publish, sent or dropped: each takes a seq
         self._processed = 0
         self._next_seq = 0
         self.dropped = 0
@@ -140,6 +141,13 @@ class Publisher:
         """The seq the next batch taken off the queue will get."""
         return self._next_seq
 
+    @property
+    def last_offered_seq(self) -> int:
+        """The seq of the last batch given to publish (sent or not yet, or dropped on a
+        full queue); -1 before the first. What the engine had published by then is
+        what a snapshot taken now is exact as of."""
+        return self._offered - 1
+
     def publish(self, batch: EventBatch) -> bool:
         """Queue a batch without blocking; False if the queue was full (dropped)."""
         if batch.data_parallel_rank is None:
@@ -155,6 +163,7 @@ class Publisher:
         if self._closed:
             raise RuntimeError("publisher is closed")
         with self._lock:
+            self._offered += 1
             try:
                 self._queue.put_nowait(_Item(batch, self._pending_holes))
             except queue.Full:

@@ -38,11 +38,15 @@ class Shell:
     """Performs a sequencer's actions the way a consumer with a perfect store would."""
 
     def __init__(
-        self, stored: Mark | None = None, has_replay: bool = True, **limits: object
+        self,
+        stored: Mark | None = None,
+        has_replay: bool = True,
+        has_snapshot: bool = False,
+        **limits: object,
     ) -> None:
         self.status = RankStatus(0)
         self.decoded = 0
-        rules = SubscriberSettings(**limits).rules(has_replay)
+        rules = SubscriberSettings(**limits).rules(has_replay, has_snapshot)
         self.seq = Sequencer(self.status, rules, self._decode, self._missing, 0.0)
         self.applied: list[int] = []
         self.actions: list[object] = []

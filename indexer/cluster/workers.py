@@ -309,7 +309,7 @@ class Worker:
     def _status(self, owned: _Owned) -> RankStatus:
         """A rank's status as published; flagged if claimed before the store's last loss
         (the claim is void, whatever its consumer applied: the rank is claimed anew)."""
-        status = msgspec.structs.replace(owned.consumer.snapshot(), owner=self.id)
+        status = msgspec.structs.replace(owned.consumer.status_now(), owner=self.id)
         loss = self._store.last_loss()
         if loss is not None and owned.losses != loss.number and status.store_loss is None:
             status.degraded, status.store_loss = True, f"{loss.reason}; being claimed anew"

@@ -3,62 +3,64 @@
 A :class:`RankConsumer` consumes one (engine, dp rank): a
 :class:`~indexer.ingest.live_feed.LiveFeed` (SUB socket, reader, monitor), a
 :class:`~indexer.ingest.replay_client.ReplayClient` to the engine's replay
-ROUTER, and the loop that applies. The ordering rules (gaps, replay,
-duplicates, restarts, store losses) are the
+ROUTER, a :class:`~indexer.ingest.snapshots.SnapshotFetch` where the engine
+answers snapshots, and the loop that applies. The ordering rules (gaps,
+replay, snapshots, duplicates, restarts, store losses) are the
 :class:`~indexer.core.sequencer.Sequencer`'s: this shell feeds it what
-happens and performs what it answers. Who decides which ranks run is not its
-business: the :class:`~indexer.ingest.subscriber.Subscriber` of ``kvindex
-serve`` runs every registered rank, a :class:`~indexer.cluster.workers.Worker`
-of ``kvindex indexer`` the ranks it holds a lease on.
+happens and performs what it answers. Which ranks run is decided elsewhere:
+``kvindex serve``'s :class:`~indexer.ingest.subscriber.Subscriber` runs every
+registered rank, a :class:`~indexer.cluster.workers.Worker` those it leases.
 
-Readers split frames as fast as they come into an intake bounded in batches
-and in bytes, so the newest received seq is known even while the store is
-slow: lag is that minus the applied seq (and the same in batch ``ts``). When
-the intake is full the readers stop reading, ZMQ's high-water marks fill and
-the publisher drops batches; the drops surface as gaps and are replayed. A
-frame over ``max_message_bytes`` never reaches memory: ZeroMQ drops the
-connection when its header announces it, and the seq is a gap like any other.
-Batches stay encoded until they are applied (a decoded one takes six times
-the memory). A rank without a publisher costs only ZeroMQ's backed-off
-reconnects: replay is asked only while the SUB socket has a peer and the
-DEALER is opened only for a request.
+Readers split frames into an intake bounded in batches and bytes, so the
+newest received seq is known even while the store is slow (lag is that
+minus the applied seq). A full intake stops the readers, ZMQ's high-water
+marks fill, the publisher drops batches and the drops are replayed as gaps.
+A frame over ``max_message_bytes`` never reaches memory. Batches stay
+encoded until applied (decoded, one takes six times the memory). A rank
+without a publisher costs only ZeroMQ's backed-off reconnects.
 
 Store failures are retried with backoff and never skip a batch: a seq is
 acknowledged (the watermark) only by the store applying it. Not retried:
-:class:`~indexer.stores.base.Fenced` (another owner took the rank: the
-consumer stops applying, :attr:`RankConsumer.fenced`) and
-:class:`~indexer.stores.base.StoreLost` (the store lost acknowledged data:
-the sequencer resumes from the store's watermark and rebuilds from replay).
-A loss the store notices flags every rank at once and ends their backoff.
+:class:`~indexer.stores.base.Fenced` (another owner took the rank: nothing
+more is applied, :attr:`RankConsumer.fenced`) and
+:class:`~indexer.stores.base.StoreLost` (the sequencer resumes from the
+store's watermark); a loss the store notices flags every rank at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
 from typing import Any, TypeVar
 
-import msgspec
 import tenacity
 
 from indexer import metrics
 from indexer.core import sequencer as seq_rules
-from indexer.core.events import GPU, EventBatch, RankId, WireError
+from indexer.core.events import GPU, MEDIA, EventBatch, RankId, WireError
 from indexer.core.routed import GPU_CLEARED
 from indexer.core.sequencer import Mark, Sequencer
 from indexer.ingest.capacity import Capacity, rank_bounds
 from indexer.ingest.declared_groups import DeclaredGroups
 from indexer.ingest.intake import END, HELD, LIVE, REPLAY, WAKE, Intake, Item
 from indexer.ingest.live_feed import LiveFeed
+from indexer.ingest.loss_watch import LossWatch
 from indexer.ingest.replay_client import ReplayClient
-from indexer.ingest.report import Report
+from indexer.ingest.report import Report, status_now
 from indexer.ingest.settings import Shared
+from indexer.ingest.snapshots import Outcome, SnapshotFetch
 from indexer.periodic import until_done
 from indexer.registry import EngineSpec, Gap, RankStatus
-from indexer.stores.base import Fenced, Store, StoreLost, Watermark, apply_events
+from indexer.stores.base import (
+    Fenced,
+    Store,
+    StoreLost,
+    Watermark,
+    apply_events,
+    apply_snapshot,
+)
 
 log = logging.getLogger("kvindex.subscriber")
 
@@ -106,9 +108,11 @@ class RankConsumer:
         self._failed = False  # the loop died of a bug
         self.fenced = False  # another owner took the rank: nothing more is applied
         self._has_replay = spec.replay_endpoint is not None
+        snapshots = spec.rank_snapshot_endpoint(dp_rank)
+        self._snapshots = snapshots and SnapshotFetch(shared, snapshots, self._wake)
         self._seq: Sequencer[EventBatch] = Sequencer(
             self.status,
-            settings.rules(self._has_replay),
+            settings.rules(self._has_replay, snapshots is not None),
             self._decode,
             lambda first, last: Gap(first, last, time.time()),
             time.monotonic(),
@@ -137,9 +141,7 @@ class RankConsumer:
         bounds = rank_bounds(spec, settings.max_blocks)
         self._capacity = Capacity(bounds, self.status, self.metrics, self.ids)
         self._slot_held = False
-        self._loss_heard = asyncio.Event()  # the store noticed a loss: retry now
-        if (loss := store.last_loss()) is not None:  # what it applies is read after it
-            self._seq.losses_seen = loss.number
+        self._losses = LossWatch(store, self._seq)
         self._report = Report(
             self.metrics, self.ids, self._replay.endpoint, settings.replay_attempts
         )
@@ -154,7 +156,7 @@ class RankConsumer:
             extra=self.ids(),
             on_error=self._store_error,
             stopping=self._is_stopping,
-            sleep=self._retry_pause,
+            sleep=self._losses.pause,
         )
 
     # --- lifecycle -------------------------------------------------------------
@@ -178,6 +180,8 @@ class RankConsumer:
         except TimeoutError:
             log.warning("rank stop timed out", extra=self.ids())
         await self._live.close()
+        if self._snapshots:
+            self._snapshots.cancel()
         self._perform_now(self._seq.stop())
         self._replay.close()
         self._intake.clear()
@@ -197,31 +201,10 @@ class RankConsumer:
         """Have the loop look at its state now (it may be waiting for a batch)."""
         self._intake.put_nowait((WAKE, 0, 0, b"", 0.0))
 
-    def snapshot(self) -> RankStatus:
+    def status_now(self) -> RankStatus:
         """A copy of the status, lag computed now (counting queued batches), losses in doubt."""
-        status, mark, doubt = self.status, self._seq.mark, self._loss_in_doubt()
-        last_seq, received_ts = status.last_seq, self._seq.received_ts
-        queued = self._live.queued
-        if queued is not None and not self._intake.empty() and queued[0] > (last_seq or -1):
-            last_seq, received_ts = queued
-        lag, lag_seconds = 0, 0.0
-        if last_seq is not None:
-            lag = max(0, last_seq - (mark.seq if mark else -1))
-            if mark is not None and received_ts is not None:
-                lag_seconds = max(0.0, received_ts - mark.ts)
-        return msgspec.structs.replace(
-            status,
-            lag_batches=lag,
-            lag_seconds=lag_seconds,
-            missing=list(status.missing),
-            rejected=dict(status.rejected),
-            **({} if doubt is None else {"degraded": True, "store_loss": doubt}),
-        )
-
-    def _loss_in_doubt(self) -> str | None:
-        """:meth:`Sequencer.loss_in_doubt` of the store's last loss."""
-        loss = self._store.last_loss()
-        return None if loss is None else self._seq.loss_in_doubt(loss.number, loss.reason)
+        queued = self._live.queued if not self._intake.empty() else None
+        return status_now(self.status, self._seq, queued, self._losses.in_doubt())
 
     def ids(self, **extra: Any) -> dict[str, Any]:
         return {"engine": self.rank.engine, "dp_rank": self.rank.dp_rank, **extra}
@@ -274,6 +257,7 @@ class RankConsumer:
                 try:
                     await self._follow_store()
                     await self._tend_replay()
+                    await self._tend_snapshot()
                     item = await self._intake.get(self._idle_timeout())
                     if item is not None:
                         await self._handle(*item)
@@ -335,6 +319,37 @@ class RankConsumer:
         if not ask.probe:
             self.metrics.replays.inc()
         await self._replay.ask(ask.start)
+
+    # --- snapshots -----------------------------------------------------------------------
+
+    async def _tend_snapshot(self) -> None:
+        """Ask for a snapshot when the sequencer wants one; apply the one that came."""
+        fetch = self._snapshots
+        if not fetch:
+            return
+        if fetch.done:
+            await self._restore(fetch.take())
+        elif (
+            not fetch.in_flight and self._seq.snapshot_due(time.monotonic()) and await fetch.start()
+        ):
+            self._seq.snapshot_sent()
+
+    async def _restore(self, outcome: Outcome) -> None:
+        """Apply the engine's snapshot as the rank's whole state, or go on without it."""
+        if isinstance(outcome, str):
+            self.status.snapshot_error = outcome
+            self.metrics.snapshot("failed")
+            log.warning("no snapshot from the engine", extra=self.ids(why=outcome))
+            await self._perform(self._seq.snapshot_failed(time.monotonic()))
+            return
+        if not self._seq.restoring:  # the engine restarted meanwhile: its stream is whole
+            return
+        await self._store_call(apply_snapshot, self._store, self.rank, outcome, self._fence)
+        self.status.snapshot_error = None
+        self._shared.notify(self.rank, GPU_CLEARED)  # observers: its GPU was replaced
+        self._capacity.restarted(MEDIA)
+        await self._perform(self._seq.restored(outcome.seq, outcome.ts))
+        await self._bound_capacity()
 
     def _end_request(self, close: bool) -> None:
         if self._slot_held:
@@ -402,28 +417,20 @@ class RankConsumer:
         self.metrics.block_ops.inc(result.block_ops)
         self._shared.notify(self.rank, batch)
         if self._capacity.stored(batch):  # some medium may be over its bound: count exactly
-            counts = await self._store_call(self._store.block_counts, self.rank)
-            if over := self._capacity.counted(counts):
-                await self._perform([seq_rules.Clear(tuple(over))])
+            await self._bound_capacity()
+
+    async def _bound_capacity(self) -> None:
+        """Count the rank's blocks in the store; clear what is over its bound."""
+        counts = await self._store_call(self._store.block_counts, self.rank)
+        if over := self._capacity.counted(counts):
+            await self._perform([seq_rules.Clear(tuple(over))])
 
     # --- the store -------------------------------------------------------------------
 
     def notice_store_loss(self) -> None:
         """The store noticed a loss of data: resynchronise now, even if idle or backing off."""
-        self._loss_heard.set()
+        self._losses.heard()
         self._wake()
-
-    async def _retry_pause(self, seconds: float) -> None:
-        """Wait between two attempts of a failing store call, or until the store notices
-        a loss. A loss heard that the rank is yet to resynchronise after ends the
-        retries (:class:`StoreLost`): the loop resynchronises at once, not after
-        its backoff, and the batch in hand comes back by replay."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._loss_heard.wait(), seconds)
-        heard = self._loss_heard.is_set()
-        self._loss_heard.clear()  # so the resynchronisation's own retries back off
-        if heard and (doubt := self._loss_in_doubt()) is not None:
-            raise StoreLost(doubt)
 
     def rebuilding(self, last: int, reason: str) -> None:
         """The rank's previous consumer here had applied up to ``last`` when the store

@@ -6,6 +6,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from indexer import metrics
 from indexer.core.sequencer import (
     Action,
@@ -16,8 +18,11 @@ from indexer.core.sequencer import (
     RebuildSettled,
     ReplayTimedOut,
     Restarted,
+    Restored,
+    Sequencer,
     StoreLossFound,
 )
+from indexer.registry import RankStatus
 
 log = logging.getLogger("kvindex.subscriber")
 
@@ -63,6 +68,10 @@ class Report:
                 log.info("rank rebuilt after a store loss", extra=self.ids(last=last))
             case RebuildSettled(last=last):
                 log.warning("rank not rebuilt after a store loss", extra=self.ids(last=last))
+            case Restored(seq=seq, dropped=dropped):
+                self.metrics.snapshot("applied")
+                restored = self.ids(seq=seq, dropped=dropped)
+                log.info("rank restored from the engine's snapshot", extra=restored)
 
     def _replay_timed_out(self, timed_out: ReplayTimedOut) -> None:
         # Said once per silence: a replay endpoint that never answers is retried for ever.
@@ -75,3 +84,32 @@ class Report:
                 " requests; check the engine's --kv-events-config replay_endpoint",
                 extra=self.ids(start=timed_out.start, endpoint=endpoint),
             )
+
+
+def status_now(
+    status: RankStatus,
+    sequencer: Sequencer,
+    queued: tuple[int, float] | None,
+    loss_in_doubt: str | None,
+) -> RankStatus:
+    """A copy of a rank's status with its lag computed now: ``queued``, the seq and ts
+    of the newest batch read but not yet taken by the sequencer; a store loss the
+    rank is yet to resynchronise after makes it degraded."""
+    mark = sequencer.mark
+    last_seq, received_ts = status.last_seq, sequencer.received_ts
+    if queued is not None and queued[0] > (last_seq or -1):
+        last_seq, received_ts = queued
+    lag, lag_seconds = 0, 0.0
+    if last_seq is not None:
+        lag = max(0, last_seq - (mark.seq if mark else -1))
+        if mark is not None and received_ts is not None:
+            lag_seconds = max(0.0, received_ts - mark.ts)
+    doubt = {} if loss_in_doubt is None else {"degraded": True, "store_loss": loss_in_doubt}
+    return msgspec.structs.replace(
+        status,
+        lag_batches=lag,
+        lag_seconds=lag_seconds,
+        missing=list(status.missing),
+        rejected=dict(status.rejected),
+        **doubt,
+    )

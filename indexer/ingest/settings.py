@@ -16,7 +16,7 @@ from indexer.ingest.slices import Slices
 from indexer.registry import BindPolicy
 
 #: the settings a rank's sequencer reads, by name (each a field here and in Rules)
-_RULE_LIMITS = tuple(f.name for f in fields(Rules) if f.name != "has_replay")
+_RULE_LIMITS = tuple(f.name for f in fields(Rules) if not f.name.startswith("has_"))
 
 #: Called after each applied batch; must be cheap, it runs in the apply loop.
 Observer = Callable[[RankId, EventBatch], None]
@@ -79,6 +79,15 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
       the loop is yielded to the API's queries (a burst otherwise holds a
       router's query for the whole run of batches between yields).
     - ``max_missing``: unfilled ranges kept per rank for operators.
+    - ``snapshot_timeout``: seconds to wait for an engine's snapshot (asked
+      when replay cannot fill a range, from engines that announce a
+      ``snapshot_endpoint``: :mod:`indexer.ingest.snapshots`); the rank's
+      batches are held meanwhile, within ``max_pending`` and ``pending_bytes``.
+    - ``snapshot_retry``: seconds before a failed snapshot is asked again.
+    - ``max_concurrent_snapshots``: snapshots in flight across all ranks.
+    - ``snapshot_bytes``: the largest snapshot accepted. An engine's snapshot
+      holds every cached block hash once per tier: 1M GPU blocks of 64-bit
+      hashes are about 9 MB, of 32-byte digests about 34 MB.
     - ``max_blocks``: the blocks (distinct hashes) a rank may hold on one
       medium: on CPU and storage, and on GPU unless its engine declares
       ``gpu_blocks`` (then twice that: :mod:`indexer.ingest.capacity`). A
@@ -124,14 +133,18 @@ class SubscriberSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     stop_grace: Seconds = 5.0
     apply_slice: Seconds = 0.001
     max_missing: Count = 100
+    snapshot_timeout: Seconds = 30.0
+    snapshot_retry: Seconds = 10.0
+    max_concurrent_snapshots: Count = 2
+    snapshot_bytes: Count = 512 << 20
     max_blocks: Count = 1 << 21
     bind: BindPolicy = BindPolicy()
 
-    def rules(self, has_replay: bool) -> Rules:
-        """The limits a rank's sequencer applies (``has_replay``: its engine has a
-        replay endpoint)."""
+    def rules(self, has_replay: bool, has_snapshot: bool = False) -> Rules:
+        """The limits a rank's sequencer applies (``has_replay``, ``has_snapshot``: its
+        engine has a replay, a snapshot endpoint)."""
         limits = {name: getattr(self, name) for name in _RULE_LIMITS}
-        return Rules(has_replay=has_replay, **limits)
+        return Rules(has_replay=has_replay, has_snapshot=has_snapshot, **limits)
 
     def receive_hwm(self, cap: int) -> int:
         """The receive high-water mark of a consumer socket (``cap``: ``sub_hwm`` or
@@ -148,6 +161,10 @@ class Shared:
     settings: SubscriberSettings
     context: zmq.asyncio.Context
     replay_slots: asyncio.Semaphore
+    #: Snapshots in flight across the process (``max_concurrent_snapshots``).
+    snapshot_slots: asyncio.Semaphore
+    #: The bearer token engines' snapshot endpoints ask for (the API's), None: none set.
+    token: str | None
     notify: Observer
     #: Whether an observer reads an engine's token ids (else batches are decoded without them).
     reads_tokens: Callable[[str], bool]

@@ -82,10 +82,17 @@ def _context() -> zmq.asyncio.Context:
 
 
 class RankPool:
-    """The rank consumers one process runs, started and stopped one rank at a time."""
+    """The rank consumers one process runs, started and stopped one rank at a time.
 
-    def __init__(self, settings: SubscriberSettings | None = None) -> None:
+    ``token``: the bearer token engines' snapshot endpoints ask for (the API's:
+    kvindex's vLLM plugin holds it to announce the engine).
+    """
+
+    def __init__(
+        self, settings: SubscriberSettings | None = None, token: str | None = None
+    ) -> None:
         self.settings = settings or SubscriberSettings()
+        self._token = token
         self._ranks: dict[RankId, RankConsumer] = {}
         self._observers: list[Observer] = []
         self._token_readers: list[Callable[[str], bool]] = []
@@ -111,6 +118,8 @@ class RankPool:
             self.settings,
             _context(),
             asyncio.Semaphore(self.settings.max_concurrent_replays),
+            asyncio.Semaphore(self.settings.max_concurrent_snapshots),
+            self._token,
             self._notify,
             self._reads_tokens,
             Slices(self.settings.apply_slice),
@@ -162,13 +171,13 @@ class RankPool:
         statuses = []
         for dp_rank in range(spec.dp_ranks):
             consumer = self._ranks.get(RankId(spec.name, dp_rank))
-            statuses.append(consumer.snapshot() if consumer else blank_status(spec, dp_rank))
+            statuses.append(consumer.status_now() if consumer else blank_status(spec, dp_rank))
         return statuses
 
     def statuses(self) -> Iterator[tuple[str, RankStatus]]:
         """``(engine, status)`` of every rank run here (the metrics' gauges)."""
         for rank, consumer in list(self._ranks.items()):
-            yield rank.engine, consumer.snapshot()
+            yield rank.engine, consumer.status_now()
 
     def _reads_tokens(self, engine: str) -> bool:
         return any(reads(engine) for reads in self._token_readers)
@@ -196,10 +205,11 @@ class Subscriber:
         store: Store,
         registry: EngineRegistry,
         settings: SubscriberSettings | None = None,
+        token: str | None = None,
     ) -> None:
         self._store = store
         self._registry = registry
-        self._pool = RankPool(settings)
+        self._pool = RankPool(settings, token)
         self._listening = False
 
     def add_observer(

@@ -16,9 +16,10 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from indexer.core.events import BlockHash, EventBatch, RankId
+from indexer.core.events import MEDIA, BlockHash, EventBatch, RankId
 from indexer.core.matching import PrefixMatch
 from indexer.core.residency import Op, plan_batch
+from indexer.core.snapshot import NOTHING_PUBLISHED, Snapshot, plan_snapshot
 from indexer.errors import StoreUnavailable
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "StoreUnavailable",
     "Watermark",
     "apply_events",
+    "apply_snapshot",
 ]
 
 
@@ -196,3 +198,20 @@ def apply_events(
     ``hold_gpu``: as for :func:`~indexer.core.residency.plan_batch`."""
     ops = plan_batch(batch, hold_gpu=hold_gpu)
     return store.apply(rank, seq, batch.ts, ops, fence=fence)
+
+
+async def apply_snapshot(
+    store: Store, rank: RankId, snapshot: Snapshot, fence: int | None = None
+) -> ApplyResult:
+    """Make the rank's counts the snapshot's, its watermark the snapshot's seq.
+
+    Two protocol calls, so every store restores the same way: every medium
+    cleared with the watermark, then the snapshot applied as batch ``seq``. A
+    writer stopped between them leaves an empty rank without a watermark,
+    which its next consumer restores again; readers see the rank degraded
+    meanwhile (its consumer says so until the snapshot is applied).
+    """
+    await store.clear(rank, MEDIA, reset_seq=True, fence=fence)
+    if snapshot.seq == NOTHING_PUBLISHED:
+        return ApplyResult(applied=True)
+    return await store.apply(rank, snapshot.seq, snapshot.ts, plan_snapshot(snapshot), fence=fence)

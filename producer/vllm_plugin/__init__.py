@@ -9,7 +9,8 @@ needs is the engine core, once ``EngineCore._initialize_kv_caches`` has returned
 the KV cache groups and the hash block size exist only from then on. So
 :func:`register` wraps that method (and ``shutdown``, to deregister at once on a
 clean stop); in the other processes the wrapper never runs. It also keeps
-reuse reports out of the stream kvindex reads (:mod:`producer.vllm_plugin.reports`).
+reuse reports out of the stream kvindex reads (:mod:`producer.vllm_plugin.reports`)
+and answers kvindex's snapshot requests (:mod:`producer.vllm_plugin.snapshots`).
 
 Each data-parallel rank has its own engine core; rank 0 announces the engine
 with all its ranks (they publish on rank 0's ports + r). Announcing runs on a
@@ -41,18 +42,31 @@ def register() -> None:
     if settings.filter_reports:
         from producer.vllm_plugin.reports import install
 
-        install(settings.events_port_offset)
+        install(settings)
 
     if getattr(EngineCore._initialize_kv_caches, "_kvindex", False):
         return
     EngineCore._initialize_kv_caches = _after_kv_cache_init(EngineCore._initialize_kv_caches)
     EngineCore.shutdown = _before_shutdown(EngineCore.shutdown)
+    if settings.filter_reports and settings.snapshots:
+        from vllm.v1.engine.core import EngineCoreProc
+
+        from producer.vllm_plugin.snapshots import handling_requests
+
+        handle = EngineCoreProc._handle_client_request
+        EngineCoreProc._handle_client_request = handling_requests(handle)
 
 
 def _after_kv_cache_init(init: Any) -> Any:
     @functools.wraps(init)
     def wrapper(self: Any, vllm_config: Any) -> Any:
         kv_cache_config = init(self, vllm_config)
+        try:  # every rank answers its own snapshots
+            from producer.vllm_plugin import snapshots
+
+            snapshots.attach(self, vllm_config, kv_cache_config)
+        except Exception:
+            log.exception("kvindex: this engine core cannot be snapshotted")
         if vllm_config.parallel_config.data_parallel_index == 0:
             try:
                 setattr(self, _ATTR, start(vllm_config, kv_cache_config))

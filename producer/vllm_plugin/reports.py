@@ -25,6 +25,9 @@ from typing import Any
 
 import msgspec
 
+from producer.vllm_plugin import snapshots
+from producer.vllm_plugin.settings import PluginSettings
+
 log = logging.getLogger("kvindex.vllm_plugin")
 
 _MIRROR = "_kvindex_mirror"
@@ -53,16 +56,17 @@ def moved(endpoint: str, offset: int) -> str:
     return f"{host}:{int(port) + offset}"
 
 
-def install(offset: int) -> None:
+def install(settings: PluginSettings) -> None:
     """Mark reports as the block pool makes them and mirror every zmq publisher of
-    this process without them. Idempotent: vLLM loads plugins more than once."""
+    this process without them (answering snapshots beside it, where the engine core
+    can be snapshotted). Idempotent: vLLM loads plugins more than once."""
     from vllm.distributed.kv_events import ZmqEventPublisher
     from vllm.v1.core.block_pool import BlockPool
 
     if getattr(BlockPool.emit_cached_block_events, "_kvindex", False):
         return
     BlockPool.emit_cached_block_events = _marking(BlockPool.emit_cached_block_events)
-    ZmqEventPublisher.__init__ = _mirrored(ZmqEventPublisher.__init__, offset)
+    ZmqEventPublisher.__init__ = _mirrored(ZmqEventPublisher.__init__, settings)
     ZmqEventPublisher.publish = _publishing(ZmqEventPublisher.publish)
     ZmqEventPublisher.shutdown = _closing(ZmqEventPublisher.shutdown)
 
@@ -90,16 +94,29 @@ def _marking(emit: Any) -> Any:
     return wrapper
 
 
-def _mirrored(init: Any, offset: int) -> Any:
+def _mirrored(init: Any, settings: PluginSettings) -> Any:
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         try:
-            setattr(self, _MIRROR, _mirror_of(self, offset))
+            setattr(self, _MIRROR, _mirror_of(self, settings.events_port_offset))
         except Exception:  # the engine publishes on vLLM's stream either way
             log.exception("kvindex: no report-free stream beside %s", self._endpoint)
+            return
+        _serve_snapshots(getattr(self, _MIRROR), settings)
 
     return wrapper
+
+
+def _serve_snapshots(mirror: Any, settings: PluginSettings) -> None:
+    """Answer snapshots beside the mirror, tagged with its seqs (where they are on)."""
+    found, token = snapshots.service(), settings.token()
+    if found is None or not settings.snapshots or token is None or mirror.replay_endpoint is None:
+        return
+    try:
+        found.serve(moved(mirror.endpoint, settings.snapshot_port_offset), token)
+    except Exception:  # the engine serves either way; kvindex falls back to replay
+        log.exception("kvindex: not serving snapshots beside %s", mirror.endpoint)
 
 
 def _mirror_of(publisher: Any, offset: int) -> Any:
@@ -121,7 +138,11 @@ def _publishing(publish: Any) -> Any:
         publish(self, events)  # sets the batch's data-parallel rank, as both streams carry
         mirror = getattr(self, _MIRROR, None)
         if mirror is not None:
-            mirror.publish_encoded(_ENCODER.encode(without_reports(events)))
+            kept = without_reports(events)
+            payload = _ENCODER.encode(kept)
+            mirror.publish_encoded(payload)
+            if (found := snapshots.service()) is not None:
+                found.published(mirror.last_offered_seq, kept.ts, payload)
 
     return wrapper
 
@@ -133,5 +154,7 @@ def _closing(shutdown: Any) -> Any:
         mirror = getattr(self, _MIRROR, None)
         if mirror is not None:
             mirror.close()
+        if (found := snapshots.service()) is not None:
+            found.close()
 
     return wrapper

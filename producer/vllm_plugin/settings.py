@@ -24,7 +24,11 @@ class PluginSettings(BaseSettings):
     ``KVINDEX_FILTER_REPORTS`` (default true: kvindex reads the plugin's stream
     without reuse reports, :mod:`producer.vllm_plugin.reports`, published at vLLM's
     event ports + ``KVINDEX_EVENTS_PORT_OFFSET``; false: vLLM's own stream, where
-    kvindex caps each GPU block at one reference).
+    kvindex caps each GPU block at one reference), ``KVINDEX_SNAPSHOTS``
+    (default true: each engine core answers kvindex's snapshot requests, with
+    the announce token, at its report-free stream's port +
+    ``KVINDEX_SNAPSHOT_PORT_OFFSET``; needs the stream, a token and an engine
+    that binds).
     """
 
     model_config = SettingsConfigDict(env_prefix="KVINDEX_", extra="ignore")
@@ -37,6 +41,8 @@ class PluginSettings(BaseSettings):
     engine_host: str | None = None
     filter_reports: bool = True
     events_port_offset: int = 1000
+    snapshots: bool = True
+    snapshot_port_offset: int = 1000
 
     def token(self) -> str | None:
         """The bearer token; a file is read at start so a rotated secret is picked up

@@ -86,9 +86,10 @@ def announcement(vllm_config: Any, kv_cache_config: Any, settings: PluginSetting
         "lookahead_tokens": getattr(vllm_config, "num_hash_lookahead_tokens", 0),
         "blocks_per_chunk": _blocks_per_chunk(vllm_config, kv_cache_config),
         "bind": bind,
-        "kv_groups": [_group(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups],
+        "kv_groups": [group_of(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups],
         "reuse_reports": reuse_reports,
         "gpu_blocks": kv_cache_config.num_blocks,
+        "snapshot_endpoint": _snapshot_endpoint(stream, reuse_reports, bind, settings),
     }
     return Announcement(spec, seeded=seed is not None or algo.startswith("xxhash"))
 
@@ -114,6 +115,25 @@ def _stream(events: Any, settings: PluginSettings) -> tuple[_Stream, str]:
     except NotMoved as e:
         log.warning("kvindex: reuse reports capped, not filtered: %s", e)
         return vllm, "capped"
+
+
+def _snapshot_endpoint(
+    stream: _Stream, reuse_reports: str, bind: bool, settings: PluginSettings
+) -> str | None:
+    """Where the engine answers snapshots (:mod:`producer.vllm_plugin.snapshots`):
+    beside the plugin's own stream, whose seqs snapshots are tagged with, when
+    there is one, the engine binds, and a token guards the engine's state."""
+    if not settings.snapshots or reuse_reports != "filtered" or not bind:
+        return None
+    if stream.replay_endpoint is None or settings.token() is None:
+        return None
+    from producer.vllm_plugin.reports import NotMoved, moved
+
+    try:
+        return _reachable(moved(stream.endpoint, settings.snapshot_port_offset), settings)
+    except NotMoved as e:
+        log.warning("kvindex: no snapshots: %s", e)
+        return None
 
 
 def _engine_binds(endpoint: str) -> bool:
@@ -149,7 +169,8 @@ def _served_name(model_config: Any) -> str:
     return served[0] if isinstance(served, list | tuple) else served or model_config.model
 
 
-def _group(kv_cache_spec: Any) -> dict[str, Any]:
+def group_of(kv_cache_spec: Any) -> dict[str, Any]:
+    """One KV cache group as kvindex's ``kv_groups`` declares it."""
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
     kind = get_kv_cache_spec_kind(kv_cache_spec).value

@@ -31,7 +31,14 @@ The rules:
   wait for each probe in a row that got no answer, up to ``probe_backoff_max``;
 - when the store loses acknowledged batches the rank continues from the
   store's watermark, asks replay for the rest and is degraded (``store_loss``)
-  until every batch it had applied is applied again, or the engine restarts.
+  until every batch it had applied is applied again, or the engine restarts;
+- where the engine answers snapshots (``has_snapshot``), a range replay
+  could not fill makes the rank ask for one: from the moment it is sent, the
+  batches received are held, not applied; the snapshot, applied by the
+  caller as the rank's whole state as of its seq, makes the rank exact
+  again, and the held batches after that seq follow (those at or below it
+  are dropped). A failed one releases what was held, as a gap given up
+  does, and is asked again ``snapshot_retry`` seconds later.
 
 Payloads stay opaque bytes until applied: ``decode`` turns one into a batch
 (the caller's engine decoder, which counts what it rejects). Duplicates are
@@ -58,6 +65,7 @@ from indexer.core.sequencer.actions import (
     RebuildSettled,
     ReplayTimedOut,
     Restarted,
+    Restored,
     Rules,
     StoreLossFound,
 )
@@ -80,6 +88,7 @@ __all__ = [
     "RebuildSettled",
     "ReplayTimedOut",
     "Restarted",
+    "Restored",
     "Rules",
     "Sequencer",
     "StoreLossFound",

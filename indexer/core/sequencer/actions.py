@@ -32,6 +32,7 @@ class RankCounts(Protocol):
     replays: int
     restarts: int
     duplicates: int
+    restores: int
 
 
 #: The media whose counts an unfilled gap or a restart makes untrustworthy.
@@ -133,6 +134,15 @@ class StoreLossFound:
 
 
 @dataclass(frozen=True, slots=True)
+class Restored:
+    """The rank's counts are the engine's snapshot as of ``seq``: exact again;
+    ``dropped``: held batches the snapshot already covered."""
+
+    seq: int
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True)
 class RebuildSettled:
     """A rank rebuilding after a store loss is exact again (``exact``) or degraded for good."""
 
@@ -153,6 +163,7 @@ Action = (
     | ReplayTimedOut
     | StoreLossFound
     | RebuildSettled
+    | Restored
 )
 
 
@@ -166,6 +177,7 @@ class Rules:
 
     has_replay: bool
     replay_timeout: float
+    snapshot_retry: float
     replay_attempts: int
     gap_clear_threshold: int
     probe_interval: float
@@ -173,6 +185,7 @@ class Rules:
     max_pending: int
     pending_bytes: int
     max_missing: int
+    has_snapshot: bool = False  # the engine answers snapshots (set with has_replay)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from indexer.core.sequencer.actions import (
     Mark,
     RebuildSettled,
     ReplayTimedOut,
+    Restored,
     StoreLossFound,
 )
 from indexer.core.sequencer.stream import Stream, _Rebuild, _Request
@@ -114,6 +115,54 @@ class Sequencer(Stream[B]):
             status.store_loss = f"{rebuild.reason}; replay could not apply every lost batch{lost}"
         return [RebuildSettled(rebuild.last, exact)]
 
+    # --- inputs: snapshots ------------------------------------------------------------
+
+    def snapshot_due(self, now: float) -> bool:
+        """Whether to ask the engine for a snapshot now."""
+        return self.snapshot_wanted and not self.restoring and now >= self._snapshot_after
+
+    def snapshot_sent(self) -> None:
+        """The caller asked for a snapshot: batches are held until it is applied."""
+        self.snapshot_wanted, self.restoring = False, True
+        self._abandon_request()  # what it would bring, the snapshot holds or follows
+
+    def restored(self, seq: int, ts: float) -> list[Action]:
+        """The caller applied the engine's snapshot as of batch ``seq`` (published at
+        ``ts``; ``seq`` -1: the engine published nothing yet) as the rank's whole
+        state: exact from here, with the held batches after ``seq`` to follow."""
+        status = self.status
+        self.restoring = False
+        self.mark = None if seq < 0 else Mark(seq, ts)
+        seen = self._seen
+        if self.mark is not None:
+            self._seen = Mark(max(seq, seen.seq), max(ts, seen.ts)) if seen else self.mark
+        self.next = seq + 1
+        dropped = self._drop_held(seq)
+        self._gap, self._attempts, self._rebuild = None, 0, None
+        status.applied_seq = None if seq < 0 else seq
+        status.restores += 1
+        status.degraded, status.store_loss, status.missing = False, None, []
+        self._out.append(Restored(seq, dropped))
+        self._drain()
+        self._watch_gap()
+        # from the snapshot's seq: what was not held since, and proof of the incarnation
+        self.replay_wanted = self._rules.has_replay
+        return self._take()
+
+    def snapshot_failed(self, now: float) -> list[Action]:
+        """No snapshot came (none served, refused, timed out, not valid): the held
+        batches go on as after a gap given up; another is asked ``snapshot_retry``
+        seconds from now."""
+        if not self.restoring:
+            return []
+        self.restoring, self.snapshot_wanted = False, True
+        self._snapshot_after = now + self._rules.snapshot_retry
+        if self._heap and self._heap[0] > self.next:
+            self._give_up(self.next, self._heap[0] - 1, "missed while a snapshot was awaited")
+        self._drain()
+        self._watch_gap()
+        return self._take()
+
     def holds(self, seq: int) -> bool:
         """Whether a replayed seq (not the anchor) is already held or applied, so its
         reader may skip reading its ts (see :meth:`replay_held`)."""
@@ -177,7 +226,7 @@ class Sequencer(Stream[B]):
 
     def replay_due(self, now: float, connected: bool) -> Ask | None:
         """The request to send now, if one is due (none is in flight)."""
-        if not (self._rules.has_replay and connected) or self.request is not None:
+        if not (self._rules.has_replay and connected) or self.request or self.restoring:
             return None
         probe = not self.replay_wanted
         if probe and not (self._rules.probe_interval and now >= self._probe_due()):
@@ -196,9 +245,16 @@ class Sequencer(Stream[B]):
             self.status.replays += 1
 
     def idle_timeout(self, now: float, connected: bool, slot_poll: float) -> float | None:
-        """Seconds until the replay rules have something to do; None: nothing (no
-        publisher connected: replay is asked again when one connects).
-        ``slot_poll``: how soon to look again for a replay slot when one is wanted."""
+        """Seconds until the replay or snapshot rules have something to do; None:
+        nothing (no publisher connected: replay is asked again when one connects).
+        ``slot_poll``: how soon to look again for a free slot when one is wanted."""
+        replay = self._replay_timeout(now, connected, slot_poll)
+        if not self.snapshot_wanted or self.restoring:
+            return replay
+        snapshot = max(slot_poll, self._snapshot_after - now)
+        return snapshot if replay is None else min(replay, snapshot)
+
+    def _replay_timeout(self, now: float, connected: bool, slot_poll: float) -> float | None:
         if self.request is not None:
             return max(0.0, self.replay_deadline() - now)
         if not (self._rules.has_replay and connected):

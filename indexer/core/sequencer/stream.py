@@ -95,6 +95,9 @@ class Stream(Generic[B]):
         self.received_ts: float | None = None  # ts of the newest received batch
         self.losses_seen = 0  # the store's last loss this rank resynchronised after
         self._rebuild: _Rebuild | None = None
+        self.snapshot_wanted = False  # a range was given up: ask the engine for its state
+        self.restoring = False  # a snapshot was asked: hold every batch until it comes
+        self._snapshot_after = 0.0  # when a failed snapshot may be asked again
 
     def _take(self) -> list[Action]:
         out, self._out = self._out, []
@@ -123,20 +126,33 @@ class Stream(Generic[B]):
         if batch is None and (batch := self._decode(payload)) is None:
             return
         self._received(seq, ts, live, now)
-        if seq == self.next and not self._heap:
+        if seq == self.next and not self._heap and not self.restoring:
             self._apply(seq, ts, batch)
             return
         del batch
         self._pending[seq] = (payload, ts)
         self._pending_bytes += len(payload)
         heapq.heappush(self._heap, seq)
-        rules = self._rules
-        if (
-            len(self._pending) > rules.max_pending or self._pending_bytes > rules.pending_bytes
-        ) and self._heap[0] > self.next:
-            self._give_up(self.next, self._heap[0] - 1, "too many batches held")
+        if self._over_bound():
+            if self.restoring:  # the oldest go: replay or the snapshot covers them
+                self._drop_held(self._heap[0])
+            elif self._heap[0] > self.next:
+                self._give_up(self.next, self._heap[0] - 1, "too many batches held")
         self._drain()
         self._watch_gap()
+
+    def _over_bound(self) -> bool:
+        rules = self._rules
+        return len(self._pending) > rules.max_pending or self._pending_bytes > rules.pending_bytes
+
+    def _drop_held(self, through: int) -> int:
+        """Forget the held batches up to seq ``through``; returns how many."""
+        heap, dropped = self._heap, 0
+        while heap and heap[0] <= through:
+            payload, _ = self._pending.pop(heapq.heappop(heap))
+            self._pending_bytes -= len(payload)
+            dropped += 1
+        return dropped
 
     def _apply(self, seq: int, ts: float, batch: B) -> None:
         self.next = seq + 1
@@ -173,9 +189,9 @@ class Stream(Generic[B]):
 
     def _drain(self) -> None:
         """Apply held batches while they continue the stream (each decoded only when
-        its turn comes: :class:`ApplyHeld`)."""
+        its turn comes: :class:`ApplyHeld`); none while a snapshot is awaited."""
         heap, pending = self._heap, self._pending
-        while heap and heap[0] <= self.next:
+        while not self.restoring and heap and heap[0] <= self.next:
             seq = heapq.heappop(heap)
             payload, ts = pending.pop(seq)
             self._pending_bytes -= len(payload)
@@ -201,7 +217,9 @@ class Stream(Generic[B]):
         return None
 
     def _watch_gap(self) -> None:
-        """Start repairing a hole, unless a repair or a replay is already under way."""
+        """Start repairing a hole, unless a repair, a replay or a snapshot is under way."""
+        if self.restoring:
+            return
         while (hole := self._hole()) and self._gap is None and self.request is None:
             self._open_gap(*hole)
             if self._rules.has_replay:
@@ -244,6 +262,7 @@ class Stream(Generic[B]):
         self.next = last + 1
         self._attempts = 0
         self._close_gap()
+        self.snapshot_wanted = self._rules.has_snapshot
 
     def _restart(self, seq: int | None) -> None:
         """The engine restarted: forget its GPU/CPU counts and its numbering."""
@@ -262,6 +281,7 @@ class Stream(Generic[B]):
         status.store_loss = None  # the new incarnation's stream is whole
         status.missing = []
         self.replay_wanted = self._rules.has_replay
+        self.snapshot_wanted = self.restoring = False  # an answer now is the old one's
 
     def _end_request(self, close: bool) -> _Request:
         request, self.request = self.request, None

@@ -21,7 +21,7 @@ from inspect import isawaitable
 from typing import Any
 
 from indexer.stores.base import Store
-from indexer.stores.conformance import fencing, rules
+from indexer.stores.conformance import fencing, rules, snapshots
 from indexer.stores.conformance.kit import (
     CHECKS,
     ENGINE,
@@ -51,6 +51,7 @@ __all__ = [
     "rules",
     "run",
     "run_check",
+    "snapshots",
     "stored",
     "where",
 ]

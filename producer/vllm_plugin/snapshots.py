@@ -1,0 +1,183 @@
+"""Snapshots of one vLLM engine core's prefix cache, served to kvindex.
+
+Each engine core (one per data-parallel rank) answers at its report-free
+stream's endpoint moved by ``KVINDEX_SNAPSHOT_PORT_OFFSET`` (rank r's port + r
+stays rank r's), with the token the plugin announces the engine with
+(:mod:`producer.snapshots` has the server). What a snapshot holds:
+
+- GPU: the block pool's own table of cached blocks. vLLM keys it by the block
+  hash with the KV group's id in its last four bytes, to one block or, for a
+  hash cached more than once, a dict of its physical copies; each copy was
+  announced by a ``BlockStored`` and each eviction removes one, so the number
+  of copies is the count kvindex keeps. Hashes are published as vLLM
+  publishes them (``maybe_convert_block_hash``); group kinds as the plugin
+  declares them.
+- CPU and storage (an offloading connector): the plugin's own counts of the
+  lower-tier events it publishes, kept only where a connector runs.
+
+Taken on the engine thread between steps, when nothing it changed is
+unpublished: right after a batch is published, or, on an idle engine, when
+the engine core handles the wake-up the server puts in its input queue
+(vLLM's ``WAKEUP`` request does nothing else). The GPU table is copied
+there (a C-level dict copy, plus the length of each multi-copy entry); turning
+keys into hashes happens on the server's thread. While nobody asks, the
+engine pays one attribute read per published batch, and the lower-tier
+counts where a connector runs.
+
+vLLM is imported here only inside functions: kvindex never depends on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from indexer.core.events import GPU, EventBatch, normalise_medium
+from indexer.core.hybrid import GroupDeclaration
+from indexer.core.snapshot import Snapshot, SnapshotTier
+from indexer.engines import catalog
+from producer.snapshots import Handoff, PublishedResidency, SnapshotServer
+
+log = logging.getLogger("kvindex.vllm_plugin")
+
+#: How long the server waits for the engine thread to take a snapshot.
+TAKE_TIMEOUT = 20.0
+_VLLM = catalog.adapter(catalog.DEFAULT)
+#: The spellings of the GPU medium in vLLM's events (none: the block pool's).
+_GPU = (None, GPU, "gpu")
+
+
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    """What the engine thread copies; the rest is done off it."""
+
+    seq: int
+    ts: float
+    table: dict  # the block pool's cache, copied
+    copies: dict  # key -> physical copies, for the keys with several
+    lower: Snapshot  # CPU and storage tiers
+
+
+class EngineSnapshots:
+    """The snapshot service of this process's engine core."""
+
+    def __init__(self, engine_core: Any, kv_cache_config: Any, offloading: bool) -> None:
+        self._core = engine_core
+        self._kinds = _declared_kinds(kv_cache_config)
+        self._published = PublishedResidency(keep=lambda medium: medium != GPU)
+        self._offloading = offloading
+        self._handoff = Handoff()
+        self._server: SnapshotServer | None = None
+
+    def serve(self, endpoint: str, token: str) -> None:
+        """Answer at ``endpoint`` (the engine binds it)."""
+        self._server = SnapshotServer(endpoint, token, self._serve)
+        log.info("kvindex: snapshots served at %s", self._server.endpoint)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    # --- the engine thread -------------------------------------------------------
+
+    def published(self, seq: int, ts: float, payload: bytes) -> None:
+        """A batch was published as ``seq`` (``payload``, vLLM's encoding): count its
+        lower tiers; take a snapshot if one is wanted (everything changed is
+        published now)."""
+        if self._offloading:
+            batch = _VLLM.decode(payload, tokens=False)
+            lower = [e for e in batch.events if e.medium not in _GPU]
+            self._published.published(seq, EventBatch(ts, lower))
+        else:
+            self._published.last = (seq, ts)
+        if self._handoff.wanted:
+            self._handoff.give(self._take)
+
+    def between_steps(self) -> None:
+        """The engine core handled a client request: take a wanted snapshot unless
+        some change is not yet published (then the next batch published takes it)."""
+        if self._handoff.wanted and not self._block_pool().kv_event_queue:
+            self._handoff.give(self._take)
+
+    def _take(self) -> _Taken:
+        table = self._block_pool().cached_block_hash_to_block._cache.copy()
+        copies = {key: len(blocks) for key, blocks in table.items() if type(blocks) is dict}
+        return _Taken(*self._published.last, table, copies, self._published.snapshot())
+
+    def _block_pool(self) -> Any:
+        return self._core.scheduler.kv_cache_manager.block_pool
+
+    # --- the server thread -------------------------------------------------------
+
+    def _serve(self) -> Snapshot | None:
+        taken = self._handoff.ask(TAKE_TIMEOUT, self._wake)
+        return None if taken is None else _assembled(taken, self._kinds)
+
+    def _wake(self) -> None:
+        from vllm.v1.engine import EngineCoreRequestType
+
+        queue = getattr(self._core, "input_queue", None)
+        if queue is not None:
+            queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
+def _assembled(taken: _Taken, kinds: Mapping[int, str | None]) -> Snapshot:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    by_group: dict[int, tuple[list, list]] = {}
+    copies = taken.copies
+    for key in taken.table:
+        hashes, counts = by_group.setdefault(int.from_bytes(key[-4:], "big"), ([], []))
+        hashes.append(maybe_convert_block_hash(key[:-4]))
+        counts.append(copies.get(key, 1))
+    gpu = [
+        SnapshotTier(GPU, None, group, None, hashes, counts if len(copies) else None)
+        for group, (hashes, counts) in sorted(by_group.items())
+    ]
+    lower = taken.lower
+    tiers = [*gpu, *(t for t in lower.tiers if normalise_medium(t.medium) != GPU)]
+    return Snapshot(taken.seq, taken.ts, tiers, {**lower.group_kinds, **kinds}, lower.chunk_blocks)
+
+
+def _declared_kinds(kv_cache_config: Any) -> dict[int, str | None]:
+    """Each group's kind as kvindex keys it from the plugin's declaration."""
+    from producer.vllm_plugin.spec import group_of
+
+    groups = [group_of(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+    block_size = groups[0]["block_size"] if groups else 16
+    declared = [(g["kind"], g["sliding_window"], g["block_size"]) for g in groups]
+    return dict(GroupDeclaration(declared, block_size).kinds)
+
+
+#: This process's engine core's service (one engine core per process), once its
+#: KV cache is set up and the engine can be snapshotted.
+_SERVICE: EngineSnapshots | None = None
+
+
+def attach(engine_core: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    """Set up this engine core's service (served once its publisher exists)."""
+    global _SERVICE
+    transfer = vllm_config.kv_transfer_config
+    _SERVICE = EngineSnapshots(engine_core, kv_cache_config, offloading=transfer is not None)
+
+
+def service() -> EngineSnapshots | None:
+    return _SERVICE
+
+
+def handling_requests(handle: Any) -> Any:
+    """Wrap ``EngineCoreProc._handle_client_request``: a wanted snapshot is taken
+    after any request the engine core handles (the wake-up, when idle)."""
+
+    @functools.wraps(handle)
+    def wrapper(self: Any, *args: Any) -> Any:
+        result = handle(self, *args)
+        if _SERVICE is not None:
+            _SERVICE.between_steps()
+        return result
+
+    wrapper._kvindex = True
+    return wrapper
