@@ -374,8 +374,11 @@ class RankStatus(msgspec.Struct):
     gaps_unfilled: int = 0
     replays: int = 0
     restarts: int = 0
-    restores: int = 0  # snapshots of the engine applied (replay could not fill a range)
-    snapshot_error: str | None = None  # why the last snapshot asked for did not come
+    # the engine answers snapshots (its snapshot_endpoint): what replay cannot bring,
+    # the rank restores from one; restores: snapshots applied; why the last did not come
+    snapshots: bool = False
+    restores: int = 0
+    snapshot_error: str | None = None
     rejected: dict[str, int] = {}  # bad frames by reason
     duplicates: int = 0  # batches received again (live and replay overlap) and skipped
     store_errors: int = 0  # failed store calls, each retried
@@ -390,9 +393,10 @@ class RankStatus(msgspec.Struct):
 
 
 def blank_status(spec: EngineSpec, dp_rank: int) -> RankStatus:
-    """The status of a rank nothing consumes here: not connected, unless its
+    """The status of a rank before any batch (or one nothing consumes here): not
+    connected, unless its
     engine publishes no events at all."""
-    return RankStatus(dp_rank, events=spec.events)
+    return RankStatus(dp_rank, events=spec.events, snapshots=spec.snapshot_endpoint is not None)
 
 
 def is_degraded(status: RankStatus | None) -> bool:

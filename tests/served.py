@@ -34,8 +34,9 @@ def reset_peak(pid: int) -> int:
 
 
 def get(port: int, path: str) -> Any:
-    """The JSON answer of ``GET path``."""
-    answer = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10)
+    """The JSON answer of ``GET path`` (a server applying a flood may take seconds to
+    get to it on a loaded machine)."""
+    answer = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=30)
     answer.raise_for_status()
     return answer.json()
 

@@ -49,7 +49,8 @@ async def test_a_rank_past_its_bound_is_cleared_and_refused_until_its_engine_res
         await applied(sub, 0)
         assert (await store.block_counts(RANK))[GPU] == 150 and not status(sub).over_capacity
         await publish(pub, [stores(1000, 100, 1001.0)])  # 250 blocks: over
-        await applied(sub, 1)
+        await applied(sub, 1)  # then counted exactly in the store, and refused
+        await wait_until(lambda: status(sub).over_capacity is not None, what="the refusal")
         st = status(sub)
         assert st.over_capacity == "GPU held 250 blocks, over 200"
         assert is_degraded(st) and "over capacity: GPU held 250 blocks, over 200" in (

@@ -33,7 +33,7 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any, TypeVar
+from typing import Any
 
 import tenacity
 
@@ -52,7 +52,7 @@ from indexer.ingest.report import Report, status_now
 from indexer.ingest.settings import Shared
 from indexer.ingest.snapshots import Outcome, SnapshotFetch
 from indexer.periodic import until_done
-from indexer.registry import EngineSpec, Gap, RankStatus
+from indexer.registry import EngineSpec, Gap, RankStatus, blank_status
 from indexer.stores.base import (
     Fenced,
     Store,
@@ -66,8 +66,6 @@ log = logging.getLogger("kvindex.subscriber")
 
 #: How often a rank that wants a replay slot looks for a free one.
 _SLOT_POLL = 0.05
-
-T = TypeVar("T")
 
 
 def _mark(watermark: Watermark | None) -> Mark | None:
@@ -95,7 +93,7 @@ class RankConsumer:
         fence: int | None = None,
     ) -> None:
         self.rank = RankId(spec.name, dp_rank)
-        self.status = RankStatus(dp_rank)
+        self.status = blank_status(spec, dp_rank)
         self.metrics = metrics.RankMetrics(spec.name, dp_rank)
         self._spec = spec
         self._shared = shared
@@ -344,7 +342,11 @@ class RankConsumer:
             return
         if not self._seq.restoring:  # the engine restarted meanwhile: its stream is whole
             return
-        await self._store_call(apply_snapshot, self._store, self.rank, outcome, self._fence)
+        try:
+            await self._store_call(apply_snapshot, self._store, self.rank, outcome, self._fence)
+        except StoreLost:  # resynchronised next turn, then asked again at once
+            await self._perform(self._seq.snapshot_failed(time.monotonic(), retry=0.0))
+            raise
         self.status.snapshot_error = None
         self._shared.notify(self.rank, GPU_CLEARED)  # observers: its GPU was replaced
         self._capacity.restarted(MEDIA)

@@ -31,22 +31,29 @@ TOKEN = "real-server-tier-token"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-#: Where kvindex's plugin publishes beside each of vLLM's event ports (its default offset).
+#: Where kvindex's plugin publishes beside each of vLLM's event ports (its default offset);
+#: it answers snapshots beside its own stream's port, by the same offset again.
 BESIDE = 1000
+SNAPSHOTS = 2 * BESIDE
 
 
-def free_port(beside: int = 0) -> int:
-    """A free port; with ``beside``, one whose port + ``beside`` is free too."""
+def free_port(*beside: int) -> int:
+    """A free port; with ``beside``, one whose port + each offset is free too."""
     while True:
-        with socket.socket() as s, socket.socket() as other:
+        with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-            try:
-                if beside:
-                    other.bind(("127.0.0.1", port + beside))
-            except OSError:
-                continue
-            return port
+            if all(_free(port + offset) for offset in beside):
+                return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -144,14 +151,22 @@ class VllmServer(Process):
     ports stay the same across restarts, so it is the same engine to kvindex."""
 
     def __init__(
-        self, workdir: Path, name: str, model_dir: Path, kvindex_url: str, lease: float
+        self,
+        workdir: Path,
+        name: str,
+        model_dir: Path,
+        kvindex_url: str,
+        lease: float,
+        events_config: dict | None = None,
     ) -> None:
         super().__init__(workdir, name)
         self.name = name
         self.lease = lease
         self.model_dir = model_dir
         self.kvindex_url = kvindex_url
-        self.port, self.events, self.replay = free_port(), free_port(BESIDE), free_port(BESIDE)
+        self.events_config = events_config or {}  # more of --kv-events-config (buffer_steps)
+        self.port, self.replay = free_port(), free_port(BESIDE)
+        self.events = free_port(BESIDE, SNAPSHOTS)
         self.url = f"http://127.0.0.1:{self.port}"
         self.tap = EventTap(f"tcp://127.0.0.1:{self.events}")
 
@@ -162,6 +177,7 @@ class VllmServer(Process):
             "endpoint": f"tcp://*:{self.events}",
             "replay_endpoint": f"tcp://*:{self.replay}",
             "topic": "kv-events",
+            **self.events_config,
         }
         command = [sys.executable, str(HERE / "vllm_cli.py"), "serve", str(self.model_dir)]
         command += ["--host", "127.0.0.1", "--port", str(self.port)]

@@ -149,14 +149,14 @@ class Sequencer(Stream[B]):
         self.replay_wanted = self._rules.has_replay
         return self._take()
 
-    def snapshot_failed(self, now: float) -> list[Action]:
-        """No snapshot came (none served, refused, timed out, not valid): the held
-        batches go on as after a gap given up; another is asked ``snapshot_retry``
-        seconds from now."""
+    def snapshot_failed(self, now: float, retry: float | None = None) -> list[Action]:
+        """No snapshot came (none served, refused, timed out, not valid, or the store
+        failed applying it): the held batches go on as after a gap given up;
+        another is asked ``retry`` seconds from now (default ``snapshot_retry``)."""
         if not self.restoring:
             return []
         self.restoring, self.snapshot_wanted = False, True
-        self._snapshot_after = now + self._rules.snapshot_retry
+        self._snapshot_after = now + (self._rules.snapshot_retry if retry is None else retry)
         if self._heap and self._heap[0] > self.next:
             self._give_up(self.next, self._heap[0] - 1, "missed while a snapshot was awaited")
         self._drain()
