@@ -34,6 +34,7 @@ from bench import (
     redis_bench,
     routed,
     scaling,
+    snapshots,
     whole_ingest,
 )
 from bench.fleet import FULL, QUICK, Fleet
@@ -42,7 +43,7 @@ from indexer.log import setup_logging
 from indexer.stores import MemoryStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15")
 
 
 def _section(report: Report, name: str, fn: Callable[[], object]) -> None:
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         _section(report, "13", lambda: burst.run(report, quick))
     if "14" in only:
         _section(report, "14", lambda: whole_ingest.run(report, quick, repeats))
+    if "15" in only:
+        _section(report, "15", lambda: snapshots.run(report, quick))
     if "9" in only:
         _section(report, "9", lambda: idle.run(report, 5.0 if quick else 20.0))
     if only & {"2", "5"} and redis_bench.available():

@@ -54,8 +54,9 @@ def test_a_failed_snapshot_releases_what_was_held_and_is_asked_again_later() -> 
     shell.seq.snapshot_sent()
     shell.live(40)
     shell.live(41)
-    shell.run(shell.seq.snapshot_failed(shell.now))
+    shell.run(shell.seq.snapshot_failed(shell.now, "timed out"))
     assert shell.applied[-2:] == [40, 41] and shell.status.degraded
+    assert shell.status.snapshot_error == "timed out"
     assert not shell.seq.snapshot_due(shell.now + 9.9)
     assert shell.seq.snapshot_due(shell.now + 10.0)
     assert shell.seq.idle_timeout(shell.now + 4.0, True, 0.05) <= 6.0
@@ -92,7 +93,7 @@ def test_without_a_snapshot_endpoint_a_given_up_range_stays_degraded() -> None:
 
 def test_a_snapshot_of_an_engine_that_published_nothing_starts_it_at_seq_0() -> None:
     shell = Shell(has_snapshot=True)
-    shell.run(shell.seq.snapshot_failed(0.0))  # nothing asked: nothing to fail
+    shell.run(shell.seq.snapshot_failed(0.0, "timed out"))  # nothing asked: nothing to fail
     shell.seq.snapshot_sent()
     shell.live(0)
     shell.run(shell.seq.restored(-1, 0.0))

@@ -323,31 +323,23 @@ class RankConsumer:
     async def _tend_snapshot(self) -> None:
         """Ask for a snapshot when the sequencer wants one; apply the one that came."""
         fetch = self._snapshots
-        if not fetch:
-            return
-        if fetch.done:
+        if fetch and fetch.done:
             await self._restore(fetch.take())
-        elif (
-            not fetch.in_flight and self._seq.snapshot_due(time.monotonic()) and await fetch.start()
-        ):
+        elif fetch and self._seq.snapshot_due(time.monotonic()) and await fetch.start():
             self._seq.snapshot_sent()
 
     async def _restore(self, outcome: Outcome) -> None:
         """Apply the engine's snapshot as the rank's whole state, or go on without it."""
         if isinstance(outcome, str):
-            self.status.snapshot_error = outcome
-            self.metrics.snapshot("failed")
-            log.warning("no snapshot from the engine", extra=self.ids(why=outcome))
-            await self._perform(self._seq.snapshot_failed(time.monotonic()))
+            await self._perform(self._seq.snapshot_failed(time.monotonic(), outcome))
             return
         if not self._seq.restoring:  # the engine restarted meanwhile: its stream is whole
             return
         try:
             await self._store_call(apply_snapshot, self._store, self.rank, outcome, self._fence)
-        except StoreLost:  # resynchronised next turn, then asked again at once
-            await self._perform(self._seq.snapshot_failed(time.monotonic(), retry=0.0))
+        except StoreLost as e:  # resynchronised next turn, then asked again at once
+            await self._perform(self._seq.snapshot_failed(time.monotonic(), str(e), 0.0))
             raise
-        self.status.snapshot_error = None
         self._shared.notify(self.rank, GPU_CLEARED)  # observers: its GPU was replaced
         self._capacity.restarted(MEDIA)
         await self._perform(self._seq.restored(outcome.seq, outcome.ts))

@@ -20,6 +20,7 @@ from indexer.core.sequencer import (
     Restarted,
     Restored,
     Sequencer,
+    SnapshotFailed,
     StoreLossFound,
 )
 from indexer.registry import RankStatus
@@ -68,6 +69,9 @@ class Report:
                 log.info("rank rebuilt after a store loss", extra=self.ids(last=last))
             case RebuildSettled(last=last):
                 log.warning("rank not rebuilt after a store loss", extra=self.ids(last=last))
+            case SnapshotFailed(reason=reason, retry=retry):
+                self.metrics.snapshot("failed")
+                log.warning("no snapshot from the engine", extra=self.ids(why=reason, retry=retry))
             case Restored(seq=seq, dropped=dropped):
                 self.metrics.snapshot("applied")
                 restored = self.ids(seq=seq, dropped=dropped)

@@ -76,9 +76,9 @@ class SnapshotFetch:
         return self._task is not None and self._task.done()
 
     async def start(self) -> bool:
-        """Send a request if a slot is free; whether one was sent."""
+        """Send a request if none is in flight and a slot is free; whether one was sent."""
         slots = self._shared.snapshot_slots
-        if slots.locked():
+        if self._task is not None or slots.locked():
             return False
         await slots.acquire()  # free: does not wait
         self._task = asyncio.create_task(self._fetch())

@@ -31,11 +31,14 @@ from producer.vllm_plugin.settings import PluginSettings
 log = logging.getLogger("kvindex.vllm_plugin")
 
 _MIRROR = "_kvindex_mirror"
+_SNAPSHOTS = "_kvindex_snapshots"  # the engine core's snapshot service a publisher serves
 #: Report events appended but not yet published, by id; holding each keeps its id
 #: from being reused by another event before its batch is published.
 _REPORTED: dict[int, Any] = {}
 _ENCODER = msgspec.msgpack.Encoder()  # vLLM's publisher encodes batches with a default one
 _MAX_PORT = 65535
+#: The settings of the last ``install``: read when a publisher is created.
+_SETTINGS: PluginSettings | None = None
 
 
 class NotMoved(ValueError):
@@ -59,14 +62,17 @@ def moved(endpoint: str, offset: int) -> str:
 def install(settings: PluginSettings) -> None:
     """Mark reports as the block pool makes them and mirror every zmq publisher of
     this process without them (answering snapshots beside it, where the engine core
-    can be snapshotted). Idempotent: vLLM loads plugins more than once."""
+    can be snapshotted). Idempotent: vLLM loads plugins more than once; publishers
+    created from then on follow the last call's ``settings``."""
     from vllm.distributed.kv_events import ZmqEventPublisher
     from vllm.v1.core.block_pool import BlockPool
 
+    global _SETTINGS
+    _SETTINGS = settings
     if getattr(BlockPool.emit_cached_block_events, "_kvindex", False):
         return
     BlockPool.emit_cached_block_events = _marking(BlockPool.emit_cached_block_events)
-    ZmqEventPublisher.__init__ = _mirrored(ZmqEventPublisher.__init__, settings)
+    ZmqEventPublisher.__init__ = _mirrored(ZmqEventPublisher.__init__)
     ZmqEventPublisher.publish = _publishing(ZmqEventPublisher.publish)
     ZmqEventPublisher.shutdown = _closing(ZmqEventPublisher.shutdown)
 
@@ -94,29 +100,34 @@ def _marking(emit: Any) -> Any:
     return wrapper
 
 
-def _mirrored(init: Any, settings: PluginSettings) -> Any:
+def _mirrored(init: Any) -> Any:
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
+        settings = _SETTINGS or PluginSettings()
+        found = snapshots.claim()  # the engine core creating this publisher, if any
         try:
             setattr(self, _MIRROR, _mirror_of(self, settings.events_port_offset))
         except Exception:  # the engine publishes on vLLM's stream either way
             log.exception("kvindex: no report-free stream beside %s", self._endpoint)
             return
-        _serve_snapshots(getattr(self, _MIRROR), settings)
+        if found is not None and _serve_snapshots(found, getattr(self, _MIRROR), settings):
+            setattr(self, _SNAPSHOTS, found)
 
     return wrapper
 
 
-def _serve_snapshots(mirror: Any, settings: PluginSettings) -> None:
+def _serve_snapshots(found: Any, mirror: Any, settings: PluginSettings) -> bool:
     """Answer snapshots beside the mirror, tagged with its seqs (where they are on)."""
-    found, token = snapshots.service(), settings.token()
-    if found is None or not settings.snapshots or token is None or mirror.replay_endpoint is None:
-        return
+    token = settings.token()
+    if not settings.snapshots or token is None or mirror.replay_endpoint is None:
+        return False
     try:
         found.serve(moved(mirror.endpoint, settings.snapshot_port_offset), token)
     except Exception:  # the engine serves either way; kvindex falls back to replay
         log.exception("kvindex: not serving snapshots beside %s", mirror.endpoint)
+        return False
+    return True
 
 
 def _mirror_of(publisher: Any, offset: int) -> Any:
@@ -141,7 +152,7 @@ def _publishing(publish: Any) -> Any:
             kept = without_reports(events)
             payload = _ENCODER.encode(kept)
             mirror.publish_encoded(payload)
-            if (found := snapshots.service()) is not None:
+            if (found := getattr(self, _SNAPSHOTS, None)) is not None:
                 found.published(mirror.last_offered_seq, kept.ts, payload)
 
     return wrapper
@@ -154,7 +165,7 @@ def _closing(shutdown: Any) -> Any:
         mirror = getattr(self, _MIRROR, None)
         if mirror is not None:
             mirror.close()
-        if (found := snapshots.service()) is not None:
+        if (found := getattr(self, _SNAPSHOTS, None)) is not None:
             found.close()
 
     return wrapper

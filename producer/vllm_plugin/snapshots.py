@@ -40,6 +40,7 @@ from indexer.core.hybrid import GroupDeclaration
 from indexer.core.snapshot import Snapshot, SnapshotTier
 from indexer.engines import catalog
 from producer.snapshots import Handoff, PublishedResidency, SnapshotServer
+from producer.vllm_plugin.groups import group_of
 
 log = logging.getLogger("kvindex.vllm_plugin")
 
@@ -144,28 +145,42 @@ def _assembled(taken: _Taken, kinds: Mapping[int, str | None]) -> Snapshot:
 
 def _declared_kinds(kv_cache_config: Any) -> dict[int, str | None]:
     """Each group's kind as kvindex keys it from the plugin's declaration."""
-    from producer.vllm_plugin.spec import group_of
-
     groups = [group_of(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
     block_size = groups[0]["block_size"] if groups else 16
     declared = [(g["kind"], g["sliding_window"], g["block_size"]) for g in groups]
     return dict(GroupDeclaration(declared, block_size).kinds)
 
 
-#: This process's engine core's service (one engine core per process), once its
-#: KV cache is set up and the engine can be snapshotted.
-_SERVICE: EngineSnapshots | None = None
+#: The attribute of an engine core holding its service.
+_ATTR = "_kvindex_snapshots"
+#: The service attached last and not yet claimed by a publisher: vLLM's engine core
+#: sets up its KV cache (``attach``), then its scheduler creates the event
+#: publisher, which claims it (one engine core per process, but nothing here
+#: needs that: each publisher serves the engine core attached just before it).
+_UNCLAIMED: EngineSnapshots | None = None
 
 
-def attach(engine_core: Any, vllm_config: Any, kv_cache_config: Any) -> None:
-    """Set up this engine core's service (served once its publisher exists)."""
-    global _SERVICE
+def attach(engine_core: Any, vllm_config: Any, kv_cache_config: Any) -> EngineSnapshots:
+    """Set up this engine core's service, served by the publisher it creates next."""
+    global _UNCLAIMED
     transfer = vllm_config.kv_transfer_config
-    _SERVICE = EngineSnapshots(engine_core, kv_cache_config, offloading=transfer is not None)
+    found = EngineSnapshots(engine_core, kv_cache_config, offloading=transfer is not None)
+    setattr(engine_core, _ATTR, found)
+    _UNCLAIMED = found
+    return found
 
 
-def service() -> EngineSnapshots | None:
-    return _SERVICE
+def claim() -> EngineSnapshots | None:
+    """The service of the engine core attached last, for the publisher being created
+    (once: another publisher of the process serves none)."""
+    global _UNCLAIMED
+    found, _UNCLAIMED = _UNCLAIMED, None
+    return found
+
+
+def of(engine_core: Any) -> EngineSnapshots | None:
+    """An engine core's service, if it was attached."""
+    return getattr(engine_core, _ATTR, None)
 
 
 def handling_requests(handle: Any) -> Any:
@@ -175,8 +190,8 @@ def handling_requests(handle: Any) -> Any:
     @functools.wraps(handle)
     def wrapper(self: Any, *args: Any) -> Any:
         result = handle(self, *args)
-        if _SERVICE is not None:
-            _SERVICE.between_steps()
+        if (found := getattr(self, _ATTR, None)) is not None:
+            found.between_steps()
         return result
 
     wrapper._kvindex = True

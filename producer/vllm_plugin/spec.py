@@ -36,6 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from producer.vllm_plugin.groups import group_of
 from producer.vllm_plugin.settings import PluginSettings
 
 log = logging.getLogger("kvindex.vllm_plugin")
@@ -118,12 +119,12 @@ def _stream(events: Any, settings: PluginSettings) -> tuple[_Stream, str]:
 
 
 def _snapshot_endpoint(
-    stream: _Stream, reuse_reports: str, bind: bool, settings: PluginSettings
+    stream: _Stream, reuse_reports: str, kvindex_binds: bool, settings: PluginSettings
 ) -> str | None:
     """Where the engine answers snapshots (:mod:`producer.vllm_plugin.snapshots`):
     beside the plugin's own stream, whose seqs snapshots are tagged with, when
     there is one, the engine binds, and a token guards the engine's state."""
-    if not settings.snapshots or reuse_reports != "filtered" or not bind:
+    if not settings.snapshots or reuse_reports != "filtered" or kvindex_binds:
         return None
     if stream.replay_endpoint is None or settings.token() is None:
         return None
@@ -167,15 +168,6 @@ def _served_name(model_config: Any) -> str:
     what routers pass kvindex."""
     served = model_config.served_model_name
     return served[0] if isinstance(served, list | tuple) else served or model_config.model
-
-
-def group_of(kv_cache_spec: Any) -> dict[str, Any]:
-    """One KV cache group as kvindex's ``kv_groups`` declares it."""
-    from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
-
-    kind = get_kv_cache_spec_kind(kv_cache_spec).value
-    window = getattr(kv_cache_spec, "sliding_window", None) if kind == "sliding_window" else None
-    return {"kind": kind, "sliding_window": window, "block_size": kv_cache_spec.block_size}
 
 
 def _blocks_per_chunk(vllm_config: Any, kv_cache_config: Any) -> int | None:

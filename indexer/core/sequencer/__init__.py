@@ -67,6 +67,7 @@ from indexer.core.sequencer.actions import (
     Restarted,
     Restored,
     Rules,
+    SnapshotFailed,
     StoreLossFound,
 )
 from indexer.core.sequencer.machine import Sequencer
@@ -91,5 +92,6 @@ __all__ = [
     "Restored",
     "Rules",
     "Sequencer",
+    "SnapshotFailed",
     "StoreLossFound",
 ]

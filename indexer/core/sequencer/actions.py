@@ -33,6 +33,7 @@ class RankCounts(Protocol):
     restarts: int
     duplicates: int
     restores: int
+    snapshot_error: str | None
 
 
 #: The media whose counts an unfilled gap or a restart makes untrustworthy.
@@ -143,6 +144,14 @@ class Restored:
 
 
 @dataclass(frozen=True, slots=True)
+class SnapshotFailed:
+    """No snapshot came, for ``reason``; asked again ``retry`` seconds on."""
+
+    reason: str
+    retry: float
+
+
+@dataclass(frozen=True, slots=True)
 class RebuildSettled:
     """A rank rebuilding after a store loss is exact again (``exact``) or degraded for good."""
 
@@ -164,6 +173,7 @@ Action = (
     | StoreLossFound
     | RebuildSettled
     | Restored
+    | SnapshotFailed
 )
 
 

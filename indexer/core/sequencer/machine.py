@@ -11,6 +11,7 @@ from indexer.core.sequencer.actions import (
     RebuildSettled,
     ReplayTimedOut,
     Restored,
+    SnapshotFailed,
     StoreLossFound,
 )
 from indexer.core.sequencer.stream import Stream, _Rebuild, _Request
@@ -142,6 +143,7 @@ class Sequencer(Stream[B]):
         status.applied_seq = None if seq < 0 else seq
         status.restores += 1
         status.degraded, status.store_loss, status.missing = False, None, []
+        status.snapshot_error = None
         self._out.append(Restored(seq, dropped))
         self._drain()
         self._watch_gap()
@@ -149,14 +151,17 @@ class Sequencer(Stream[B]):
         self.replay_wanted = self._rules.has_replay
         return self._take()
 
-    def snapshot_failed(self, now: float, retry: float | None = None) -> list[Action]:
+    def snapshot_failed(self, now: float, reason: str, retry: float | None = None) -> list[Action]:
         """No snapshot came (none served, refused, timed out, not valid, or the store
         failed applying it): the held batches go on as after a gap given up;
         another is asked ``retry`` seconds from now (default ``snapshot_retry``)."""
         if not self.restoring:
             return []
+        retry = self._rules.snapshot_retry if retry is None else retry
         self.restoring, self.snapshot_wanted = False, True
-        self._snapshot_after = now + (self._rules.snapshot_retry if retry is None else retry)
+        self._snapshot_after = now + retry
+        self.status.snapshot_error = reason
+        self._out.append(SnapshotFailed(reason, retry))
         if self._heap and self._heap[0] > self.next:
             self._give_up(self.next, self._heap[0] - 1, "missed while a snapshot was awaited")
         self._drain()
