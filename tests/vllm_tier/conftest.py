@@ -57,12 +57,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 class Serve:
     """``kvindex serve`` (this venv's kvindex, run outside the checkout so that
-    ``-m`` does not import the checkout's), with a bearer token or without."""
+    ``-m`` does not import the checkout's), with a bearer token or without, and
+    any other options of ``kvindex serve`` (``args``)."""
 
-    def __init__(self, workdir: Path, token: str | None) -> None:
+    def __init__(self, workdir: Path, token: str | None, *args: str) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "kvindex.cli", "serve", "--port", str(port)]
+        command = [sys.executable, "-m", "kvindex.cli", "serve", "--port", str(port), *args]
         # as an operator reads it: a hash seed is answered only to the token's holder
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         if token is not None:

@@ -33,6 +33,7 @@ from indexer.core.events import GPU
 from indexer.core.residency import RankResidency, Tier, plan_batch
 from indexer.engines import catalog
 from producer.vllm_plugin.reports import install
+from producer.vllm_plugin.settings import PluginSettings
 from tests.vllm_tier.conftest import free_port
 
 BLOCK = 16
@@ -82,6 +83,7 @@ class Engine:
 def replayed(port: int, batches: int) -> list[bytes]:
     """Every buffered payload of a replay socket, in seq order."""
     with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as dealer:
+        dealer.setsockopt(zmq.LINGER, 0)  # nobody at the port: fail, not hang at exit
         dealer.connect(f"tcp://127.0.0.1:{port}")
         deadline = time.monotonic() + 10
         while True:
@@ -108,7 +110,7 @@ def gpu_resident(payloads: list[bytes], hold_gpu: bool) -> dict[int, int]:
 
 @pytest.fixture
 def engine():
-    install(OFFSET)
+    install(PluginSettings(events_port_offset=OFFSET))
     made = Engine()
     yield made
     made.publisher.shutdown()
