@@ -7,24 +7,33 @@ and ``ZmqEventPublisher.publish`` of the events it made (no model runs: a
 real step is far longer, so any cost of the plugin shows larger here than in
 an engine). Requests share 64 system prompts (8 blocks) and end in 8 blocks
 of their own, on a 4,096-block pool that evicts; they are built (and their
-blocks hashed, sha256) before the timed steps. Three ways, interleaved in
-rounds of fresh managers and publishers, steps/s each:
+blocks hashed, sha256) before the timed steps. Three ways, each an engine of
+its own with the same requests, stepping in turn (50 steps of one, then the
+next's; forwards, then backwards), timed by the engine thread's CPU clock (and
+by wall time):
 
-- ``vllm``: vLLM alone;
+- ``vllm``: vLLM alone (its publisher made before the plugin is installed, and
+  its own ``publish`` called);
 - ``plugin, no snapshots``: the plugin installed
   (:func:`producer.vllm_plugin.reports.install`: its report-free mirror
   stream beside vLLM's), snapshots off;
 - ``plugin``: the same with snapshots on (the engine core's
-  :class:`~producer.vllm_plugin.snapshots.EngineSnapshots` served beside the
-  mirror, as the plugin sets it up), nobody asking.
+  :class:`~producer.vllm_plugin.snapshots.EngineSnapshots` attached and served
+  beside the mirror, as the plugin sets it up), nobody asking.
+
+The publishers' own threads run meanwhile, all ways alike. The note gives the
+ratio's spread over stretches of the run; on the shared two cores it is a
+few percent, so the loop bounds what the plugin costs to that, not finer.
+What the snapshot part adds per batch (a few hundred ns) is measured alone
+by bench item 15 in the main venv.
 
 Then a real block pool with 1M cached blocks (200k with ``--quick``), filled
 by requests of unique tokens: the plugin's engine-thread part of a snapshot
-(``EngineSnapshots._take``) against the median step of the ``vllm`` rounds,
-and the snapshot's off-thread part (keys to published hashes, encode) and
-encoded size.
+(``EngineSnapshots._take``) against one step of ``vllm`` above, and the
+snapshot's off-thread part (keys to published hashes, encode) and encoded
+size.
 
-Run (from the checkout, in the tier's venv; about 2 minutes, 1 with --quick)::
+Run (from the checkout, in the tier's venv; about 2 minutes, 40 s with --quick)::
 
     PYTHONPATH=$PWD VLLM_TARGET_DEVICE=cpu ~/.cache/kvindex/vllm-0.33.0-venv/bin/python \\
         -m bench.snapshot_engine_step [--quick] [--json OUT]
@@ -53,6 +62,7 @@ POOL_BLOCKS = 4096
 PREFIXES, PREFIX_BLOCKS, OWN_BLOCKS = 64, 8, 8
 OFFSET = 1000  # the plugin's port offsets (mirror, and snapshots beside the mirror)
 WAYS = ("vllm", "plugin, no snapshots", "plugin")
+CHUNK = 50  # steps of one way before the next way's
 TOKEN = "bench-step-token"
 
 
@@ -74,7 +84,7 @@ def _ports() -> int:
 class Engine:
     """vLLM's KV cache manager (one full-attention group) and its zmq publisher."""
 
-    def __init__(self, blocks: int, max_model_len: int, port: int | None = None) -> None:
+    def __init__(self, blocks: int, max_model_len: int) -> None:
         import torch
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -88,13 +98,8 @@ class Engine:
             enable_kv_cache_events=True,
         )  # fmt: skip
         self.core = SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=self.manager))
-        self.publisher = None
-        if port is not None:
-            from vllm.distributed.kv_events import ZmqEventPublisher
-
-            self.publisher = ZmqEventPublisher(
-                0, f"tcp://*:{port}", f"tcp://*:{port + 1}", topic="kv"
-            )
+        self.publisher: Any = None
+        self.publish: Any = None  # the publisher's publish, or vLLM's own kept aside
         self.steps = 0
 
     def step(self, request: Any) -> None:
@@ -104,8 +109,8 @@ class Engine:
         self.manager.allocate_slots(request, request.num_tokens - hit, hit, blocks)
         self.manager.free(request)
         events = self.manager.take_events()
-        if self.publisher is not None:
-            self.publisher.publish(KVEventBatch(float(self.steps), events))
+        if self.publish is not None:
+            self.publish(KVEventBatch(float(self.steps), events))
         self.steps += 1
 
     def close(self) -> None:
@@ -162,40 +167,19 @@ class Plugin:
             announce_token=TOKEN, events_port_offset=OFFSET, snapshot_port_offset=OFFSET,
             snapshots=snapshots,
         )  # fmt: skip
-        if snapshots:  # what the plugin's wrapper of _initialize_kv_caches sets up
-            service._SERVICE = service.EngineSnapshots(engine.core, engine.config, False)
         install(settings)
+        # what the plugin's wrapper of EngineCore._initialize_kv_caches does (with
+        # snapshots on or off), before the scheduler makes the publisher that serves it
+        service.attach(engine.core, SimpleNamespace(kv_transfer_config=None), engine.config)
 
     def remove(self) -> None:
+        from producer.vllm_plugin import reports
         from producer.vllm_plugin import snapshots as service
 
         for owner, name, original in self._saved:
             setattr(owner, name, original)
-        service._SERVICE = None
-
-
-def _round(way: str, plugin: Plugin, requests: list) -> float:
-    """Steps/s of one fresh engine serving ``requests``."""
-    port = _ports()
-    engine = Engine(POOL_BLOCKS, 4096)
-    if way != "vllm":
-        plugin.install(engine, snapshots=way == "plugin")
-    try:
-        engine.publisher = _publisher(port)
-        if way != "vllm":
-            assert hasattr(engine.publisher, "_kvindex_mirror"), "the plugin made no mirror"
-        if way == "plugin":
-            from producer.vllm_plugin import snapshots
-
-            assert snapshots.service()._server is not None, "snapshots are not served"
-        gc.collect()
-        started = time.perf_counter()
-        for request in requests:
-            engine.step(request)
-        return len(requests) / (time.perf_counter() - started)
-    finally:
-        engine.close()
-        plugin.remove()
+        reports._SETTINGS = None
+        service.claim()  # none left unclaimed
 
 
 def _publisher(port: int) -> Any:
@@ -204,27 +188,77 @@ def _publisher(port: int) -> Any:
     return ZmqEventPublisher(0, f"tcp://*:{port}", f"tcp://*:{port + 1}", topic="kv")
 
 
-def step_loop(rounds: int, steps: int) -> dict:
+def _engines(plugin: Plugin) -> dict[str, Engine]:
+    """One engine each way, their publishers made as the plugin makes them: vLLM's
+    own publish kept aside for ``vllm``'s, the plugin's settings with snapshots off
+    for the second and on for the third."""
+    import functools
+
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from producer.vllm_plugin import reports
+
+    vllm_publish = ZmqEventPublisher.publish
+    engines = {way: Engine(POOL_BLOCKS, 4096) for way in WAYS}
+    bare = engines["vllm"]
+    bare.publisher = _publisher(_ports())
+    bare.publish = functools.partial(vllm_publish, bare.publisher)
+    for way in WAYS[1:]:
+        engine = engines[way]
+        plugin.install(engine, snapshots=way == "plugin")
+        engine.publisher = _publisher(_ports())
+        engine.publish = engine.publisher.publish
+        mirror = getattr(engine.publisher, reports._MIRROR, None)
+        served = getattr(engine.publisher, reports._SNAPSHOTS, None)
+        assert mirror is not None, f"{way}: the plugin made no mirror"
+        assert (served is not None) == (way == "plugin"), f"{way}: snapshots {served}"
+    return engines
+
+
+def step_loop(blocks_of_steps: int, steps: int) -> dict:
+    """The three ways' engines stepping in turn, ``CHUNK`` steps each (forwards, then
+    backwards), so that a slow moment of the shared machine hits them alike:
+    seconds per step by the engine thread's CPU clock and by wall time, in total and
+    over ``blocks_of_steps`` consecutive stretches (their spread)."""
     hasher = _hashing()
     plugin = Plugin()
-    rates: dict[str, list[float]] = {way: [] for way in WAYS}
-    for i in range(rounds):
-        for way in WAYS:  # the same requests each way of a round (built fresh: single use)
-            rates[way].append(_round(way, plugin, _requests(steps, i, hasher)))
+    requests = {way: _requests(steps, 1, hasher) for way in WAYS}  # same tokens, each its own
+    engines = _engines(plugin)
+    clocks = {"cpu": time.thread_time, "wall": time.perf_counter}
+    per_stretch = steps // CHUNK // blocks_of_steps
+    spent = {c: {w: [0.0] * blocks_of_steps for w in WAYS} for c in clocks}
+    try:
+        gc.collect()
+        for chunk in range(per_stretch * blocks_of_steps):
+            stretch, first = chunk // per_stretch, chunk * CHUNK
+            for way in WAYS[:: 1 if chunk % 2 == 0 else -1]:
+                engine, todo = engines[way], requests[way][first : first + CHUNK]
+                cpu, wall = time.thread_time(), time.perf_counter()
+                for request in todo:
+                    engine.step(request)
+                spent["cpu"][way][stretch] += time.thread_time() - cpu
+                spent["wall"][way][stretch] += time.perf_counter() - wall
+    finally:
+        for engine in engines.values():
+            engine.publisher.shutdown()
+        plugin.remove()
+    done = per_stretch * blocks_of_steps * CHUNK
 
-    def ratios(way: str, baseline: str) -> list[float]:
-        return [a / b for a, b in zip(rates[way], rates[baseline], strict=True)]
+    def ratios(clock: str, way: str, baseline: str) -> list[float]:
+        return [a / b for a, b in zip(spent[clock][way], spent[clock][baseline], strict=True)]
 
     return {
-        "steps": steps,
-        "rounds": rounds,
-        "steps_per_s": {way: statistics.median(r) for way, r in rates.items()},
-        "all_steps_per_s": rates,
-        # each round's own ratio: its ways ran back to back, so a slow moment of the
-        # shared machine hits them alike
-        "round_ratios": {
-            "plugin/vllm": ratios("plugin", "vllm"),
-            "plugin/no snapshots": ratios("plugin", "plugin, no snapshots"),
+        "steps": done,
+        "chunk": CHUNK,
+        "stretches": blocks_of_steps,
+        "steps_per_cpu_s": {way: done / sum(spent["cpu"][way]) for way in WAYS},
+        "steps_per_s": {way: done / sum(spent["wall"][way]) for way in WAYS},
+        "seconds": spent,
+        # time ratios of each stretch (the inverse of the steps/s ratio)
+        "stretch_time_ratios": {
+            f"{clock} {way}/{baseline}": ratios(clock, way, baseline)
+            for clock in clocks
+            for way, baseline in (("plugin", "vllm"), ("plugin", "plugin, no snapshots"))
         },
     }
 
@@ -275,42 +309,56 @@ def snapshot_take(blocks: int, repeats: int) -> dict:
 
 
 def measure(quick: bool) -> dict:
-    steps = 1500 if quick else 3000
     return {
-        "loop": step_loop(5 if quick else 9, steps),
+        "loop": step_loop(5 if quick else 10, 5000 if quick else 12_000),
         "take": snapshot_take(200_000 if quick else 1_000_000, 5 if quick else 7),
     }
 
 
 def _spread(ratios: list[float]) -> str:
+    """Steps/s ratios of the stretches, from their time ratios."""
+    inverse = [1 / r for r in ratios]
     return (
-        f"each round's own ratio: median {statistics.median(ratios):.3f}, "
-        f"{min(ratios):.3f}-{max(ratios):.3f}"
+        f"over {len(inverse)} stretches: median {statistics.median(inverse):.3f}, "
+        f"{min(inverse):.3f}-{max(inverse):.3f}"
     )
 
 
 def figures(details: dict, section: str) -> list[Figure]:
     """The report's figures of :func:`measure`'s output."""
-    rates, take = details["loop"]["steps_per_s"], details["take"]
-    by_round = details["loop"]["round_ratios"]
-    step_ms = 1000 / rates["vllm"]
+    loop, take = details["loop"], details["take"]
+    cpu, wall = loop["steps_per_cpu_s"], loop["steps_per_s"]
+    stretches = loop["stretch_time_ratios"]
     label = f"{take['blocks'] / 1e6:g}M"
-    loop = "vLLM 0.33 KVCacheManager step loop (get_computed_blocks + allocate + free + publish)"
+    name = "vLLM 0.33 KVCacheManager step loop (get_computed_blocks + allocate + free + publish)"
+    how = (
+        f"{loop['steps']:,} steps each way, {loop['chunk']} of one way then the next's; "
+        "CPU time of the engine thread"
+    )
+
+    def note(way: str, baseline: str) -> str:
+        return (
+            f"{how} ({_spread(stretches[f'cpu {way}/{baseline}'])}); by wall time "
+            f"{wall[way]:.0f} vs {wall[baseline]:.0f} steps/s "
+            f"({_spread(stretches[f'wall {way}/{baseline}'])})"
+        )
+
     return [
-        Figure(section, f"{loop}, plugin with snapshots, nobody asking: steps/s", rates["plugin"],
-               "steps/s", "same loop, vLLM alone", rates["vllm"],
-               note=f"median of {details['loop']['rounds']} interleaved rounds of "
-               f"{details['loop']['steps']:,} steps ({_spread(by_round['plugin/vllm'])}); "
-               "the plugin's report-free mirror stream included"),
-        Figure(section, f"{loop}, plugin with snapshots, nobody asking (vs plugin without): "
-               "steps/s", rates["plugin"], "steps/s", "same loop, plugin with snapshots off",
-               rates["plugin, no snapshots"], note=_spread(by_round["plugin/no snapshots"])),
+        Figure(section, f"{name}, plugin with snapshots, nobody asking: steps per engine-thread "
+               "CPU-second", cpu["plugin"], "steps/s", "same loop, vLLM alone", cpu["vllm"],
+               note=note("plugin", "vllm") + "; the plugin's report-free mirror stream "
+               "included"),
+        Figure(section, f"{name}, plugin with snapshots, nobody asking (vs plugin without): "
+               "steps per engine-thread CPU-second", cpu["plugin"], "steps/s",
+               "same loop, plugin with snapshots off", cpu["plugin, no snapshots"],
+               note=note("plugin", "plugin, no snapshots")),
         Figure(section, f"vLLM 0.33 block pool with {label} cached blocks: the plugin's _take "
                "(engine-thread pause of one snapshot)", 1000 * take["take_s"], "ms",
-               "one step of the loop above, vLLM alone (median)", step_ms,
+               "one step of the loop above, vLLM alone (wall)", 1000 / wall["vllm"],
                note=f"then off the engine thread: keys to hashes + encode "
                f"{1000 * take['assemble_encode_s']:.0f} ms, {take['snapshot_bytes'] / 1e6:.1f} MB "
-               f"({take['snapshot_bytes'] / take['blocks']:.2f} B/block)"),
+               f"({take['snapshot_bytes'] / take['blocks']:.2f} B/block); the pool filled in "
+               f"{take['fill_s']:.0f} s"),
     ]  # fmt: skip
 
 

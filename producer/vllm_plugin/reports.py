@@ -153,7 +153,7 @@ def _publishing(publish: Any) -> Any:
             payload = _ENCODER.encode(kept)
             mirror.publish_encoded(payload)
             if (found := getattr(self, _SNAPSHOTS, None)) is not None:
-                found.published(mirror.last_offered_seq, kept.ts, payload)
+                found.published(mirror.last_offered_seq, kept)
 
     return wrapper
 

@@ -35,7 +35,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from indexer.core.events import GPU, EventBatch, normalise_medium
+import msgspec
+
+from indexer.core.events import GPU, normalise_medium
 from indexer.core.hybrid import GroupDeclaration
 from indexer.core.snapshot import Snapshot, SnapshotTier
 from indexer.engines import catalog
@@ -47,6 +49,7 @@ log = logging.getLogger("kvindex.vllm_plugin")
 #: How long the server waits for the engine thread to take a snapshot.
 TAKE_TIMEOUT = 20.0
 _VLLM = catalog.adapter(catalog.DEFAULT)
+_ENCODER = msgspec.msgpack.Encoder()
 #: The spellings of the GPU medium in vLLM's events (none: the block pool's).
 _GPU = (None, GPU, "gpu")
 
@@ -84,16 +87,16 @@ class EngineSnapshots:
 
     # --- the engine thread -------------------------------------------------------
 
-    def published(self, seq: int, ts: float, payload: bytes) -> None:
-        """A batch was published as ``seq`` (``payload``, vLLM's encoding): count its
-        lower tiers; take a snapshot if one is wanted (everything changed is
-        published now)."""
-        if self._offloading:
-            batch = _VLLM.decode(payload, tokens=False)
-            lower = [e for e in batch.events if e.medium not in _GPU]
-            self._published.published(seq, EventBatch(ts, lower))
+    def published(self, seq: int, batch: Any) -> None:
+        """vLLM's ``batch`` was published as ``seq``: count its lower tiers (decoded as
+        kvindex reads them, the GPU events left out first); take a snapshot if one
+        is wanted (everything changed is published now)."""
+        lower = self._offloading and [e for e in batch.events if e.medium not in _GPU]
+        if lower:
+            payload = _ENCODER.encode(msgspec.structs.replace(batch, events=lower))
+            self._published.published(seq, _VLLM.decode(payload, tokens=False))
         else:
-            self._published.last = (seq, ts)
+            self._published.last = (seq, batch.ts)
         if self._handoff.wanted:
             self._handoff.give(self._take)
 
@@ -126,13 +129,11 @@ class EngineSnapshots:
 
 
 def _assembled(taken: _Taken, kinds: Mapping[int, str | None]) -> Snapshot:
-    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
     by_group: dict[int, tuple[list, list]] = {}
-    copies = taken.copies
+    copies, published = taken.copies, _published_form()
     for key in taken.table:
         hashes, counts = by_group.setdefault(int.from_bytes(key[-4:], "big"), ([], []))
-        hashes.append(maybe_convert_block_hash(key[:-4]))
+        hashes.append(published(key[:-4]))
         counts.append(copies.get(key, 1))
     gpu = [
         SnapshotTier(GPU, None, group, None, hashes, counts if len(copies) else None)
@@ -141,6 +142,19 @@ def _assembled(taken: _Taken, kinds: Mapping[int, str | None]) -> Snapshot:
     lower = taken.lower
     tiers = [*gpu, *(t for t in lower.tiers if normalise_medium(t.medium) != GPU)]
     return Snapshot(taken.seq, taken.ts, tiers, {**lower.group_kinds, **kinds}, lower.chunk_blocks)
+
+
+def _published_form() -> Any:
+    """How vLLM publishes a block hash: the low 64 bits of the digest as an int, or the
+    digest's bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (vLLM's
+    ``maybe_convert_block_hash``, which reads that setting again for every hash: at
+    a million blocks that alone took seconds, so it is read once here)."""
+    from vllm import envs
+
+    if not envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        return bytes
+    mask = (1 << 64) - 1
+    return lambda digest: int.from_bytes(digest, "big") & mask
 
 
 def _declared_kinds(kv_cache_config: Any) -> dict[int, str | None]:
