@@ -26,10 +26,11 @@ CLUSTER_BUS_OFFSET = 10000  # Redis Cluster listens on port + 10000 for its bus
 START_TIMEOUT_S = 10.0
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether ``port`` can be bound on ``host`` now."""
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
         return True
@@ -42,7 +43,7 @@ def free_port(cluster_bus: bool = False) -> int:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         bus = port + CLUSTER_BUS_OFFSET
-        if not cluster_bus or (bus < 65536 and _port_free(bus)):
+        if not cluster_bus or (bus < 65536 and port_free(bus)):
             return port
     raise RuntimeError("no free port pair found")
 

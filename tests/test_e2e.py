@@ -10,12 +10,15 @@ GPU and CPU eviction pressure and after one engine restarts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 
 import httpx
 import pytest
@@ -87,12 +90,16 @@ class SimRank:
             assert self.publisher.publish(batch)
 
     def truth(self, tokens: Sequence[int]) -> tuple[int, int, int]:
-        e = self.engine
-        return (
-            e.gpu_prefix_blocks(tokens),
-            e.cpu_prefix_blocks(tokens),
-            e.storage_prefix_blocks(tokens),
-        )
+        return truth(self.engine, tokens)
+
+
+def truth(engine: SimEngine, tokens: Sequence[int]) -> tuple[int, int, int]:
+    """What a simulated engine holds of a prompt: its GPU, CPU and storage prefix blocks."""
+    return (
+        engine.gpu_prefix_blocks(tokens),
+        engine.cpu_prefix_blocks(tokens),
+        engine.storage_prefix_blocks(tokens),
+    )
 
 
 class Fleet:
@@ -118,29 +125,40 @@ class Fleet:
             rank.publisher.close()
 
 
-@pytest.fixture
-async def kvindex(tmp_path) -> AsyncIterator[httpx.AsyncClient]:
-    """``kvindex serve`` with the embedded store, on a free port, stopped by SIGINT."""
+@contextlib.asynccontextmanager
+async def serving(
+    logs: Path, *args: str, token: str | None = None, ready: str = "/readyz"
+) -> AsyncIterator[httpx.AsyncClient]:
+    """``kvindex serve`` (``args`` after ``serve``) on a free port, its output in
+    ``logs``, stopped by SIGINT; ``token``: the API's, in its environment and sent by
+    the client. Yields once ``ready`` answers 200."""
     port = free_ports()
-    with open(tmp_path / "serve.log", "w+") as log:
-        service = subprocess.Popen(
-            [sys.executable, "-m", "kvindex.cli", "serve", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    env = {**os.environ, **({"KVINDEX_AUTH_TOKEN": token} if token else {})}
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with open(logs / f"serve-{port}.log", "w+") as log:
+        command = [sys.executable, "-m", "kvindex.cli", "serve", "--port", str(port), *args]
+        service = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
         try:
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-                await until(lambda: _ready(client, service), 20, "kvindex serve to be ready")
+            async with httpx.AsyncClient(base_url=url, timeout=10, headers=headers) as client:
+                await until(lambda: _answers(client, service, ready), 20, f"kvindex {ready}")
                 yield client
         finally:
             service.send_signal(signal.SIGINT)
             assert service.wait(timeout=10) == 0, log.seek(0) or log.read()
 
 
-async def _ready(client: httpx.AsyncClient, service: subprocess.Popen) -> bool:
+@pytest.fixture
+async def kvindex(tmp_path) -> AsyncIterator[httpx.AsyncClient]:
+    """``kvindex serve`` with the embedded store, ready."""
+    async with serving(tmp_path) as client:
+        yield client
+
+
+async def _answers(client: httpx.AsyncClient, service: subprocess.Popen, path: str) -> bool:
     assert service.poll() is None, "kvindex serve exited"
     try:
-        return (await client.get("/readyz")).status_code == 200
+        return (await client.get(path)).status_code == 200
     except httpx.TransportError:
         return False
 

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import httpx
 import pytest
@@ -29,7 +25,7 @@ from producer.snapshots import SelfSnapshotting
 from producer.workload import Workload
 
 from .conftest import free_ports
-from .test_e2e import WORKLOAD, until
+from .test_e2e import WORKLOAD, serving, truth, until
 
 pytestmark = pytest.mark.slow
 
@@ -80,39 +76,12 @@ class Engine:
         return [*served, *[(*t, 7, 8, 9) for t in served[::3]], *Workload(WORKLOAD).system_prompts]
 
     def truth(self, tokens: Sequence[int]) -> tuple[int, int, int]:
-        e = self.engine
-        return (
-            e.gpu_prefix_blocks(tokens),
-            e.cpu_prefix_blocks(tokens),
-            e.storage_prefix_blocks(tokens),
-        )
+        return truth(self.engine, tokens)
 
 
-@contextlib.asynccontextmanager
-async def kvindex(tmp_path, *args: str) -> AsyncIterator[httpx.AsyncClient]:
-    """``kvindex serve`` with the token, on a free port."""
-    port = free_ports()
-    env = {**os.environ, "KVINDEX_AUTH_TOKEN": TOKEN}
-    with open(tmp_path / f"serve-{port}.log", "w+") as log:
-        command = [sys.executable, "-m", "kvindex.cli", "serve", "--port", str(port), *args]
-        service = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        headers = {"Authorization": f"Bearer {TOKEN}"}
-        url = f"http://127.0.0.1:{port}"
-        try:
-            async with httpx.AsyncClient(base_url=url, timeout=10, headers=headers) as client:
-                await until(lambda: _up(client, service), 20, "kvindex serve to answer")
-                yield client
-        finally:
-            service.send_signal(signal.SIGINT)
-            assert service.wait(timeout=10) == 0, log.seek(0) or log.read()
-
-
-async def _up(client: httpx.AsyncClient, service: subprocess.Popen) -> bool:
-    assert service.poll() is None, "kvindex serve exited"
-    try:
-        return (await client.get("/healthz")).status_code == 200
-    except httpx.TransportError:
-        return False
+def kvindex(tmp_path, *args: str) -> contextlib.AbstractAsyncContextManager[httpx.AsyncClient]:
+    """``kvindex serve`` with the token, answering."""
+    return serving(tmp_path, *args, token=TOKEN, ready="/healthz")
 
 
 async def rank(client: httpx.AsyncClient) -> dict:

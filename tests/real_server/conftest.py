@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from tests.real_server.harness import MODEL, TALLY, EventTap, Kvindex
+from tests.servers import port_free
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -43,17 +44,8 @@ def free_port(*beside: int) -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-            if all(_free(port + offset) for offset in beside):
+            if all(port_free(port + offset) for offset in beside):
                 return port
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def environment(**extra: str) -> dict[str, str]:

@@ -327,3 +327,14 @@ class Conversations:
 
     def answer(self, index: int, reply: str) -> None:
         self.chats[index].append({"role": "assistant", "content": reply})
+
+    def turns(self, turns: Turns, count: int, first: int = 0) -> list[Turn]:
+        """``count`` chat turns through ``turns`` (labelled from turn ``first`` on), each
+        reply kept in its chat's history."""
+        done = []
+        for i in range(first, first + count):
+            index, messages = self.ask()
+            turn = turns.turn(f"chat {index} turn {i}", {"messages": messages}, max_tokens=8)
+            self.answer(index, turn.reply)
+            done.append(turn)
+        return done

@@ -22,14 +22,7 @@ def test_completion_turns_are_exact(kv, announced_a) -> None:
 
 def test_chat_turns_are_exact(kv, announced_a) -> None:
     turns = Turns(kv, announced_a, "chat")
-    chats = Conversations(2, 4)
-    done = []
-    for i in range(TURNS):
-        index, messages = chats.ask()
-        turn = turns.turn(f"chat {index} turn {i}", {"messages": messages}, max_tokens=8)
-        chats.answer(index, turn.reply)
-        done.append(turn)
-    assert_exact(done)
+    assert_exact(Conversations(2, 4).turns(turns, TURNS))
 
 
 def test_the_cache_evicted_and_kvindex_followed(kv, announced_a) -> None:

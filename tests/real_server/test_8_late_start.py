@@ -121,12 +121,7 @@ def test_kvindex_started_after_the_replay_buffer_moved_on_is_exact(late) -> None
 
     turns = Turns(kv, engine, "late start", also=(BY_HAND,))
     removed = engine.tap.counts.get("BlockRemoved", 0)
-    done = []
-    for i in range(AFTER):
-        index, messages = chats.ask()
-        turn = turns.turn(f"chat {index} turn {BEFORE + i}", {"messages": messages}, max_tokens=8)
-        chats.answer(index, turn.reply)
-        done.append(turn)
+    done = chats.turns(turns, AFTER, first=BEFORE)
     assert_exact(turns.done)
     # the first turn already reused history cached before kvindex started
     assert done[0].cached_tokens > 0, str(done[0])

@@ -35,7 +35,6 @@ import contextlib
 import queue
 import random
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -72,7 +71,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from producer.vllm_plugin import reports, snapshots
 from producer.vllm_plugin.settings import PluginSettings
 from producer.vllm_plugin.spec import announcement
-from tests.servers import REDIS_CLI, REDIS_SERVER, RedisServer
+from tests.servers import REDIS_CLI, REDIS_SERVER, RedisServer, port_free
 from tests.servers import free_port as free_redis_port
 from tests.vllm_tier.conftest import TOKEN, Serve
 
@@ -114,22 +113,15 @@ class CpuExecutor:
         pass
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-        return True
-
-
 def engine_ports() -> int:
     """A base port B with vLLM's events at B + r, its replay at B + 2 + r, the plugin's
     at + 1000 and its snapshots at + 2000 all free."""
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(20000, 60000)
-        if all(_free(base + o + i) for o in (0, OFFSET, 2 * OFFSET) for i in range(4)):
+        if all(
+            port_free(base + o + i, "0.0.0.0") for o in (0, OFFSET, 2 * OFFSET) for i in range(4)
+        ):
             return base
     raise RuntimeError("no free ports")
 
