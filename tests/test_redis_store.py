@@ -14,9 +14,13 @@ import pytest
 
 from indexer.cluster.leases import Leases
 from indexer.core.events import CPU, GPU, STORAGE
+from indexer.core.snapshot import Snapshot, SnapshotTier
 from indexer.stores import StoreUnavailable
+from indexer.stores.base import Watermark, apply_snapshot
 from indexer.stores.conformance import RANK, apply, counts
 from indexer.stores.redis import RedisClient, RedisConfig, RedisStore
+from indexer.stores.redis import plan as planning
+from indexer.stores.redis.layout import BUCKETS
 
 from .conftest import expected_path, redis_config, server_for, trace_path
 from .events import stored
@@ -154,3 +158,41 @@ async def test_operator_reads_racing_the_writer_are_never_taken_for_a_loss(
         assert await store.block_counts(RANK) == {GPU: 200, CPU: 0, STORAGE: 0}
     finally:
         await store.close()
+
+
+def test_round_trips_take_whole_calls_up_to_the_bound() -> None:
+    bound = planning.OPS_PER_TRIP
+    assert planning.round_trips([10, 20]) == [range(0, 2)]
+    trips = planning.round_trips([bound // 2, bound // 2, 1, bound * 3, 5])
+    assert trips == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    assert planning.round_trips([]) == [range(0, 0)]
+
+
+async def test_a_snapshot_of_a_million_blocks_is_written_in_bounded_round_trips(
+    redis_server: RedisServer,
+) -> None:
+    """Sent as one pipeline, a million-block restore kept Redis busy for seconds before
+    its last call was even read, past the socket timeout; each round trip now holds
+    whole script calls of at most OPS_PER_TRIP operations."""
+    store = RedisStore(RedisConfig(redis_server.url, prefix="trips", retries=0))
+    trips: list[int] = []
+    run = store._run
+
+    async def recorded(commands):
+        trips.append(len(commands))
+        return await run(commands)
+
+    store._run = recorded
+    blocks = list(range(1, 1_000_001))
+    snapshot = Snapshot(7, 3.0, [SnapshotTier(GPU, None, 0, None, blocks)])
+    try:
+        await apply_snapshot(store, RANK, snapshot)
+        store._run = run
+        assert (await store.block_counts(RANK))[GPU] == len(blocks)
+        assert await store.watermark(RANK) == Watermark(7, 3.0)
+        assert await counts(store, blocks[-1]) == {GPU: 1}
+    finally:
+        await store.close()
+    per_call = len(blocks) // BUCKETS  # one script call per bucket: hashes spread evenly
+    most = max(1, planning.OPS_PER_TRIP // per_call)
+    assert most < BUCKETS and max(trips) <= most, trips  # in one trip: all BUCKETS calls

@@ -20,6 +20,10 @@ from indexer.stores.redis.scripts import HOLD_MARKER
 #: Most block operations per script call on a standalone server (whole buckets
 #: only), so that one huge batch does not block Redis for long.
 OPS_PER_CALL = 4096
+#: Most block operations sent in one round trip: a batch larger than this (an
+#: engine's snapshot of a million blocks) goes in several, each within the
+#: socket timeout even while Redis works through the previous one.
+OPS_PER_TRIP = 1 << 17
 
 
 @dataclass
@@ -167,3 +171,18 @@ def script_calls(sizes: dict[int, int], cluster: bool) -> list[list[int]]:
         calls[-1].append(b)
         size += ops
     return calls
+
+
+def round_trips(call_sizes: list[int]) -> list[range]:
+    """The script calls of each round trip (by index, in order): whole calls, up to
+    :data:`OPS_PER_TRIP` operations a trip. Splitting a batch's calls is safe: each
+    bucket's call is marked with the batch and skipped if run again, and the
+    watermark moves only once every bucket is done."""
+    trips, start, size = [], 0, 0
+    for i, ops in enumerate(call_sizes):
+        if i > start and size + ops > OPS_PER_TRIP:
+            trips.append(range(start, i))
+            start, size = i, 0
+        size += ops
+    trips.append(range(start, len(call_sizes)))
+    return trips

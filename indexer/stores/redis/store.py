@@ -240,7 +240,11 @@ class RedisStore(RedisReads):
                 keys.append(self.layout.meta_key)
                 args += commit
             commands.append(self.client.script(APPLY_OPS, keys, args))
-        results = await (self._run if one_step else self._bucket_calls.execute)(commands)
+        run = self._run if one_step else self._bucket_calls.execute
+        sizes = [sum(writes.sizes[b] for b in group) for group in calls]
+        results = []
+        for trip in planning.round_trips(sizes):
+            results += await run(commands[trip.start : trip.stop])
         codes = [result[0] for result in results]
         if LOST in codes:
             raise await losses.lost(since)
