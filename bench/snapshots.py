@@ -108,7 +108,8 @@ def batches_of(blocks: list) -> list[EventBatch]:
     ]
 
 
-def snapshot_of(blocks: list, batches: int) -> Snapshot:
+def gpu_snapshot(blocks: list, batches: int) -> Snapshot:
+    """The blocks as one GPU tier, as of the last of ``batches`` batches."""
     return Snapshot(batches - 1, float(batches - 1), [SnapshotTier(GPU, None, 0, None, blocks)])
 
 
@@ -133,7 +134,7 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def _codec(blocks: list, batches: list[EventBatch], repeats: int) -> dict:
-    snapshot = snapshot_of(blocks, len(batches))
+    snapshot = gpu_snapshot(blocks, len(batches))
     payload = encode_snapshot(snapshot)
     wire = [_ENCODE(b) for b in batches]
     assert decode_snapshot(payload).blocks == len(blocks)
@@ -169,7 +170,7 @@ async def _batches_into(store: Store, batches: list[EventBatch]) -> float:
 
 
 def _memory_apply(blocks: list, batches: list[EventBatch], repeats: int) -> dict:
-    snapshot = snapshot_of(blocks, len(batches))
+    snapshot = gpu_snapshot(blocks, len(batches))
     kept: dict[str, MemoryStore] = {}
 
     def run(name: str, apply: Callable[[MemoryStore], object]) -> float:
@@ -196,13 +197,13 @@ async def _redis_apply(url: str, blocks: list, batches: list[EventBatch], repeat
     from indexer.errors import StoreUnavailable
     from indexer.stores.redis import RedisConfig, RedisStore
 
-    snapshot = snapshot_of(blocks, len(batches))
+    snapshot = gpu_snapshot(blocks, len(batches))
     client = Redis.from_url(url)
     times: dict[str, list[float]] = {"snapshot": [], "batches": []}
     counts: dict[str, dict] = {}
     try:
         # First as kvindex is configured by default: the whole snapshot is one apply,
-        # its calls pipelined on one connection within ``socket_timeout``.
+        # its calls sent in round trips that must each answer within ``socket_timeout``.
         store = RedisStore(RedisConfig(url, prefix="snap-default", sweep_interval=None))
         try:
             default: dict = {"seconds": await _snapshot_into(store, snapshot)}

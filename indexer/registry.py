@@ -191,8 +191,6 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def rank_snapshot_endpoint(self, dp_rank: int) -> str | None:
         """Where one rank answers snapshots (None: it does not)."""
-        if self.snapshot_endpoint is None:
-            return None
         return self.engine_adapter.rank_endpoint(self.snapshot_endpoint, dp_rank)
 
 

@@ -13,7 +13,8 @@ missed (:mod:`indexer.ingest.snapshots`). Three parts, engine-neutral:
   attribute read: nothing more while nobody asks) and gives.
 - :class:`PublishedResidency`: counts kept from the batches an engine
   publishes, for tiers the engine has no table of its own for (a CPU offload
-  as its events announced it; a simulated engine's every tier).
+  as its events announced it; a simulated engine's every tier): the caller
+  gives it the events of those tiers.
 
 The snapshot's ``seq`` is the last batch published before it was taken,
 numbered as the publisher numbers them.
@@ -31,7 +32,7 @@ from typing import Any
 import zmq
 
 from indexer.core.events import EventBatch
-from indexer.core.residency import Op, RankResidency, TierOp, plan_batch
+from indexer.core.residency import RankResidency, plan_batch
 from indexer.core.snapshot import (
     BUSY,
     DENIED,
@@ -84,29 +85,18 @@ class Handoff:
 
 
 class PublishedResidency:
-    """Counts as kvindex keeps them, from the batches the engine publishes.
+    """Counts as kvindex keeps them, from the batches the engine publishes."""
 
-    ``keep(medium)``: which media's events are counted (those the engine has
-    no table of its own for).
-    """
-
-    def __init__(self, keep: Callable[[str], bool] = lambda medium: True) -> None:
+    def __init__(self) -> None:
         self.residency = RankResidency()
         self.last: Published = (NOTHING_PUBLISHED, 0.0)
-        self._keep = keep
 
     def published(self, seq: int, batch: EventBatch) -> None:
-        ops = [op for op in plan_batch(batch) if self._keep(_medium(op))]
-        if ops:
-            self.residency.apply(ops)
+        self.residency.apply(plan_batch(batch))
         self.last = (seq, batch.ts)
 
     def snapshot(self) -> Snapshot:
         return snapshot_of(self.residency, *self.last)
-
-
-def _medium(op: Op) -> str:
-    return op.tier.medium if type(op) is TierOp else op.medium
 
 
 class SnapshotServer:

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import msgspec
 
-from indexer.core.events import BlockHash, WireError, normalise_medium
+from indexer.core.events import GPU, BlockHash, WireError, normalise_medium
 from indexer.core.residency import Op, RankResidency, Tier, TierOp
 
 #: Its ``seq`` when the engine published no batch yet: the rank is empty.
@@ -85,7 +85,7 @@ def plan_snapshot(snapshot: Snapshot) -> list[Op]:
     for t in snapshot.tiers:
         tier = Tier(normalise_medium(t.medium), t.ownership, t.group_idx)
         kind = kinds.get(t.group_idx)
-        lower = chunk if tier.medium != "GPU" else None
+        lower = chunk if tier.medium != GPU else None
         ops.extend(TierOp(tier, 1, hashes, t.locality, kind, lower) for hashes in _layers(t))
     return ops
 

@@ -68,10 +68,6 @@ class SnapshotFetch:
         self._task: asyncio.Task[Outcome] | None = None
 
     @property
-    def in_flight(self) -> bool:
-        return self._task is not None
-
-    @property
     def done(self) -> bool:
         return self._task is not None and self._task.done()
 

@@ -111,16 +111,18 @@ def _mirrored(init: Any) -> Any:
         except Exception:  # the engine publishes on vLLM's stream either way
             log.exception("kvindex: no report-free stream beside %s", self._endpoint)
             return
-        if found is not None and _serve_snapshots(found, getattr(self, _MIRROR), settings):
+        binds = self._is_bind_endpoint(self._endpoint)
+        if found is not None and _serve_snapshots(found, getattr(self, _MIRROR), binds, settings):
             setattr(self, _SNAPSHOTS, found)
 
     return wrapper
 
 
-def _serve_snapshots(found: Any, mirror: Any, settings: PluginSettings) -> bool:
-    """Answer snapshots beside the mirror, tagged with its seqs (where they are on)."""
-    token = settings.token()
-    if not settings.snapshots or token is None or mirror.replay_endpoint is None:
+def _serve_snapshots(found: Any, mirror: Any, binds: bool, settings: PluginSettings) -> bool:
+    """Answer snapshots beside the mirror, tagged with its seqs (where they are on;
+    ``binds``: vLLM binds its endpoints)."""
+    token = settings.snapshot_token(mirror.replay_endpoint, binds)
+    if token is None:
         return False
     try:
         found.serve(moved(mirror.endpoint, settings.snapshot_port_offset), token)
@@ -153,9 +155,22 @@ def _publishing(publish: Any) -> Any:
             payload = _ENCODER.encode(kept)
             mirror.publish_encoded(payload)
             if (found := getattr(self, _SNAPSHOTS, None)) is not None:
-                found.published(mirror.last_offered_seq, kept)
+                _count(self, found, mirror.last_offered_seq, kept)
 
     return wrapper
+
+
+def _count(publisher: Any, found: Any, seq: int, batch: Any) -> None:
+    """Tell the snapshot service of a published batch. This runs inside vLLM's
+    publish, on the engine's thread: a failure stops the snapshots (kvindex's
+    requests then time out, and it stays degraded as without them), never the
+    engine."""
+    try:
+        found.published(seq, batch)
+    except Exception:
+        log.exception("kvindex: snapshots stopped for %s", publisher._endpoint)
+        delattr(publisher, _SNAPSHOTS)
+        found.close()
 
 
 def _closing(shutdown: Any) -> Any:

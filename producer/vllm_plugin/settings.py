@@ -53,5 +53,15 @@ class PluginSettings(BaseSettings):
             return self.announce_token_file.read_text().strip() or None
         return None
 
+    def snapshot_token(self, replay_endpoint: str | None, engine_binds: bool) -> str | None:
+        """The token snapshots are served with beside the plugin's report-free stream
+        (``replay_endpoint``: that stream's), None where they are not: turned off,
+        no replay to follow a snapshot with, kvindex binding the engine's sockets
+        (the plugin would bind on kvindex's host), or no token to guard the
+        engine's state. The announcement and the server both ask this."""
+        if not self.snapshots or replay_endpoint is None or not engine_binds:
+            return None
+        return self.token()
+
     def host(self) -> str:
         return self.engine_host or socket.getfqdn()

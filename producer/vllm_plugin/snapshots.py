@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.core.events import GPU, normalise_medium
+from indexer.core.events import GPU
 from indexer.core.hybrid import GroupDeclaration
 from indexer.core.snapshot import Snapshot, SnapshotTier
 from indexer.engines import catalog
@@ -50,8 +50,6 @@ log = logging.getLogger("kvindex.vllm_plugin")
 TAKE_TIMEOUT = 20.0
 _VLLM = catalog.adapter(catalog.DEFAULT)
 _ENCODER = msgspec.msgpack.Encoder()
-#: The spellings of the GPU medium in vLLM's events (none: the block pool's).
-_GPU = (None, GPU, "gpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +69,7 @@ class EngineSnapshots:
     def __init__(self, engine_core: Any, kv_cache_config: Any, offloading: bool) -> None:
         self._core = engine_core
         self._kinds = _declared_kinds(kv_cache_config)
-        self._published = PublishedResidency(keep=lambda medium: medium != GPU)
+        self._published = PublishedResidency()  # of the lower tiers only
         self._offloading = offloading
         self._handoff = Handoff()
         self._server: SnapshotServer | None = None
@@ -91,7 +89,7 @@ class EngineSnapshots:
         """vLLM's ``batch`` was published as ``seq``: count its lower tiers (decoded as
         kvindex reads them, the GPU events left out first); take a snapshot if one
         is wanted (everything changed is published now)."""
-        lower = self._offloading and [e for e in batch.events if e.medium not in _GPU]
+        lower = self._offloading and [e for e in batch.events if not _on_gpu(e.medium)]
         if lower:
             payload = _ENCODER.encode(msgspec.structs.replace(batch, events=lower))
             self._published.published(seq, _VLLM.decode(payload, tokens=False))
@@ -140,8 +138,15 @@ def _assembled(taken: _Taken, kinds: Mapping[int, str | None]) -> Snapshot:
         for group, (hashes, counts) in sorted(by_group.items())
     ]
     lower = taken.lower
-    tiers = [*gpu, *(t for t in lower.tiers if normalise_medium(t.medium) != GPU)]
+    tiers = [*gpu, *lower.tiers]
     return Snapshot(taken.seq, taken.ts, tiers, {**lower.group_kinds, **kinds}, lower.chunk_blocks)
+
+
+def _on_gpu(medium: str | None) -> bool:
+    """Whether an event's medium is the GPU: nil, or GPU in any case (as
+    :func:`~indexer.core.events.normalise_medium` reads it, without raising on the
+    engine's thread for a medium kvindex does not know)."""
+    return medium is None or medium.upper() == GPU
 
 
 def _published_form() -> Any:

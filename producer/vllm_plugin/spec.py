@@ -122,11 +122,10 @@ def _snapshot_endpoint(
     stream: _Stream, reuse_reports: str, kvindex_binds: bool, settings: PluginSettings
 ) -> str | None:
     """Where the engine answers snapshots (:mod:`producer.vllm_plugin.snapshots`):
-    beside the plugin's own stream, whose seqs snapshots are tagged with, when
-    there is one, the engine binds, and a token guards the engine's state."""
-    if not settings.snapshots or reuse_reports != "filtered" or kvindex_binds:
-        return None
-    if stream.replay_endpoint is None or settings.token() is None:
+    beside the plugin's own stream, whose seqs snapshots are tagged with, where it
+    serves them (:meth:`PluginSettings.snapshot_token`, the server's own test)."""
+    token = settings.snapshot_token(stream.replay_endpoint, not kvindex_binds)
+    if reuse_reports != "filtered" or token is None:
         return None
     from producer.vllm_plugin.reports import NotMoved, moved
 

@@ -40,11 +40,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 from vllm.config import KVEventsConfig, KVTransferConfig
+from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -62,7 +64,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.engine.core import EngineCore, EngineCoreProc, EngineShutdownState
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -87,8 +89,6 @@ SAMPLED = 7  # the token every "forward pass" samples
 MAX_PROMPT = 440  # tokens; the model's context is 512
 LAYER = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
 CHUNK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 2 * CHUNK_BLOCKS  # 2 layers of K and V, fp16
-
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
 
 
 class CpuExecutor:
@@ -478,6 +478,8 @@ def fleet(model_dir, monkeypatch) -> Iterator[Fleet]:
 @pytest.fixture
 def redis(tmp_path) -> Iterator[RedisServer]:
     """A redis-server of the test's own (no automatic saves: an RDB only on SAVE)."""
+    if REDIS_SERVER is None:
+        pytest.fail("redis-server not installed: run make setup (scripts/ensure-redis.sh)")
     server = RedisServer(tmp_path / "redis", free_redis_port()).start()
     yield server
     server.stop()
@@ -667,3 +669,28 @@ def test_an_idle_engine_is_woken_for_its_snapshot(fleet, kvindex_late) -> None:
         assert seq == rank.last_seq, "taken between steps, with everything published"
     assert_exact(kvindex, fleet, restores=1)
     assert all(rank.copies_checked for rank in fleet.ranks)
+
+
+def test_a_failure_counting_a_batch_stops_the_snapshots_not_the_engine(monkeypatch) -> None:
+    """The plugin counts each batch inside vLLM's publish, on the engine's thread: a bug
+    there must cost the snapshots, never the engine's step."""
+    reports.install(PluginSettings(announce_token=TOKEN, events_port_offset=OFFSET))
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**LAYER))]
+    no_connector = SimpleNamespace(kv_transfer_config=None)
+    service = snapshots.attach(SimpleNamespace(), no_connector, KVCacheConfig(11, [], groups))
+    base = engine_ports()
+    publisher = ZmqEventPublisher(0, f"tcp://*:{base}", f"tcp://*:{base + 2}", topic="kv")
+    try:
+        assert getattr(publisher, reports._SNAPSHOTS) is service
+
+        def broken(seq: int, batch: object) -> None:
+            raise RuntimeError("a bug in the counting")
+
+        monkeypatch.setattr(service, "published", broken)
+        publisher.publish(KVEventBatch(1.0, []))  # raises nothing into vLLM
+        assert not hasattr(publisher, reports._SNAPSHOTS)
+        publisher.publish(KVEventBatch(2.0, []))
+        mirror = getattr(publisher, reports._MIRROR)
+        assert mirror.flush() and mirror.last_offered_seq == 1  # the stream goes on
+    finally:
+        publisher.shutdown()
