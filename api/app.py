@@ -27,6 +27,7 @@ from api.ui import install_ui
 from indexer import metrics
 from indexer.core.events import EventBatch, RankId
 from indexer.leases import Leases
+from indexer.loads import LoadBoard
 from indexer.misdeclared import Misdeclared, MisdeclaredView
 from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry, UnknownEngine
@@ -89,7 +90,9 @@ def create_app(
         token_index = TokenIndex(settings.token_index_capacity, _learns_from(registry))
         if isinstance(consumers, Observable):
             consumers.add_observer(token_index.observe, token_index.learns)
-    tokenizers = tokenizers or Tokenizers(settings.models)
+    if tokenizers is None:
+        tokenizers = Tokenizers(settings.models)
+        tokenizers.preload()  # at start, not on the first query: /readyz waits for it
     ctx = ApiContext(GuardedStore(store), registry, consumers, token_index, settings, tokenizers)
     routed = routed or MemoryRouted()
     metrics.watch_routed(routed)
@@ -100,7 +103,10 @@ def create_app(
         checks = misdeclared = Misdeclared(registry)
         if isinstance(consumers, Observable):
             consumers.add_observer(checks.observe, checks.reads_tokens)
-    ctx = dataclasses.replace(ctx, routed=routed, leases=leases, misdeclared=misdeclared)
+    loads = LoadBoard(registry, ctx.store, settings.load)
+    ctx = dataclasses.replace(
+        ctx, routed=routed, leases=leases, misdeclared=misdeclared, loads=loads
+    )
 
     # FastAPI's own /docs and /redoc load their assets from a CDN: install_docs serves them.
     app = FastAPI(
@@ -110,6 +116,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
+    app.state.loads = loads  # its scraper ends with the app's owner (LoadBoard.close)
+    app.state.tokenizers = tokenizers
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(prefix.router(ctx))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from api.settings import ApiSettings
 from indexer.leases import Leases
+from indexer.loads import LoadBoard
 from indexer.misdeclared import MisdeclaredView
 from indexer.prompts import Tokenizers
 from indexer.registry import ConsumerView, Registry
@@ -31,3 +32,5 @@ class ApiContext:
     leases: Leases | None = None
     #: engines whose events contradict their declaration (fed by the subscriber)
     misdeclared: MisdeclaredView | None = None
+    #: each rank's load, which ``route: "best"`` weighs (set by create_app)
+    loads: LoadBoard | None = None

@@ -2,7 +2,8 @@
 
 ``/healthz`` only says the process serves HTTP. ``/readyz`` says it can
 answer queries truthfully: the store answers and event consumption runs;
-a load balancer should stop sending routers here otherwise. Ranks that have
+a load balancer should stop sending routers here otherwise (and while the
+configured models' tokenizers still load at start). Ranks that have
 never had a publisher are listed in its answer; it is 503 only when that is
 every registered rank (nothing this process knows is being fed).
 """
@@ -72,6 +73,8 @@ def router(ctx: ApiContext) -> APIRouter:
         await store.ping()  # any failure: the store handler answers 503
         if not consumers.running():
             return error_response(503, "event subscribers are not running")
+        if loading := ctx.tokenizers.loading():
+            return error_response(503, f"tokenizers still loading: {', '.join(loading)}")
         if lost := _store_losses(ctx):
             more = f"; and {len(lost) - _NAMED} more" if len(lost) > _NAMED else ""
             return error_response(503, f"store lost data: {'; '.join(lost[:_NAMED])}{more}")

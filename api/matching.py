@@ -21,12 +21,13 @@ import msgspec
 from api.chains import ChainComputer, Overrides, Prompt
 from api.context import ApiContext
 from api.errors import ApiError
+from api.routing import Routed, Router
 from api.schemas import EngineMatch, PrefixMatchResponse, RankRef
 from indexer.core.events import BlockHash, RankId
 from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
-from indexer.core.routed import Candidate
 from indexer.core.routed import score as routed_score
 from indexer.engines.base import BlockHasher
+from indexer.loads import LoadBoard
 from indexer.registry import EngineSpec, RankStatus, UnknownEngine, is_degraded
 
 _name = attrgetter("name")
@@ -72,7 +73,8 @@ class PrefixMatcher:
         self._token_index = ctx.token_index
         self._weights = ctx.settings.weights
         self._routed = ctx.routed
-        self._rules = ctx.settings.routed
+        loads = ctx.loads or LoadBoard(ctx.registry, ctx.store, ctx.settings.load)
+        self._router = Router(ctx.routed, loads, ctx.settings.routed)
         self._zero_rows = ZeroRows()
         self._hashers: dict[Overrides, dict[str, _Hasher]] = {}
 
@@ -95,14 +97,15 @@ class PrefixMatcher:
         if self._store.last_loss() is not loss:
             statuses = self._flagged_since(statuses)
         weights = query.weights or self._weights
-        pick = None
+        pick, costs = None, None
         if query.route:
-            pick, routed = await self._route(query, lookups, specs, found, weights)
+            pick, routed, costs = await self._route(query, lookups, specs, found, weights)
         else:
             routed = await self._routed_runs(lookups, found)
         answer = self._answer(query, specs, statuses, found, routed, weights)
         if pick is not None:
             answer.routed_to = RankRef(pick.engine, pick.dp_rank)
+            answer.route_costs = costs
         return answer
 
     def _flagged_since(self, before: dict[str, list[RankStatus]]) -> dict[str, list[RankStatus]]:
@@ -166,11 +169,11 @@ class PrefixMatcher:
         specs: list[EngineSpec],
         found: dict[RankId, PrefixMatch],
         weights: TierWeights,
-    ) -> tuple[Candidate | None, dict[RankId, int]]:
+    ) -> Routed:
         """Every rank of the selected engines is a candidate, in (engine, rank) order."""
         chains = [lookup for lookup in lookups if lookup.chain and lookup.chunk_blocks]
         if not chains:
-            return None, {}
+            return None, {}, []
         if len(chains) > 1 or chains[0].rank is not None:
             raise ApiError(
                 422,
@@ -178,18 +181,13 @@ class PrefixMatcher:
                 " that hash alike, reproducibly): narrow `engines` or `model`",
             )
         (lookup,) = chains
-        candidates = [
-            Candidate(
-                spec.name,
-                dp_rank,
-                found.get(RankId(spec.name, dp_rank), NO_MATCH),
-                self._rules.bound(None if spec.events else spec.gpu_blocks),
-            )
+        ranks = [
+            (spec, dp_rank)
             for spec in sorted(specs, key=_name)
             if spec.name in lookup.chunk_blocks
             for dp_rank in range(spec.dp_ranks)
         ]
-        return await self._routed.route(lookup.chain, candidates, weights, query.ttl)
+        return await self._router.route(lookup.chain, ranks, found, weights, query.ttl)
 
     def _select(self, model: str | None, names: Sequence[str] | None) -> list[EngineSpec]:
         if names is None:

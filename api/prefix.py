@@ -97,12 +97,29 @@ is not connected.
 engine publishes no events (its blocks are all routed ones). The score is
 `gpu * w.gpu + from_cpu * w.cpu + from_storage * w.storage +
 max(0, routed_blocks - prefix_blocks) * w.routed`; `weights` overrides the
-configured weights for this query. `route: "best"` also picks the
-best-scoring rank (ties: the rank with the fewest live routed entries, then
-engine name, then dp rank), records the prompt beyond its GPU run as routed
-to it (`ttl_ms`, else the configured TTL) in the same atomic step, and names
-it in `routed_to`; like `POST /routed` it then needs the bearer token when
-one is configured.
+configured weights for this query.
+
+`route: "best"` also picks a rank, records the prompt beyond its GPU run as
+routed to it (`ttl_ms`, else the configured TTL) in the same atomic step, and
+names it in `routed_to`; like `POST /routed` it then needs the bearer token
+when one is configured. The pick is the rank of least cost, weighing its
+prefix against its load (configured in the `api.load` section:
+`per_request`, `pressure`; `enabled: false` picks by score alone):
+
+    cost = max(0, num_blocks - score) * (1 + pressure * fullness)
+           + per_request * (running + waiting + pending)
+
+`running` and `waiting` are the requests the engine's server last reported
+(vLLM's `/metrics`, scraped from the engine's `url` every `scrape_interval`
+seconds; a report older than `stale_after` seconds counts for nothing),
+`pending` the requests this process routed to the rank since that report (or
+within `pending_seconds` when there is none), and `fullness` (0..1) the larger
+of the engine's `kv_cache_usage_perc` and kvindex's resident GPU blocks over
+the cache's capacity: a miss on a full cache evicts what others may want. An
+engine without a fresh report thus counts only its pending picks, and with no
+load known anywhere the pick is the best score. Ties: the better score, then
+the rank with the fewest live routed entries, then engine name, then dp rank.
+`route_costs` lists what was weighed for every candidate, the pick first.
 """
 _TOKENS_DOC = "comma-separated token ids; kvindex hashes them as each engine does"
 _HASHES_DOC = "comma-separated block hashes: decimal uint64, or 0x-hex for raw-digest engines"

@@ -175,6 +175,25 @@ class RoutedAnswer(msgspec.Struct):
     ttl_ms: int
 
 
+class RouteCost(msgspec.Struct):
+    """What ``route: "best"`` weighed for one candidate rank (the cost formula is in the
+    prefix-match docs): its score, the requests ahead of the prompt there (``running``
+    and ``waiting`` as the engine last reported them, ``pending`` routed since),
+    ``fullness`` of its KV cache, and ``load_age_ms`` of the report (null: no fresh
+    report, so only ``pending`` counts)."""
+
+    engine: str
+    dp_rank: int
+    cost: float
+    score: float
+    requests_ahead: float
+    pending: int
+    running: float | None
+    waiting: float | None
+    fullness: float
+    load_age_ms: float | None
+
+
 class PrefixMatchResponse(msgspec.Struct):
     """Every engine rank matching the filters, best score first.
 
@@ -187,6 +206,8 @@ class PrefixMatchResponse(msgspec.Struct):
     engines: list[EngineMatch]
     #: with ``route: "best"``: the rank picked, for which the prompt was recorded
     routed_to: RankRef | None = None
+    #: with ``route: "best"``: every candidate's cost, cheapest (the pick) first
+    route_costs: list[RouteCost] | None = None
 
 
 class RankState(RankStatus):

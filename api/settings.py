@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from indexer.core.load import LoadRules
 from indexer.core.matching import TierWeights
 from indexer.core.routed import RoutedRules
 from indexer.leases import LeaseRules
@@ -48,6 +49,9 @@ class ApiSettings:
     #: routed entries (``POST /routed``, ``route: "best"``): TTL default and bounds,
     #: entries per rank
     routed: RoutedRules = field(default_factory=RoutedRules)
+    #: how ``route: "best"`` weighs each rank's load against its prefix, and how load
+    #: is gathered (:mod:`indexer.core.load`)
+    load: LoadRules = field(default_factory=LoadRules)
     auth_token: str | None = None
     max_prompt_tokens: int = 262_144
     max_prompt_blocks: int = 16_384

@@ -3,9 +3,10 @@
 A router asks, per request, which engine rank holds most of the prompt's KV
 cache, then sends the request there::
 
-    async with AsyncKvindex("http://kvindex:8000") as kv:
-        match = await kv.prefix_match(model="llama-3-8b", messages=body["messages"])
-        best = best_rank(match)            # None: nobody holds any of it
+    async with AsyncKvindex("http://kvindex:8000", token=TOKEN) as kv:
+        match = await kv.prefix_match(model="llama-3-8b", messages=body["messages"],
+                                      route="best")
+        best = best_rank(match)            # kvindex's pick: prefix weighed against load
 
 The prompt goes as the router has it (``tokens``, ``block_hashes``, a
 completions ``prompt`` or chat ``messages`` with their flags); kvindex
@@ -37,6 +38,7 @@ __all__ = [
     "KvindexError",
     "KvindexUnavailable",
     "PrefixMatch",
+    "RankRef",
     "best_rank",
 ]
 
@@ -61,12 +63,19 @@ class EngineMatch(msgspec.Struct, frozen=True):
     gpu_blocks_full_attention: int = 0
 
 
+class RankRef(msgspec.Struct, frozen=True):
+    engine: str
+    dp_rank: int
+
+
 class PrefixMatch(msgspec.Struct, frozen=True):
-    """Every matching engine rank, best score first, as kvindex answered."""
+    """Every matching engine rank, best score first, as kvindex answered; with
+    ``route="best"``, the rank kvindex picked (weighing prefix against load)."""
 
     block_size: int | None
     num_blocks: int | None
     engines: list[EngineMatch]
+    routed_to: RankRef | None = None
 
 
 class KvindexError(Exception):
@@ -85,9 +94,17 @@ class KvindexUnavailable(KvindexError):
 
 
 def best_rank(match: PrefixMatch, *, allow_degraded: bool = False) -> EngineMatch | None:
-    """The rank to send the request to: the best score above zero, skipping ranks
-    whose view is degraded unless ``allow_degraded``; None when no rank holds any
-    of the prompt (route by load instead). Ties go to kvindex's order."""
+    """The rank to send the request to. For an answer to ``route="best"``, kvindex's
+    pick (``routed_to``: the prefix weighed against each rank's load, and recorded
+    as routed there). Otherwise the best score above zero, skipping ranks whose
+    view is degraded unless ``allow_degraded``; None when no rank holds any of the
+    prompt (route by load instead). Ties go to kvindex's order."""
+    if match.routed_to is not None:
+        picked = match.routed_to
+        return next(
+            (e for e in match.engines if (e.engine, e.dp_rank) == (picked.engine, picked.dp_rank)),
+            None,
+        )
     for entry in match.engines:  # kvindex sorts best score first
         if entry.score <= 0:
             return None

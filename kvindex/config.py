@@ -62,7 +62,7 @@ from indexer.discovery import Source, open_source
 from indexer.discovery.served import EngineUrl, engine_url, parse_engine_url
 from indexer.ingest.subscriber import SubscriberSettings
 from indexer.metrics import MetricsSettings
-from indexer.prompts import ModelTokenizer
+from indexer.prompts import EXTRA, INSTALL, ModelTokenizer, missing_extra
 from indexer.registry import BindRefused, EngineSpec, is_loopback
 from indexer.stores.redis import RedisConfig
 from kvindex.options import ENV_PREFIX
@@ -103,6 +103,11 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("api: engine_binds is the subscriber's: set subscriber.bind")
         if "models" in self.api:
             raise ConfigError("api: models is a section of its own: move it to the top level")
+        if self.models and (missing := missing_extra()):
+            raise ConfigError(
+                f"models: {', '.join(self.models)} configured, but the {EXTRA} extra is not"
+                f" installed ({INSTALL}; missing {', '.join(missing)})"
+            )
         section = {**self.api, "engine_binds": self.subscriber.bind, "models": self.models}
         return _dataclass(ApiSettings, section, "api")
 

@@ -162,6 +162,7 @@ async def run_api(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await leases.close()
+        await app.state.loads.close()
         await routed.close()
         await store.close()
         log.info("stopped")

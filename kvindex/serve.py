@@ -100,6 +100,7 @@ async def serve(
             await by_url.stop()
         await leases.close()
         await subscriber.stop()
+        await app.state.loads.close()
         await routed.close()
         await store.close()
         log.info("stopped")

@@ -82,6 +82,7 @@ class Api:
 
     async def close(self) -> None:
         await self.client.aclose()
+        await self.app.state.loads.close()
 
 
 def get_json(http: httpx.Client, path: str) -> dict | None:

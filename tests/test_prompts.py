@@ -281,17 +281,48 @@ async def main():
         r = await client.post("/prefix-match", json=body)
         print(json.dumps([r.status_code, r.json()]))
 asyncio.run(main())
+from kvindex.config import ConfigError, ServeConfig
+try:
+    ServeConfig(models=settings.models).api_settings()
+except ConfigError as e:
+    print(json.dumps([0, {{"error": str(e)}}]))
 """
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run(
         [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0, run.stderr
-    chat, tokens = (json.loads(line) for line in run.stdout.splitlines())
+    chat, tokens, serve = (json.loads(line) for line in run.stdout.splitlines())
     assert chat[0] == 400
     assert chat[1]["error"].startswith("messages: needs the optional extra 'tokenize'")
     assert "pip install 'kvindex[tokenize]'" in chat[1]["error"]
     assert tokens[0] == 200
+    # and a server configured with models refuses to start, in one line naming the extra
+    assert serve[1]["error"] == (
+        "models: m configured, but the tokenize extra is not installed"
+        " (pip install 'kvindex[tokenize]'; missing transformers)"
+    )
+
+
+async def test_tokenizers_load_at_start_and_readyz_waits_for_them() -> None:
+    """The configured models load in the worker threads as the app is made; /readyz
+    is 503 naming them until they have, with no prompt query asking."""
+    store = MemoryStore()
+    app = create_app(store, EngineRegistry(), FakeConsumers(store), ApiSettings(models=MODELS))
+    tokenizers = app.state.tokenizers
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://kvindex"
+    ) as client:
+        first = await client.get("/readyz")
+        if first.status_code == 503:  # caught while they load
+            assert first.json()["error"].startswith("tokenizers still loading: "), first.text
+        for _ in range(600):
+            if not tokenizers.loading():
+                break
+            await asyncio.sleep(0.05)
+        assert tokenizers.loading() == []
+        assert (await client.get("/readyz")).status_code == 200
+    assert not tokenizers.failed(), tokenizers.failed()
 
 
 # --- the piece cache is exact, and tokenizing leaves the event loop free ----------------

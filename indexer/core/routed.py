@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from itertools import islice, takewhile
 
 from indexer.core.events import GPU, AllBlocksCleared, BlockHash, BlockRemoved, EventBatch
+from indexer.core.load import NEUTRAL, Placement, cost
 from indexer.core.matching import PrefixMatch, TierWeights
 
 #: Counter names of routed entries: how each one was born or ended.
@@ -112,25 +113,31 @@ def score(match: PrefixMatch, routed_blocks: int, weights: TierWeights) -> float
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A rank a ``route: "best"`` query may pick: its exact answer, its entry bound."""
+    """A rank a ``route: "best"`` query may pick: its exact answer, its entry bound and
+    what its load adds to the cost (:mod:`indexer.core.load`)."""
 
     engine: str
     dp_rank: int
     match: PrefixMatch
     bound: int
+    placement: Placement = NEUTRAL
 
 
-def best(scored: Iterable[tuple[Candidate, float, int]]) -> Candidate | None:
-    """The rank to route to among ``(candidate, score, live_entries)``: the best score
-    (to 6 decimals); among equal scores the rank holding the fewest live routed
-    entries (the least loaded by recent routing), then the first one given (the API
-    gives them by engine name, then dp rank)."""
+def best(scored: Iterable[tuple[Candidate, float, int]], num_blocks: int) -> Candidate | None:
+    """The rank to route a chain of ``num_blocks`` to among ``(candidate, score,
+    live_entries)``: the lowest :func:`indexer.core.load.cost` (to 6 decimals), then
+    the best score, then the rank holding the fewest live routed entries (the least
+    loaded by recent routing), then the first one given (the API gives them by engine
+    name, then dp rank). With neutral placements the lowest cost is the best score."""
     ranked = min(
-        ((-round(s, 6), live, i, c) for i, (c, s, live) in enumerate(scored)),
-        key=lambda r: r[:3],
+        (
+            (round(cost(s, num_blocks, c.placement), 6), -round(s, 6), live, i, c)
+            for i, (c, s, live) in enumerate(scored)
+        ),
+        key=lambda r: r[:4],
         default=None,
     )
-    return None if ranked is None else ranked[3]
+    return None if ranked is None else ranked[4]
 
 
 def confirmations(batch: EventBatch) -> tuple[list[BlockHash], bool]:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from indexer.compiled import Status
 from indexer.core.events import EventBatch, WireError, normalise_medium
+from indexer.core.load import EngineLoad
 from indexer.engines.prompts import Renderer
 
 #: Events larger than this many hashes are rejected rather than applied.
@@ -98,6 +99,13 @@ class EngineAdapter(Protocol):
     #: How the engine's server renders a request's prompt, None when kvindex does not
     #: restate it (then no model can be configured with this adapter).
     renderer: Renderer | None
+    #: Where the engine's HTTP server states its load (:meth:`read_load`), None: nowhere.
+    load_path: str | None
+
+    def read_load(self, text: str) -> dict[int, EngineLoad]:
+        """Each data-parallel rank's load from the page at :attr:`load_path`; ValueError
+        for a page that does not state it."""
+        ...
 
     def split_live(self, frames: list[bytes]) -> tuple[int, bytes]:
         """A live message's seq and batch payload."""

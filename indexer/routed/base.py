@@ -35,8 +35,8 @@ class RoutedEntries(Protocol):
     ) -> tuple[Candidate | None, dict[RankId, int]]:
         """Pick the best candidate (:func:`indexer.core.routed.best`) and record the
         chain beyond its exact GPU run for it, in one atomic step; the pick, and
-        ``routed_blocks`` of every candidate routed entries extend (the pick's after
-        recording)."""
+        ``routed_blocks`` of every candidate routed entries extended when it was
+        weighed (before the record: the pick's is the whole chain after it)."""
 
     async def confirm(self, rank: RankId, hashes: Sequence[BlockHash]) -> None:
         """End the rank's entries for blocks its events stored on GPU."""

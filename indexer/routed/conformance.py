@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from indexer.core.events import CPU, BlockStored, EventBatch, RankId
+from indexer.core.load import NEUTRAL, Placement
 from indexer.core.matching import PrefixMatch, TierWeights
 from indexer.core.routed import GPU_CLEARED, Candidate
 from indexer.routed.base import RoutedEntries
@@ -25,10 +26,9 @@ def _stored(hashes: list, medium: str | None = None) -> EventBatch:
     return EventBatch(1.0, [BlockStored(hashes, medium=medium)])
 
 
-def _candidate(rank: RankId, gpu_blocks: int = 0) -> Candidate:
-    return Candidate(
-        rank.engine, rank.dp_rank, PrefixMatch(gpu_blocks, prefix_blocks=gpu_blocks), BOUND
-    )
+def _candidate(rank: RankId, gpu_blocks: int = 0, where: Placement = NEUTRAL) -> Candidate:
+    match = PrefixMatch(gpu_blocks, prefix_blocks=gpu_blocks)
+    return Candidate(rank.engine, rank.dp_rank, match, BOUND, where)
 
 
 async def _balanced(entries: RoutedEntries) -> dict[str, int]:
@@ -115,14 +115,14 @@ async def clears_restarts_and_removals_end_entries(entries: RoutedEntries) -> No
 async def route_prefers_held_then_least_loaded(entries: RoutedEntries) -> None:
     pick, runs = await entries.route(CHAIN, [_candidate(A), _candidate(B)], WEIGHTS, TTL)
     assert pick is not None and (pick.engine, pick.dp_rank) == A  # a tie: the first
-    assert runs == {A: 6}
+    assert runs == {}  # as weighed: nothing was routed yet
     pick, runs = await entries.route(CHAIN, [_candidate(A), _candidate(B)], WEIGHTS, TTL)
     assert (pick.engine, pick.dp_rank) == A and runs == {A: 6}  # routed there already
     pick, runs = await entries.route(OTHER, [_candidate(A), _candidate(B)], WEIGHTS, TTL)
     assert (pick.engine, pick.dp_rank) == B  # a tie again: B holds fewer entries
     # An exact GPU run outscores routed entries: B records only the blocks beyond it.
     pick, runs = await entries.route(CHAIN, [_candidate(A), _candidate(B, 5)], WEIGHTS, TTL)
-    assert (pick.engine, pick.dp_rank) == B and runs == {A: 6, B: 6}
+    assert (pick.engine, pick.dp_rank) == B and runs == {A: 6}
     assert await entries.lookup(CHAIN, {B: 5}, ["e"]) == {A: 6, B: 6}
     assert await entries.lookup(CHAIN, {B: 4}, ["e"]) == {A: 6}
     assert (await _balanced(entries))["live"] == 6 + 4 + 1
@@ -134,6 +134,23 @@ async def concurrent_routes_agree(entries: RoutedEntries) -> None:
         *(entries.route(CHAIN, candidates, WEIGHTS, TTL) for _ in range(8))
     )
     assert {(pick.engine, pick.dp_rank) for pick, _ in routes} == {B}
+
+
+async def route_weighs_load_against_the_prefix(entries: RoutedEntries) -> None:
+    """The lowest cost wins (indexer.core.load.cost): A holds the whole chain, B none."""
+    busy = Placement(load_cost=len(CHAIN) + 0.5)  # the queue is worth more than the prefill
+    pick, _ = await entries.route(CHAIN, [_candidate(A, 6, busy), _candidate(B)], WEIGHTS, TTL)
+    assert (pick.engine, pick.dp_rank) == B  # a second copy of the prefix pays
+    queued = Placement(load_cost=len(CHAIN) - 0.5)
+    pick, _ = await entries.route(CHAIN, [_candidate(A, 6, queued), _candidate(C)], WEIGHTS, TTL)
+    assert (pick.engine, pick.dp_rank) == A  # (not B: the first pick routed CHAIN there)
+    # A cost tie goes to the better score; a fuller cache makes a miss cost more.
+    even = Placement(load_cost=len(CHAIN))
+    pick, _ = await entries.route(CHAIN, [_candidate(C), _candidate(A, 6, even)], WEIGHTS, TTL)
+    assert (pick.engine, pick.dp_rank) == A
+    full = Placement(miss_factor=1.5)
+    pick, _ = await entries.route(OTHER, [_candidate(C, 0, full), _candidate(B)], WEIGHTS, TTL)
+    assert (pick.engine, pick.dp_rank) == B
 
 
 async def route_with_no_candidates(entries: RoutedEntries) -> None:
@@ -152,6 +169,7 @@ CHECKS: dict[str, Callable[[RoutedEntries], Awaitable[None]]] = {
         clears_restarts_and_removals_end_entries,
         route_prefers_held_then_least_loaded,
         concurrent_routes_agree,
+        route_weighs_load_against_the_prefix,
         route_with_no_candidates,
     )
 }

@@ -257,11 +257,10 @@ class MemoryRouted:
             if end > start:
                 runs[rank] = end
             scored.append((c, score(c.match, end, weights), len(entries)))
-        pick = best(scored)
+        pick = best(scored, len(chain))
         if pick is not None and pick.match.gpu_blocks < len(chain):
             rank = RankId(pick.engine, pick.dp_rank)
             self._record(rank, chain[pick.match.gpu_blocks :], ttl, pick.bound)
-            runs[rank] = len(chain)
         return pick, runs
 
     def _confirm(self, rank: RankId, hashes: Sequence[BlockHash]) -> None:

@@ -118,6 +118,8 @@ class RedisRouted:
                 c.match.prefix_blocks,
                 repr(c.match.score(weights)),
                 c.bound,
+                repr(c.placement.miss_factor),
+                repr(c.placement.load_cost),
             )
         ]
         args = [repr(weights.routed), round(ttl * 1000, 3), len(candidates), *fields]

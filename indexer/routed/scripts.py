@@ -100,33 +100,40 @@ return {expired, out}
 )
 
 #: ARGV[3..]: routed weight, ttl_ms, n candidates, per candidate (rank, gpu_blocks,
-#: prefix_blocks, exact score, bound), then the chain.
-#: Returns {expired, pick (0-based, -1: none), new, evicted, {rank, routed_blocks, ...}}.
+#: prefix_blocks, exact score, bound, miss factor, load cost), then the chain. The pick is
+#: indexer.core.routed.best's: lowest cost (indexer.core.load.cost), then best score, then
+#: fewest live entries, then the first candidate.
+#: Returns {expired, pick (0-based, -1: none), new, evicted, {rank, routed_blocks, ...}}, the
+#: routed_blocks as they were before the pick's record.
 ROUTE = (
     _PRELUDE
     + """
 local w, ttl, nc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local first = 6 + 5 * nc
+local first = 6 + 7 * nc
 local n, runs, expired = #ARGV - first + 1, {}, 0
-local pick, ps, pl = -1, 0, 0
+local pick, pc, ps, pl = -1, 0, 0, 0
+local function micro(x) return math.floor(x * 1e6 + 0.5) end
 for k = 0, nc - 1 do
-  local b = 6 + 5 * k
+  local b = 6 + 7 * k
   local rank, start, prefix = ARGV[b], tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   expired = expired + expire(rank)
   local e = run(rank, start, first, n)
   if e > start then runs[rank] = e end
-  local s = math.floor((tonumber(ARGV[b + 3]) + math.max(0, e - prefix) * w) * 1e6 + 0.5)
+  local score = tonumber(ARGV[b + 3]) + math.max(0, e - prefix) * w
+  local c = micro(math.max(0, n - score) * tonumber(ARGV[b + 5]) + tonumber(ARGV[b + 6]))
+  local s = micro(score)
   local live = redis.call('ZCARD', zp .. rank)
-  if pick < 0 or s > ps or (s == ps and live < pl) then pick, ps, pl = k, s, live end
+  if pick < 0 or c < pc or (c == pc and (s > ps or (s == ps and live < pl))) then
+    pick, pc, ps, pl = k, c, s, live
+  end
 end
 count('expired', expired)
 local new, evicted = 0, 0
 if pick >= 0 then
-  local b = 6 + 5 * pick
+  local b = 6 + 7 * pick
   local rank, start = ARGV[b], tonumber(ARGV[b + 1])
   if start < n then
     new, evicted = record(rank, ttl, tonumber(ARGV[b + 4]), first + start, first + n - 1)
-    runs[rank] = n
   end
 end
 local out = {}

@@ -21,6 +21,9 @@ class PluginSettings(BaseSettings):
     seed), ``KVINDEX_ANNOUNCE_LEASE_SECONDS``, ``KVINDEX_ENGINE_NAME`` (default
     ``HOST:PORT`` of the events endpoint), ``KVINDEX_ENGINE_HOST`` (the address
     kvindex connects to where vLLM binds a wildcard; default this machine's FQDN),
+    ``KVINDEX_ENGINE_URL`` (the engine's OpenAI server, ``http://HOST:PORT``, as
+    kvindex reaches it: its ``/metrics`` tell kvindex's pick the engine's load; the
+    engine core is not told the server's address, so it is given here),
     ``KVINDEX_FILTER_REPORTS`` (default true: kvindex reads the plugin's stream
     without reuse reports, :mod:`producer.vllm_plugin.reports`, published at vLLM's
     event ports + ``KVINDEX_EVENTS_PORT_OFFSET``; false: vLLM's own stream, where
@@ -39,6 +42,7 @@ class PluginSettings(BaseSettings):
     announce_lease_seconds: float = 30.0
     engine_name: str | None = None
     engine_host: str | None = None
+    engine_url: str | None = None
     filter_reports: bool = True
     events_port_offset: int = 1000
     snapshots: bool = True

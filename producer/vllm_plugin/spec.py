@@ -91,6 +91,7 @@ def announcement(vllm_config: Any, kv_cache_config: Any, settings: PluginSetting
         "reuse_reports": reuse_reports,
         "gpu_blocks": kv_cache_config.num_blocks,
         "snapshot_endpoint": _snapshot_endpoint(stream, reuse_reports, bind, settings),
+        "url": settings.engine_url,  # where route: "best" reads the engine's load
     }
     return Announcement(spec, seeded=seed is not None or algo.startswith("xxhash"))
 

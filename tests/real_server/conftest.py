@@ -186,6 +186,7 @@ class VllmServer(Process):
             KVINDEX_ANNOUNCE_TOKEN=TOKEN,
             KVINDEX_ENGINE_HOST="127.0.0.1",
             KVINDEX_ENGINE_NAME=self.name,
+            KVINDEX_ENGINE_URL=self.url,
             KVINDEX_ANNOUNCE_LEASE_SECONDS=str(self.lease),
         )
         self.tap.reset()

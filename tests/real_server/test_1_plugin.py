@@ -46,6 +46,7 @@ def test_the_plugin_registers_the_engine(kv, announced_a) -> None:
         {"kind": "full_attention", "sliding_window": None, "block_size": 32}
     ]
     assert listed["connected_ranks"] == 1
+    assert listed["url"] == announced_a.url  # KVINDEX_ENGINE_URL: where its load is read
     engine = kv.engine(announced_a.name)
     assert engine["lease"]["lease_seconds"] > 0  # self-registered: a lease, renewed
     assert engine["misdeclared"] == []

@@ -10,6 +10,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from indexer.compiled import Status, combined
+from indexer.engines import vllm_metrics
 from indexer.engines.base import Prompt
 from indexer.engines.vllm import frames, native, render, wire
 from indexer.engines.zmq_framing import ZmqFraming
@@ -99,6 +100,8 @@ class VllmAdapter(ZmqFraming):
     name = "vllm"
     compiled = VllmCompiled()
     renderer = VllmRenderer()
+    load_path = vllm_metrics.PATH
+    read_load = staticmethod(vllm_metrics.read_load)
 
     batch_ts = staticmethod(wire.batch_ts)
     decode = staticmethod(wire.decode_batch)

@@ -28,6 +28,7 @@ from indexer.core.events import (
     EventBatch,
     WireError,
 )
+from indexer.engines import vllm_metrics
 from indexer.engines.base import Prompt, check_batch
 from indexer.engines.zmq_framing import ZmqFraming
 
@@ -123,6 +124,8 @@ class LegacyVllmAdapter(ZmqFraming):
     compiled = None
     #: These releases' OpenAI front end is not restated here.
     renderer = None
+    load_path = vllm_metrics.PATH  # the same gauges, named alike
+    read_load = staticmethod(vllm_metrics.read_load)
 
     def batch_ts(self, payload: bytes) -> float:
         try:

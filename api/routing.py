@@ -1,0 +1,99 @@
+"""``route: "best"``: weigh every candidate rank's prefix against its load, pick the
+cheapest and record the prompt as routed to it (:mod:`indexer.core.load` has the
+cost; :mod:`indexer.routed` picks and records in one atomic step).
+
+The answer says what was weighed (:class:`~api.schemas.RouteCost` per candidate),
+so a router can log why a rank was picked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from api.schemas import RouteCost
+from indexer.core.events import BlockHash, RankId
+from indexer.core.load import cost
+from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
+from indexer.core.routed import Candidate, RoutedRules
+from indexer.core.routed import score as routed_score
+from indexer.loads import LoadBoard
+from indexer.registry import EngineSpec
+from indexer.routed import RoutedEntries
+
+#: What a pick answers: the rank (None: no candidate), the candidates' routed_blocks
+#: (the pick's after its record), and the costs weighed, the pick's first.
+Routed = tuple[Candidate | None, dict[RankId, int], list[RouteCost]]
+
+
+class Router:
+    """Picks for one API process: its routed entries, its load board, its rules."""
+
+    def __init__(self, routed: RoutedEntries, loads: LoadBoard, rules: RoutedRules) -> None:
+        self._routed, self._loads, self._rules = routed, loads, rules
+
+    async def route(
+        self,
+        chain: list[BlockHash],
+        ranks: Sequence[tuple[EngineSpec, int]],
+        found: dict[RankId, PrefixMatch],
+        weights: TierWeights,
+        ttl: float,
+    ) -> Routed:
+        """Route ``chain`` to the cheapest of ``ranks`` (in the order ties go by)."""
+        ids = [RankId(spec.name, dp_rank) for spec, dp_rank in ranks]
+        candidates = [
+            Candidate(
+                rank.engine,
+                rank.dp_rank,
+                found.get(rank, NO_MATCH),
+                self._rules.bound(None if spec.events else spec.gpu_blocks),
+                where,
+            )
+            for (spec, _), rank, where in zip(ranks, ids, self._loads.placements(ids), strict=True)
+        ]
+        pick, runs = await self._routed.route(chain, candidates, weights, ttl)
+        costs = self._costs(candidates, runs, weights, len(chain), pick)
+        if pick is not None:
+            rank = RankId(pick.engine, pick.dp_rank)
+            self._loads.picked(rank)
+            if pick.match.gpu_blocks < len(chain):
+                runs = {**runs, rank: len(chain)}
+        return pick, runs, costs
+
+    def _costs(
+        self,
+        candidates: list[Candidate],
+        runs: dict[RankId, int],
+        weights: TierWeights,
+        num_blocks: int,
+        pick: Candidate | None,
+    ) -> list[RouteCost]:
+        """Each candidate's cost as it was weighed; the pick first, then cheapest first."""
+        costs = [self._cost(c, runs.get(RankId(c.engine, c.dp_rank), 0), weights, num_blocks)
+                 for c in candidates if c is not pick]  # fmt: skip
+        costs.sort(key=lambda row: row.cost)
+        if pick is not None:
+            costs.insert(0, self._cost(pick, runs.get(RankId(pick.engine, pick.dp_rank), 0),
+                                       weights, num_blocks))  # fmt: skip
+        return costs
+
+    def _cost(self, c: Candidate, run: int, weights: TierWeights, num_blocks: int) -> RouteCost:
+        s = (
+            routed_score(c.match, run, weights)
+            if run > c.match.gpu_blocks
+            else c.match.score(weights)
+        )
+        report = self._loads.report(RankId(c.engine, c.dp_rank))
+        where = c.placement
+        return RouteCost(
+            c.engine,
+            c.dp_rank,
+            round(cost(s, num_blocks, where), 6),
+            round(s, 6),
+            where.requests_ahead,
+            where.pending,
+            None if report is None else report.load.running,
+            None if report is None else report.load.waiting,
+            round(where.fullness, 6),
+            None if report is None else round(self._loads.age(report) * 1000, 1),
+        )
