@@ -30,6 +30,7 @@ import httpx
 from indexer.core.events import GPU, RankId
 from indexer.core.load import EngineLoad, LoadRules, Placement, placement
 from indexer.errors import StoreUnavailable
+from indexer.metrics import LOAD_SCRAPES
 from indexer.registry import EngineSpec, Registry
 from indexer.stores.base import Store
 
@@ -64,7 +65,6 @@ class LoadBoard:
         self._reports: dict[RankId, Report] = {}
         self._picks: dict[RankId, deque[float]] = {}
         self._task: asyncio.Task | None = None
-        self.scrapes = {"ok": 0, "failed": 0}
 
     def report(self, rank: RankId) -> Report | None:
         """The rank's report while it is fresh, else None."""
@@ -128,10 +128,10 @@ class LoadBoard:
             answer.raise_for_status()
             loads = adapter.read_load(answer.text)
         except (httpx.HTTPError, ValueError) as e:
-            self.scrapes["failed"] += 1
+            LOAD_SCRAPES.labels("failed").inc()
             log.debug("load scrape failed", extra={"engine": spec.name, "error": str(e)})
             return
-        self.scrapes["ok"] += 1
+        LOAD_SCRAPES.labels("ok").inc()
         for dp_rank, load in loads.items():
             rank = RankId(spec.name, dp_rank)
             self._reports[rank] = Report(load, started, await self._resident(rank, load))

@@ -59,6 +59,12 @@ GAPS = Counter(
 )
 REPLAYS = Counter("kvindex_ingest_replays_total", "Replay requests sent.", _RANK)
 RESTARTS = Counter("kvindex_ingest_restarts_total", "Engine restarts detected.", _RANK)
+LOAD_SCRAPES = Counter(
+    "kvindex_load_scrapes_total",
+    "Engines' load pages read for route=best (ok), or not (failed: unreachable, not 200,"
+    " or no load stated).",
+    ["outcome"],
+)
 SNAPSHOTS = Counter(
     "kvindex_ingest_snapshots_total",
     "Engine snapshots asked for when replay could not fill a range, by outcome.",

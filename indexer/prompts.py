@@ -181,6 +181,12 @@ def _special_tokens_around(backend: Any) -> tuple[tuple[int, ...], tuple[int, ..
     return found.pop() if len(found) == 1 else None
 
 
+#: One tokenizer loads at a time in the process: transformers imports its classes
+#: lazily, and two threads importing them at once can see a half-made module
+#: ("cannot import name 'AutoTokenizer'"), which the preloads at start made likely.
+_LOAD_LOCK = threading.Lock()
+
+
 def missing_extra() -> list[str]:
     """The modules of the ``tokenize`` extra that are not installed."""
     return [m for m in _EXTRA_MODULES if importlib.util.find_spec(m) is None]
@@ -199,7 +205,6 @@ class Tokenizers:
         self._specs = dict(models)
         self._loaded: dict[str, _Loaded] = {}
         self._failed: dict[str, str] = {}
-        self._load_lock = threading.Lock()
         self._cache_lock = threading.Lock()
         self._cache: Any = None
         self._cache_tokens = cache_tokens
@@ -314,7 +319,7 @@ class Tokenizers:
 
     def _ensure(self, model: str, spec: ModelTokenizer) -> None:
         """The model's tokenizer loaded (or failed), once, whichever thread asks first."""
-        with self._load_lock:
+        with _LOAD_LOCK:
             if model not in self._loaded and model not in self._failed:
                 self._load(model, spec)
 

@@ -77,12 +77,12 @@ def _run(coroutine: Coroutine[Any, Any, T], waits: bool) -> T:
 def _verdict(expected: Expected, answers: list[dict[str, int]]) -> int:
     """Say on stderr which probes kvindex answered unlike vLLM, then how many
     matched; 1 if any did not."""
-    matched = 0
+    matched, group = 0, expected.engine.full_attention_group
     for i, (probe, answer) in enumerate(zip(expected.probes, answers, strict=True)):
-        if probe.matches(answer):
+        if probe.matches(answer, group):
             matched += 1
         else:
-            print(f"probe {i}: kvindex {answer}, vLLM {probe.answer()}", file=sys.stderr)
+            print(f"probe {i}: kvindex {answer}, vLLM {probe.answer(group)}", file=sys.stderr)
     print(f"{matched}/{len(answers)} probes match", file=sys.stderr)
     return 0 if matched == len(answers) else 1
 

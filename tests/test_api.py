@@ -271,7 +271,8 @@ async def test_bytes_hashes_are_queried_in_hex(api: Api) -> None:
 
 async def test_no_engines_answers_an_empty_list(api: Api) -> None:
     answer = (await api.client.post("/prefix-match", json={"tokens": list(range(40))})).json()
-    assert answer == {"block_size": None, "num_blocks": None, "engines": [], "routed_to": None}
+    empty = {"block_size": None, "num_blocks": None, "engines": [], "routed_to": None}
+    assert answer == {**empty, "route_costs": None}
 
 
 # --- operator REST ---------------------------------------------------------------

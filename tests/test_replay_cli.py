@@ -78,3 +78,20 @@ def test_replay_says_which_probes_do_not_match_and_fails(tmp_path) -> None:
     assert lines[0].startswith("probe 1: kvindex {'gpu_tokens': ")
     assert f"vLLM {{'gpu_tokens': {probes[1]['gpu_tokens']}," in lines[0]
     assert json.loads(done.stdout)["probes"]  # the report is still printed
+
+
+def test_probes_read_the_full_attention_group_by_its_kind(tmp_path) -> None:
+    """A model listing its sliding-window group first: vLLM's per-group hits in that
+    order, and the full-attention hit read from the group whose kind says so."""
+    expected = load_expected_json("hybrid-sliding")
+    groups = expected["engine"]["groups"]
+    assert [g["kind"] for g in groups] == ["full_attention", "sliding_window"]
+    groups.reverse()
+    for probe in expected["probes"]:
+        probe["gpu_tokens_by_group"].reverse()
+    assert any(len(set(p["gpu_tokens_by_group"])) > 1 for p in expected["probes"])
+    swapped = tmp_path / "sliding-first.expected.json"
+    swapped.write_text(json.dumps(expected))
+    done = replay(str(trace_path("hybrid-sliding")), "--probe", str(swapped))
+    n = len(expected["probes"])
+    assert done.stderr.splitlines() == [f"{n}/{n} probes match"]

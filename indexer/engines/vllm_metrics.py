@@ -11,8 +11,6 @@ histograms a pick needs none of, so only those lines are handed to the parser.
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from indexer.core.load import EngineLoad
 
 PATH = "/metrics"
@@ -27,6 +25,9 @@ _FIELDS = {_RUNNING: "running", _WAITING: "waiting", _USAGE: "kv_usage"}
 def read_load(text: str) -> dict[int, EngineLoad]:
     """Each rank's load on the page; ValueError for a page that is not Prometheus text
     or states none of it (not a vLLM server)."""
+    # imported here: the adapters load in producers, which install no server dependency
+    from prometheus_client.parser import text_string_to_metric_families
+
     lines = [line for line in text.splitlines() if line.startswith(_WANTED)]
     ranks: dict[int, dict[str, float | int]] = {}
     for family in text_string_to_metric_families("\n".join(lines) + "\n"):

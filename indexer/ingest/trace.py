@@ -27,31 +27,46 @@ Payloads = Sequence[tuple[int, bytes | memoryview]]
 
 class Probe(msgspec.Struct):
     """A prompt's block hashes and vLLM's own answer for it. In hybrid models
-    ``gpu_tokens`` is the hit every group agrees on, and group 0 (full
-    attention) has its own hit first in ``gpu_tokens_by_group``."""
+    ``gpu_tokens`` is the hit every group agrees on, and ``gpu_tokens_by_group``
+    each group's own hit, in the engine's group order."""
 
     hashes: list[int | str]
     gpu_tokens: int | None = None
     cpu_prefix_tokens: int | None = None
     gpu_tokens_by_group: list[int] | None = None
 
-    def answer(self) -> dict[str, int | None]:
-        """vLLM's answer, in the shape of :func:`answer_probes`' answers."""
+    def answer(self, full_attention: int = 0) -> dict[str, int | None]:
+        """vLLM's answer, in the shape of :func:`answer_probes`' answers; the
+        full-attention groups' hit is the one of group ``full_attention``."""
         by_group = self.gpu_tokens_by_group
         return {
             "gpu_tokens": self.gpu_tokens,
             "cpu_prefix_tokens": self.cpu_prefix_tokens,
-            "gpu_full_attention_tokens": by_group[0] if by_group else self.gpu_tokens,
+            "gpu_full_attention_tokens": by_group[full_attention] if by_group else self.gpu_tokens,
         }
 
-    def matches(self, answer: dict[str, int]) -> bool:
+    def matches(self, answer: dict[str, int], full_attention: int = 0) -> bool:
         """Whether ``answer`` agrees with vLLM's on every value the file states."""
-        return all(v is None or answer[k] == v for k, v in self.answer().items())
+        expected = self.answer(full_attention).items()
+        return all(v is None or answer[k] == v for k, v in expected)
+
+
+class TraceGroup(msgspec.Struct):
+    kind: str
 
 
 class TraceEngine(msgspec.Struct):
     block_size: int
     blocks_per_chunk: int | None = None
+    #: the model's KV groups in order (hybrid traces): which one is full attention
+    groups: list[TraceGroup] = []
+
+    @property
+    def full_attention_group(self) -> int:
+        """The position of the first full-attention group (0 for a model of one group):
+        a model may list a sliding-window or Mamba group first."""
+        kinds = [group.kind for group in self.groups]
+        return kinds.index("full_attention") if "full_attention" in kinds else 0
 
 
 class Expected(msgspec.Struct):
