@@ -14,7 +14,7 @@ help:
 	@echo "make bench   run every benchmark (quick mode); report in bench/results/"
 
 # The compiled core builds at install time: a changed source reinstalls.
-$(STAMP): pyproject.toml setup.py $(shell find indexer -name '*.pyx')
+$(STAMP): pyproject.toml setup.py $(shell find indexer -name '*.pyx' -o -name '*.pxd')
 	@echo "== [1/3] build tools for the compiled core (a C compiler, OpenSSL and xxhash headers)"
 	@scripts/ensure-build-tools.sh $(PYTHON)
 	@echo "== [2/3] $(VENV): a virtualenv with a current pip"

@@ -69,13 +69,13 @@ class Router:
         pick: Candidate | None,
     ) -> list[RouteCost]:
         """Each candidate's cost as it was weighed; the pick first, then cheapest first."""
-        costs = [self._cost(c, runs.get(RankId(c.engine, c.dp_rank), 0), weights, num_blocks)
-                 for c in candidates if c is not pick]  # fmt: skip
-        costs.sort(key=lambda row: row.cost)
-        if pick is not None:
-            costs.insert(0, self._cost(pick, runs.get(RankId(pick.engine, pick.dp_rank), 0),
-                                       weights, num_blocks))  # fmt: skip
-        return costs
+        rows = [
+            self._cost(c, runs.get(RankId(c.engine, c.dp_rank), 0), weights, num_blocks)
+            for c in candidates
+        ]
+        picked = None if pick is None else (pick.engine, pick.dp_rank)
+        rows.sort(key=lambda row: ((row.engine, row.dp_rank) != picked, row.cost))
+        return rows
 
     def _cost(self, c: Candidate, run: int, weights: TierWeights, num_blocks: int) -> RouteCost:
         s = (

@@ -35,4 +35,7 @@ def setup_logging(level: str = "WARNING") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # httpx logs every request at INFO: the load scraper's several a second
+    # (indexer.loads) would drown the service's own lines
+    logging.getLogger("httpx").setLevel(max(root.level, logging.WARNING))
     logging.Formatter.converter = time.gmtime

@@ -1,7 +1,8 @@
 """Which core the embedded store runs: the compiled tables, else the reference.
 
-The holder index, its prefix walk and the per-rank refcount tables are a Cython
-module built at install time (``_holders``); :mod:`indexer.stores.memory.holders`
+The holder index, its prefix walk and the per-rank refcount tables are Cython
+modules built at install time, one job each (keys, tables, holder sets, the walk,
+the hybrid rule, answers), behind ``_holders``; :mod:`indexer.stores.memory.holders`
 and plain dicts are the pure-Python reference it must equal
 (``tests/test_compiled_core.py``). Without the build the store still answers
 exactly, through the reference, only many times slower and larger, so a missing
