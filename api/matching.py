@@ -99,7 +99,7 @@ class PrefixMatcher:
         weights = query.weights or self._weights
         pick, costs = None, None
         if query.route:
-            pick, routed, costs = await self._route(query, lookups, specs, found, weights)
+            pick, routed, costs = await self._route(query, lookups, specs, statuses, found, weights)
         else:
             routed = await self._routed_runs(lookups, found)
         answer = self._answer(query, specs, statuses, found, routed, weights)
@@ -167,10 +167,12 @@ class PrefixMatcher:
         query: Query,
         lookups: list[_Lookup],
         specs: list[EngineSpec],
+        statuses: dict[str, list[RankStatus]],
         found: dict[RankId, PrefixMatch],
         weights: TierWeights,
     ) -> Routed:
-        """Every rank of the selected engines is a candidate, in (engine, rank) order."""
+        """Every rank of the selected engines is a candidate, in (engine, rank) order,
+        with whether its view is degraded."""
         chains = [lookup for lookup in lookups if lookup.chain and lookup.chunk_blocks]
         if not chains:
             return None, {}, []
@@ -182,10 +184,10 @@ class PrefixMatcher:
             )
         (lookup,) = chains
         ranks = [
-            (spec, dp_rank)
+            (spec, dp_rank, degraded)
             for spec in sorted(specs, key=_name)
             if spec.name in lookup.chunk_blocks
-            for dp_rank in range(spec.dp_ranks)
+            for dp_rank, degraded in enumerate(_degraded_flags(spec, statuses[spec.name]))
         ]
         return await self._router.route(lookup.chain, ranks, found, weights, query.ttl)
 

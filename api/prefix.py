@@ -117,7 +117,9 @@ within `pending_seconds` when there is none), and `fullness` (0..1) the larger
 of the engine's `kv_cache_usage_perc` and kvindex's resident GPU blocks over
 the cache's capacity: a miss on a full cache evicts what others may want. An
 engine without a fresh report thus counts only its pending picks, and with no
-load known anywhere the pick is the best score. Ties: the better score, then
+load known anywhere the pick is the best score. A `degraded` rank is weighed
+as holding nothing (after an engine restart its numbers are the old process's).
+Ties: the better score, then
 the rank with the fewest live routed entries, then engine name, then dp rank.
 `route_costs` lists what was weighed for every candidate, the pick first.
 """

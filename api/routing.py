@@ -34,22 +34,27 @@ class Router:
     async def route(
         self,
         chain: list[BlockHash],
-        ranks: Sequence[tuple[EngineSpec, int]],
+        ranks: Sequence[tuple[EngineSpec, int, bool]],
         found: dict[RankId, PrefixMatch],
         weights: TierWeights,
         ttl: float,
     ) -> Routed:
-        """Route ``chain`` to the cheapest of ``ranks`` (in the order ties go by)."""
-        ids = [RankId(spec.name, dp_rank) for spec, dp_rank in ranks]
+        """Route ``chain`` to the cheapest of ``ranks`` (spec, dp rank, degraded), in the
+        order ties go by. A degraded rank (not connected, an unfilled gap) is weighed as
+        holding nothing: its numbers may be stale, and after an engine restart they are
+        the old process's, a cache that is gone."""
+        ids = [RankId(spec.name, dp_rank) for spec, dp_rank, _ in ranks]
         candidates = [
             Candidate(
                 rank.engine,
                 rank.dp_rank,
-                found.get(rank, NO_MATCH),
+                NO_MATCH if degraded else found.get(rank, NO_MATCH),
                 self._rules.bound(None if spec.events else spec.gpu_blocks),
                 where,
             )
-            for (spec, _), rank, where in zip(ranks, ids, self._loads.placements(ids), strict=True)
+            for (spec, _, degraded), rank, where in zip(
+                ranks, ids, self._loads.placements(ids), strict=True
+            )
         ]
         pick, runs = await self._routed.route(chain, candidates, weights, ttl)
         costs = self._costs(candidates, runs, weights, len(chain), pick)

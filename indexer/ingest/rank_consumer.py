@@ -11,13 +11,12 @@ happens and performs what it answers. Which ranks run is decided elsewhere:
 ``kvindex serve``'s :class:`~indexer.ingest.subscriber.Subscriber` runs every
 registered rank, a :class:`~indexer.cluster.workers.Worker` those it leases.
 
-Readers split frames into an intake bounded in batches and bytes, so the
-newest received seq is known even while the store is slow (lag is that
-minus the applied seq). A full intake stops the readers, ZMQ's high-water
-marks fill, the publisher drops batches and the drops are replayed as gaps.
-A frame over ``max_message_bytes`` never reaches memory. Batches stay
-encoded until applied (decoded, one takes six times the memory). A rank
-without a publisher costs only ZeroMQ's backed-off reconnects.
+Readers split frames into an intake bounded in batches and bytes, so the newest
+received seq is known even while the store is slow (lag is that minus the
+applied seq). A full intake stops the readers, ZMQ's high-water marks fill, the
+publisher drops batches and the drops are replayed as gaps. A frame over
+``max_message_bytes`` never reaches memory. Batches stay encoded until applied
+(decoded, one takes six times the memory).
 
 Store failures are retried with backoff and never skip a batch: a seq is
 acknowledged (the watermark) only by the store applying it. Not retried:
@@ -186,12 +185,14 @@ class RankConsumer:
 
     @property
     def failed(self) -> bool:
-        """Whether nothing more will be applied by a bug or a socket that could not
-        be reopened (the subscriber is then not ready)."""
+        """Nothing more will be applied (a bug, a socket not reopened): not ready."""
         return self._failed or self._live.failed
 
     def _connected(self) -> None:
-        """A publisher is there: ask it soon whether anything was missed while it was not."""
+        """A publisher is there: ask it soon what was missed, on a new DEALER (one kept
+        from before an engine restart has no peer: the probe would time out)."""
+        if self._seq.request is None:
+            self._replay.close()
         self._seq.connected()
         self._wake()
 
@@ -436,10 +437,8 @@ class RankConsumer:
         (not under a claim: the loss voids it, and the worker claims the rank anew)."""
         loss = self._store.last_loss() if self._fence is None else None
         if loss is not None and loss.number != self._seq.losses_seen:
-            stored = await self._store_call(self._store.watermark, self.rank)
-            await self._perform(
-                self._seq.resync(loss.number, loss.reason, loss.wiped, _mark(stored))
-            )
+            mark = _mark(await self._store_call(self._store.watermark, self.rank))
+            await self._perform(self._seq.resync(loss.number, loss.reason, loss.wiped, mark))
         self._perform_now(self._seq.settle_rebuild())
 
     def _is_stopping(self) -> bool:
