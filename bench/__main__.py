@@ -33,6 +33,7 @@ from bench import (
     query,
     redis_bench,
     routed,
+    routing,
     scaling,
     snapshots,
     whole_ingest,
@@ -43,7 +44,7 @@ from indexer.log import setup_logging
 from indexer.stores import MemoryStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15")
+SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16")
 
 
 def _section(report: Report, name: str, fn: Callable[[], object]) -> None:
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         _section(report, "14", lambda: whole_ingest.run(report, quick, repeats))
     if "15" in only:
         _section(report, "15", lambda: snapshots.run(report, quick))
+    if "16" in only:
+        _section(report, "16", lambda: _routing(report, quick, args.out))
     if "9" in only:
         _section(report, "9", lambda: idle.run(report, 5.0 if quick else 20.0))
     if only & {"2", "5"} and redis_bench.available():
@@ -139,6 +142,13 @@ def profiles_run(fleet: Fleet, store: MemoryStore, stream: list, out: Path) -> l
 def _scaling(report: Report, fleet: Fleet, store: MemoryStore, quick: bool, out: Path) -> dict:
     details = scaling.run(report, fleet, store, full=not quick, queries=20 if quick else 60)
     report.plots.extend(plots.scaling(details, out))
+    return details
+
+
+def _routing(report: Report, quick: bool, out: Path) -> dict:
+    """Item 16 (real vLLM servers, minutes), then its plot."""
+    details = routing.run(report, quick)
+    report.plots.extend(plots.routing(details, out))
     return details
 
 

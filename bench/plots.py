@@ -1,4 +1,5 @@
-"""The report's plots as PNGs (matplotlib, headless): item 8's curves and issue 16's rows.
+"""The report's plots as PNGs (matplotlib, headless): item 8's curves, item 16's policies
+and issue 16's rows.
 
 Each plot is drawn from what ``report.json`` holds (``python -m bench.plots
 [DIR]`` draws them again from ``DIR/report.json``), so a report and its plots
@@ -108,6 +109,30 @@ def rows(figures: list[dict], out: Path) -> list[str]:
     return [_save(fig, out, "issue16_rows.png")]
 
 
+def routing(details: dict, out: Path) -> list[str]:
+    """Item 16: each policy's fleet hit rate and TTFT p99 side by side, kvindex's in green
+    (a failed policy has no bar)."""
+    policies = {n: r for n, r in details["policies"].items() if "failed" not in r}
+    if not policies:
+        return []
+    names = list(policies)
+    colors = ["tab:green" if n.startswith("kvindex") else "tab:gray" for n in names]
+    fig, (hits, p99) = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.8), dpi=110)
+    for ax, key, title, shown in ((hits, "hit_rate", "fleet prefix-cache hit rate", "{:.3f}"),
+                                  (p99, "ttft_p99_ms", "TTFT p99 (ms)", "{:,.0f}")):  # fmt: skip
+        values = [policies[n][key] for n in names]
+        ax.barh(names, values, color=colors)
+        ax.set_title(title)
+        ax.invert_yaxis()
+        ax.grid(True, axis="x", alpha=0.3)
+        for y, v in enumerate(values):
+            ax.annotate(shown.format(v), (v, y), xytext=(4, 0), textcoords="offset points",
+                        va="center", fontsize=8)  # fmt: skip
+    p99.set_yticks([])
+    fig.suptitle(f"Routing on a real fleet ({details['workload']['engines']} CPU vLLM servers)")
+    return [_save(fig, out, "routing_policies.png")]
+
+
 def main(argv: list[str]) -> int:
     """Draw every plot again from ``report.json`` in the given directory (default: results)."""
     out = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results"
@@ -115,6 +140,8 @@ def main(argv: list[str]) -> int:
     names = rows(report["figures"], out)
     if "8" in report["details"]:
         names += scaling(report["details"]["8"], out)
+    if "16" in report["details"]:
+        names += routing(report["details"]["16"], out)
     print("\n".join(str(out / n) for n in names))
     return 0
 
