@@ -113,7 +113,8 @@ class LoadBoard:
 
     async def _run(self) -> None:
         interval = self.rules.scrape_interval
-        async with httpx.AsyncClient(timeout=max(interval, 1.0)) as client:
+        # a busy engine's server may answer late: a report is of use until it is stale
+        async with httpx.AsyncClient(timeout=self.rules.stale_after) as client:
             while True:
                 started = self._clock()
                 specs = [s for s in self._registry.all() if s.url and s.engine_adapter.load_path]

@@ -28,16 +28,21 @@ def test_the_pick_weighs_the_load_vllm_reports(kv, announced_a) -> None:
     assert cost["engine"] == name and cost["load_age_ms"] < 2000, cost
     assert 0 <= cost["fullness"] <= 1, cost
 
-    # long generations keep the server busy: its own count of them reaches the pick
-    def generate(p: str) -> None:
-        Vllm(announced_a.url).send({"prompt": p, "ignore_eos": True}, max_tokens=400)
+    # generations keep the server busy until the pick has seen them in the server's own
+    # count (its /metrics may answer a second late while the engine takes both cores)
+    done = threading.Event()
 
-    busy = [threading.Thread(target=generate, args=(p,)) for p in completion_prompts(91, 3)]
+    def generate(i: int) -> None:
+        vllm = Vllm(announced_a.url)
+        while not done.is_set():
+            vllm.send({"prompt": f"load {i} " * 8, "ignore_eos": True}, max_tokens=1900)
+
+    busy = [threading.Thread(target=generate, args=(i,)) for i in range(2)]
     for thread in busy:
         thread.start()
     try:
         seen = 0.0
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while seen < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
             cost = _route(kv, name, prompt)["route_costs"][0]
@@ -46,5 +51,6 @@ def test_the_pick_weighs_the_load_vllm_reports(kv, announced_a) -> None:
         assert cost["requests_ahead"] >= seen, cost
         assert cost["cost"] >= LoadRules().per_request * seen, cost  # the default weights
     finally:
+        done.set()
         for thread in busy:
             thread.join()
