@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.real_server.conftest import Process, environment, free_port
+from tests.real_server.conftest import Process, environment, free_port, kv_events, serve_command
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_VENV = Path(
@@ -95,20 +95,10 @@ class Engine:
         self.replay_url = f"tcp://127.0.0.1:{self.replay}"
 
     def spawn(self) -> None:
-        events = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{self.events}",
-            "replay_endpoint": f"tcp://*:{self.replay}",
-            "topic": "",  # vllm-router's kv_aware drops every other topic
-        }
-        command = [str(self.python), str(ROOT / "tests/real_server/vllm_cli.py"), "serve"]
-        command += [str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["--served-model-name", "tiny", "--dtype", "bfloat16"]
-        command += ["--max-model-len", "2048", "--block-size", str(BLOCK_SIZE)]
-        command += ["--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-        command += ["--enable-scale-out", "--max-num-seqs", "8"]
-        command += ["--kv-cache-memory-bytes", self.cache, "--kv-events-config", json.dumps(events)]
+        command = serve_command(self.python, self.model, self.port, self.cache)
+        command += ["--enable-scale-out"]  # the routers render prompts on the engines
+        # vllm-router's kv_aware drops every event whose topic is not empty
+        command += kv_events(self.events, self.replay, topic="")
         env = environment(
             VLLM_TARGET_DEVICE="cpu",
             VLLM_NO_USAGE_STATS="1",

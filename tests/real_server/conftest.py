@@ -119,6 +119,30 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
     raise subprocess.TimeoutExpired(f"process group {pgid}", timeout)
 
 
+def serve_command(python: Path, model_dir: Path, port: int, cache: str) -> list[str]:
+    """``vllm serve`` of the tiny model as the recipe runs it on the CPU (eager, blocks of
+    32, prefix caching, a KV cache of ``cache`` bytes), from ``python``'s venv."""
+    command = [str(python), str(HERE / "vllm_cli.py"), "serve", str(model_dir)]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    command += ["--served-model-name", MODEL, "--dtype", "bfloat16"]
+    command += ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager"]
+    command += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    return [*command, "--max-num-seqs", "8", "--kv-cache-memory-bytes", cache]
+
+
+def kv_events(events: int, replay: int, **more: object) -> list[str]:
+    """``--kv-events-config``: the ZMQ publisher bound on ``events``, its replay on
+    ``replay``, and ``more`` of the config (topic, buffer_steps)."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events}",
+        "replay_endpoint": f"tcp://*:{replay}",
+        **more,
+    }
+    return ["--kv-events-config", json.dumps(config)]
+
+
 class Serve(Process):
     """``kvindex serve`` of the tier's venv with a bearer token and the model's tokenizer;
     its port stays the same across restarts."""
@@ -168,21 +192,9 @@ class VllmServer(Process):
         self.tap = EventTap(f"tcp://127.0.0.1:{self.events}")
 
     def start(self) -> None:
-        events = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{self.events}",
-            "replay_endpoint": f"tcp://*:{self.replay}",
-            "topic": "kv-events",
-            **self.events_config,
-        }
-        command = [sys.executable, str(HERE / "vllm_cli.py"), "serve", str(self.model_dir)]
-        command += ["--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["--served-model-name", MODEL, "--dtype", "bfloat16"]
-        command += ["--max-model-len", "2048", "--block-size", "32", "--enforce-eager"]
-        command += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
-        command += ["--max-num-seqs", "8", "--kv-cache-memory-bytes", "4M"]
-        command += ["--kv-events-config", json.dumps(events)]
+        events = {"topic": "kv-events", **self.events_config}
+        command = serve_command(Path(sys.executable), self.model_dir, self.port, "4M")
+        command += kv_events(self.events, self.replay, **events)
         env = environment(
             VLLM_TARGET_DEVICE="cpu",
             VLLM_NO_USAGE_STATS="1",
