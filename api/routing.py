@@ -16,7 +16,7 @@ from indexer.core.load import cost
 from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
 from indexer.core.routed import Candidate, RoutedRules
 from indexer.core.routed import score as routed_score
-from indexer.loads import LoadBoard
+from indexer.loads import LoadBoard, Report
 from indexer.registry import EngineSpec
 from indexer.routed import RoutedEntries
 
@@ -44,6 +44,7 @@ class Router:
         holding nothing: its numbers may be stale, and after an engine restart they are
         the old process's, a cache that is gone."""
         ids = [RankId(spec.name, dp_rank) for spec, dp_rank, _ in ranks]
+        placed = self._loads.placements(ids)
         candidates = [
             Candidate(
                 rank.engine,
@@ -52,12 +53,11 @@ class Router:
                 self._rules.bound(None if spec.events else spec.gpu_blocks),
                 where,
             )
-            for (spec, _, degraded), rank, where in zip(
-                ranks, ids, self._loads.placements(ids), strict=True
-            )
+            for (spec, _, degraded), rank, (where, _) in zip(ranks, ids, placed, strict=True)
         ]
         pick, runs = await self._routed.route(chain, candidates, weights, ttl)
-        costs = self._costs(candidates, runs, weights, len(chain), pick)
+        reports = [report for _, report in placed]
+        costs = self._costs(candidates, reports, runs, weights, len(chain), pick)
         if pick is not None:
             rank = RankId(pick.engine, pick.dp_rank)
             self._loads.picked(rank)
@@ -68,27 +68,26 @@ class Router:
     def _costs(
         self,
         candidates: list[Candidate],
+        reports: list[Report | None],
         runs: dict[RankId, int],
         weights: TierWeights,
         num_blocks: int,
         pick: Candidate | None,
     ) -> list[RouteCost]:
-        """Each candidate's cost as it was weighed; the pick first, then cheapest first."""
+        """Each candidate's cost as it was weighed, with the report its load is of; the
+        pick first, then cheapest first."""
         rows = [
-            self._cost(c, runs.get(RankId(c.engine, c.dp_rank), 0), weights, num_blocks)
-            for c in candidates
+            self._cost(c, report, runs.get(RankId(c.engine, c.dp_rank), 0), weights, num_blocks)
+            for c, report in zip(candidates, reports, strict=True)
         ]
         picked = None if pick is None else (pick.engine, pick.dp_rank)
         rows.sort(key=lambda row: ((row.engine, row.dp_rank) != picked, row.cost))
         return rows
 
-    def _cost(self, c: Candidate, run: int, weights: TierWeights, num_blocks: int) -> RouteCost:
-        s = (
-            routed_score(c.match, run, weights)
-            if run > c.match.gpu_blocks
-            else c.match.score(weights)
-        )
-        report = self._loads.report(RankId(c.engine, c.dp_rank))
+    def _cost(
+        self, c: Candidate, report: Report | None, run: int, weights: TierWeights, num_blocks: int
+    ) -> RouteCost:
+        s = routed_score(c.match, run, weights)  # the exact score where routed adds nothing
         where = c.placement
         return RouteCost(
             c.engine,

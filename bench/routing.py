@@ -38,7 +38,16 @@ from pathlib import Path
 from bench import plots
 from bench import routing_workload as workload_mod
 from bench.report import Figure, Goal, Report
-from bench.routing_fleet import Fleet, Kvindex, Server, Smg, VllmRouter, progress, routers_venv
+from bench.routing_fleet import (
+    COUNTERS,
+    Fleet,
+    Kvindex,
+    Server,
+    Smg,
+    VllmRouter,
+    progress,
+    routers_venv,
+)
 from bench.routing_proxy import Proxy
 
 SECTION = "16"
@@ -58,11 +67,7 @@ PEERS = (
     ("vllm-router kv_aware", VllmRouter, "kv_aware"),
     ("smg cache_aware", Smg, "cache_aware"),
 )
-HITS, QUERIES, DONE = (
-    "vllm:prefix_cache_hits_total",
-    "vllm:prefix_cache_queries_total",
-    "vllm:request_success_total",
-)
+HITS, QUERIES, DONE = COUNTERS
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -89,15 +89,17 @@ class LoadBoard:
             since = max(since, report.at - TRANSIT)
         return sum(1 for t in picks if t > since)
 
-    def placements(self, ranks: Sequence[RankId]) -> list[Placement]:
-        """Each rank's placement now (and the scraper started, if it is not)."""
+    def placements(self, ranks: Sequence[RankId]) -> list[tuple[Placement, Report | None]]:
+        """Each rank's placement now, with the fresh report it is of (and the scraper
+        started, if it is not)."""
         self._start()
         placed = []
         for rank in ranks:
             report = self.report(rank)
             load = None if report is None else report.load
             resident = None if report is None else report.resident
-            placed.append(placement(self.rules, load, self.pending(rank, report), resident))
+            where = placement(self.rules, load, self.pending(rank, report), resident)
+            placed.append((where, report))
         return placed
 
     def picked(self, rank: RankId) -> None:
@@ -116,10 +118,10 @@ class LoadBoard:
         # a busy engine's server may answer late: a report is of use until it is stale
         async with httpx.AsyncClient(timeout=self.rules.stale_after) as client:
             while True:
-                started = self._clock()
-                specs = [s for s in self._registry.all() if s.url and s.engine_adapter.load_path]
-                await asyncio.gather(*(self._scrape(client, spec, started) for spec in specs))
-                self._forget_others({s.name for s in self._registry.all()})
+                started, specs = self._clock(), self._registry.all()
+                scraped = [s for s in specs if s.url and s.engine_adapter.load_path]
+                await asyncio.gather(*(self._scrape(client, spec, started) for spec in scraped))
+                self._forget_others({s.name for s in specs})
                 await asyncio.sleep(max(0.0, started + interval - self._clock()))
 
     async def _scrape(self, client: httpx.AsyncClient, spec: EngineSpec, started: float) -> None:
