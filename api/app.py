@@ -81,7 +81,10 @@ def create_app(
 ) -> FastAPI:
     """The API app. ``token_index`` defaults to a new one fed by ``consumers``
     when it can report applied batches (``add_observer``); ``routed`` (the routed
-    entries) to in-process ones, confirmed by the same batches; ``tokenizers``
+    entries) to in-process ones, confirmed by the same batches (given ones are the
+    caller's to confirm: an API replica mirroring the engines must not confirm
+    what the workers confirm in Redis, a stale clear would drop newer picks);
+    ``tokenizers``
     to a pool of ``settings.models`` (apps in one process may share one);
     ``leases`` to new ones over ``registry`` (give them to share them with
     discovery, which announces through them too); ``misdeclared`` to checks of the
@@ -94,10 +97,11 @@ def create_app(
         tokenizers = Tokenizers(settings.models)
         tokenizers.preload()  # at start, not on the first query: /readyz waits for it
     ctx = ApiContext(GuardedStore(store), registry, consumers, token_index, settings, tokenizers)
-    routed = routed or MemoryRouted()
+    if routed is None:  # given ones are confirmed by whoever applies the batches
+        routed = MemoryRouted()
+        if isinstance(consumers, Observable):
+            consumers.add_observer(routed.observe)
     metrics.watch_routed(routed)
-    if isinstance(consumers, Observable):
-        consumers.add_observer(routed.observe)
     leases = leases or Leases(registry, settings.announce, on_removed=routed.forget)
     if misdeclared is None:
         checks = misdeclared = Misdeclared(registry)

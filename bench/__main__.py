@@ -26,12 +26,13 @@ from bench import (
     hybrid,
     idle,
     ingest,
-    issue16,
+    issue27,
     memory,
     plots,
     prompts,
     query,
     redis_bench,
+    replicas,
     routed,
     routing,
     scaling,
@@ -44,7 +45,7 @@ from indexer.log import setup_logging
 from indexer.stores import MemoryStore
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16")
+SECTIONS = tuple(str(item) for item in range(1, 18))
 
 
 def _section(report: Report, name: str, fn: Callable[[], object]) -> None:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("ERROR")  # the outrun degrades its rank on purpose
     only = set(args.only or SECTIONS)
     quick = args.quick
-    report = Report("quick" if quick else "full", issue16.TABLE)
+    report = Report("quick" if quick else "full", issue27.TABLE)
     args.out.mkdir(parents=True, exist_ok=True)
 
     started = time.monotonic()
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         _section(report, "15", lambda: snapshots.run(report, quick))
     if "16" in only:
         _section(report, "16", lambda: _routing(report, quick, args.out))
+    if "17" in only:
+        _section(report, "17", lambda: replicas.run(report, quick))
     if "9" in only:
         _section(report, "9", lambda: idle.run(report, 5.0 if quick else 20.0))
     if only & {"2", "5"} and redis_bench.available():

@@ -7,7 +7,7 @@ as fast as ZeroMQ takes them, with high-water marks that drop nothing. This
 process plays a router: one ``POST /prefix-match`` of a 64-block chain every
 20 ms. The baseline is the same server idle (the engine connected, nothing
 published), measured just before the burst; the figure is the burst's p99
-over the idle p99, goal <= 2x. The burst's samples are those sent from the
+over the idle p99, goal <= 1.5x. The burst's samples are those sent from the
 go signal until the rank has applied the last batch.
 
 A burst is applied in one to a few seconds, 50 to 200 samples, of which
@@ -46,7 +46,7 @@ SECTION = "13"
 ENGINE = "burst"
 CHAIN_BLOCKS = 64
 EVERY = 0.02
-GOAL = Goal(2.0, at_least=False)
+GOAL = Goal(1.5, at_least=False)  # issue 27's (issue 16 asked 2)
 ROUNDS = {True: 3, False: 5}  # by quick
 
 

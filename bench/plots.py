@@ -19,7 +19,7 @@ import matplotlib.ticker
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use(): the backend is chosen first
 
-from bench.issue16 import TABLE
+from bench.issue27 import TABLE
 from bench.report import distinct_parts
 
 
@@ -79,7 +79,7 @@ def scaling(details: dict, out: Path) -> list[str]:
 
 
 def rows(figures: list[dict], out: Path) -> list[str]:
-    """Issue 16's rows as bars of ratio-to-goal from 1 (the goal: right of it is met, left of
+    """Issue 27's rows as bars of ratio-to-goal from 1 (the goal: right of it is met, left of
     it missed by that factor), one bar per figure, in issue 16's order; nothing when no row
     was measured."""
     groups: dict[str, list[dict]] = {row.key: [] for row in TABLE.rows}
@@ -92,7 +92,7 @@ def rows(figures: list[dict], out: Path) -> list[str]:
         labels += [f"{row}: {p}" if p else row for p in distinct_parts([f["name"] for f in group])]
     if not bars:
         return []
-    fig, ax = _axes("Issue 16's rows: ratio / goal (>= 1 is met)", "times the goal", "",
+    fig, ax = _axes("Issue 27's rows: ratio / goal (>= 1 is met)", "times the goal", "",
                     (8, 0.35 * len(bars) + 1.5))  # fmt: skip
     reach = [f["to_goal"] for f in bars]
     ys = range(len(bars))
@@ -106,7 +106,7 @@ def rows(figures: list[dict], out: Path) -> list[str]:
     for y, f in zip(ys, bars, strict=True):
         ax.annotate(f"{f['ratio']:.3g} (goal {f['goal']})", (max(1, f["to_goal"]), y),
                     xytext=(7, 0), textcoords="offset points", va="center", fontsize=8)  # fmt: skip
-    return [_save(fig, out, "issue16_rows.png")]
+    return [_save(fig, out, "issue27_rows.png")]
 
 
 def routing(details: dict, out: Path) -> list[str]:

@@ -25,6 +25,8 @@ from indexer.stores.memory import compiled
 
 SECTION = "4"
 LENGTHS = (64, 512, 2048)
+#: Issue 27: a p50 at most a fifth of Dynamo's `find_matches` at every length (issue 16: half).
+DYNAMO_GOAL = Goal(0.2, at_least=False)
 
 
 async def load(store: MemoryStore, stream: Sequence) -> None:
@@ -105,7 +107,7 @@ def run(report: Report, fleet: Fleet, store: MemoryStore, queries: int, rounds: 
             report.add(
                 Figure(SECTION, f"query, embedded: {blocks}-block chain p50", mine["p50_ms"],
                        "ms", "Dynamo find_matches (binding) p50", theirs["p50_ms"],
-                       Goal(0.5, at_least=False)),
+                       DYNAMO_GOAL),
                 Figure(SECTION, f"query, embedded: {blocks}-block chain p99", mine["p99_ms"],
                        "ms", "Dynamo find_matches (binding) p99", theirs["p99_ms"]),
                 Figure(SECTION, f"query, embedded: {blocks}-block chain p50, reference core",

@@ -120,7 +120,9 @@ async def _api(args: argparse.Namespace, config: ServeConfig, redis: RedisConfig
 
     redis = _needs_redis(args, redis)
     settings = _http_settings(args, config)
-    await run_api(config, redis, host=args.host, port=args.port, settings=settings)
+    await run_api(
+        config, redis, host=args.host, port=args.port, settings=settings, mirror=args.mirror
+    )
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -331,15 +333,25 @@ def indexer(**_: object) -> argparse.Namespace:
 )
 @_http_flags()
 @_redis_flags("the shared Redis (required, or a redis config section)", None)
+@option(
+    "--mirror",
+    is_flag=True,
+    help="answer from memory: this replica consumes every registered engine itself"
+    " (as kvindex serve does) instead of reading residency from Redis on each query",
+)
 @_config_flag()
 @_log_level()
 def api(**_: object) -> argparse.Namespace:
     """An HTTP API replica over the shared Redis (scale-out; stateless).
 
+    With --mirror, queries are answered from the replica's own consumption of
+    the engines' events, at in-memory speed; the registry, routed entries and
+    leases stay shared in Redis.
+
     \b
     Example:
       KVINDEX_AUTH_TOKEN_FILE=/run/secrets/kvindex-token \\
-        kvindex api --host 0.0.0.0 --redis-url redis://10.0.0.9:6379/0
+        kvindex api --host 0.0.0.0 --redis-url redis://10.0.0.9:6379/0 --mirror
     """
     return _parsed(_service, service=_api)
 

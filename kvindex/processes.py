@@ -28,6 +28,7 @@ from api import operators
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer.cluster.announced import RedisBook
+from indexer.cluster.mirror import Mirror
 from indexer.cluster.misdeclared_board import RedisMisdeclared
 from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.status_board import StatusBoard
@@ -124,10 +125,13 @@ async def run_api(
     host: str = "127.0.0.1",
     port: int = 8000,
     settings: ApiSettings | None = None,
+    mirror: bool = False,
 ) -> None:
     """Serve the HTTP API over the shared Redis state until SIGTERM or SIGINT;
-    ``settings``: the API's (default the config file's)."""
-    operators.warn_if_unavailable("api", embedded_store=False)
+    ``settings``: the API's (default the config file's); ``mirror``: answer from
+    this process's own consumption of every engine (:mod:`indexer.cluster.mirror`)
+    instead of reading residency from Redis."""
+    operators.warn_if_unavailable("api", embedded_store=mirror)
     settings = settings or config.api_settings()
     store = RedisStore(redis)
     registry = RedisRegistry(store.client)
@@ -140,8 +144,15 @@ async def run_api(
     book = RedisBook(store.client)
     leases = Leases(registry, settings.announce, on_removed=routed.forget, book=book)
     misdeclared = RedisMisdeclared(store.client, registry)
+    own = Mirror(registry, config.subscriber, settings.auth_token) if mirror else None
     app = create_app(
-        store, registry, board, settings, routed=routed, leases=leases, misdeclared=misdeclared
+        own.store if own else store,
+        registry,
+        own or board,
+        settings,
+        routed=routed,
+        leases=leases,
+        misdeclared=misdeclared,
     )
     tasks: list[asyncio.Task] = []
     try:
@@ -150,18 +161,23 @@ async def run_api(
             with contextlib.suppress(StoreUnavailable):  # the polls retry; /readyz says 503
                 await registry.refresh()
                 await board.refresh()
-            tasks = [
-                asyncio.create_task(registry.follow(polls.registry_poll)),
-                asyncio.create_task(board.follow(polls.status_interval)),
-                asyncio.create_task(misdeclared.follow(polls.status_interval)),
-            ]
+            tasks = [asyncio.create_task(misdeclared.follow(polls.status_interval))]
+            if own is None:
+                tasks.append(asyncio.create_task(registry.follow(polls.registry_poll)))
+                tasks.append(asyncio.create_task(board.follow(polls.status_interval)))
+            else:
+                await own.start()
+                tasks.append(asyncio.create_task(own.follow(polls.registry_poll)))
             leases.start()
-            await serve_http(app, settings, sock, stop, store="RedisStore")
+            kind = "mirror" if own else "RedisStore"
+            await serve_http(app, settings, sock, stop, store=kind)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await leases.close()
+        if own is not None:
+            await own.stop()
         await app.state.loads.close()
         await routed.close()
         await store.close()

@@ -76,6 +76,7 @@ async def serve(
     registry = EngineRegistry()
     subscriber = Subscriber(store, registry, config.subscriber, settings.auth_token)
     routed = open_routed(redis, store)
+    subscriber.add_observer(routed.observe)  # the batches applied confirm routed entries
     leases = Leases(registry, settings.announce, on_removed=routed.forget)
     app = create_app(store, registry, subscriber, settings, routed=routed, leases=leases)
     sampler = found = by_url = moves = None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench import plots
 from bench.__main__ import _section
-from bench.issue16 import TABLE
+from bench.issue27 import TABLE
 from bench.report import Figure, Goal, Report, Row, Table, distinct_parts
 
 
@@ -78,8 +78,8 @@ def test_the_report_opens_with_the_table_and_writes_it_to_json(tmp_path: Path) -
 def test_the_rows_plot_draws_from_report_json(tmp_path: Path) -> None:
     _report().write(tmp_path)
     figures = json.loads((tmp_path / "report.json").read_text())["figures"]
-    assert plots.rows(figures, tmp_path) == ["issue16_rows.png"]
-    assert (tmp_path / "issue16_rows.png").read_bytes()[:4] == b"\x89PNG"
+    assert plots.rows(figures, tmp_path) == ["issue27_rows.png"]
+    assert (tmp_path / "issue27_rows.png").read_bytes()[:4] == b"\x89PNG"
     assert plots.rows([dict(f, row="") for f in figures], tmp_path) == []
 
 
@@ -90,25 +90,33 @@ def test_distinct_parts_keep_what_tells_names_apart() -> None:
     assert distinct_parts(["one"]) == [""]
 
 
-#: (section, name, unit, baseline) of figures as bench items 1, 2, 4, 6 and 7 make them, and
-#: the issue row each lands on ("" for none).
+#: (section, name, unit, baseline) of figures as bench items make them, and the issue row
+#: each lands on ("" for none).
 MADE = [
     ("1", "ingest, embedded: block-ops/s, decode + apply", "ops/s",
-     "decode floor (typed, every field, no apply)", "embedded ingest vs decode"),
-    ("1", "ingest, embedded: block-ops/s, decode + apply", "ops/s",
-     "decode floor (typed, indexed fields only, no apply)", ""),
+     "decode floor (typed, every field, no apply)", ""),
+    ("3", "end-to-end ZMQ -> applied (sustained): batches/s", "batches/s",
+     "decode + apply in process (ceiling)", "live ingest"),
+    ("3", "end-to-end ZMQ -> applied (sustained): block-ops/s", "ops/s", None, ""),
     ("4", "query, embedded: 64-block chain p50", "ms", "Dynamo find_matches (binding) p50",
      "query vs Dynamo"),
     ("4", "query, embedded: 64-block chain p99", "ms", "Dynamo find_matches (binding) p99", ""),
     ("4", "query, embedded: 64-block chain p50, reference core", "ms",
      "Dynamo find_matches (binding) p50", ""),
+    ("5", "query, Redis store vs embedded: 512-block chain p50", "ms",
+     "the embedded store, same residency: p50", "at the store"),
+    ("5", "query, Redis store vs embedded: 2048-block chain p50", "ms",
+     "the embedded store, same residency: p50", ""),
+    ("5", "query, Redis: 64-block chain p50", "ms", "64 pipelined HGETALL p50", ""),
     ("6", "HTTP GET by tokens, 8k tokens, c=8: req/s", "req/s", "bare endpoint, same server",
      "HTTP by tokens"),
     ("6", "HTTP GET by tokens, 8k tokens, c=8: p50", "ms", "bare endpoint p50", ""),
-    ("7", "memory, embedded: 1M entries, 64 engines", "B/entry", "the goal, 48 B/entry",
-     "memory per entry"),
-    ("7", "memory, embedded: 1M entries, compiled core", "B/entry",
-     "same, pure-Python reference core", ""),
+    ("7", "memory, embedded: 1M entries, 64 engines", "B/entry", "the goal, 48 B/entry", ""),
+    ("17", "HTTP POST /prefix-match by tokens, 64 blocks, 32 engines: `kvindex api --mirror`, "
+     "p50", "ms", "`kvindex serve` (embedded), same queries: p50", "replica over HTTP"),
+    ("17", "HTTP POST /prefix-match by tokens, 64 blocks, 32 engines: `kvindex api` reading "
+     "Redis, p50", "ms", "`kvindex serve` (embedded), same queries: p50",
+     "replica over HTTP, reading Redis"),
     ("2", "ingest, Redis Cluster (3 masters): fleet stream, Redis CPU per block-op", "us",
      "standalone Redis, same stream", "Redis Cluster vs standalone"),
     ("2", "ingest, Redis: bulk load (4096-hash events), block-ops/s", "ops/s",
@@ -116,7 +124,7 @@ MADE = [
 ]  # fmt: skip
 
 
-def test_issue_16_rows_pick_the_figures_the_bench_makes() -> None:
+def test_issue_27_rows_pick_the_figures_the_bench_makes() -> None:
     rows = [TABLE.row_of(Figure(s, name, 1.0, unit, base, 1.0)) for s, name, unit, base, _ in MADE]
     assert rows == [row for *_, row in MADE]
 
