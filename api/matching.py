@@ -97,12 +97,13 @@ class PrefixMatcher:
         if self._store.last_loss() is not loss:
             statuses = self._flagged_since(statuses)
         weights = query.weights or self._weights
+        flags = {s.name: _degraded_flags(s, statuses[s.name]) for s in specs}
         pick, costs = None, None
         if query.route:
-            pick, routed, costs = await self._route(query, lookups, specs, statuses, found, weights)
+            pick, routed, costs = await self._route(query, lookups, specs, flags, found, weights)
         else:
             routed = await self._routed_runs(lookups, found)
-        answer = self._answer(query, specs, statuses, found, routed, weights)
+        answer = self._answer(query, specs, statuses, flags, found, routed, weights)
         if pick is not None:
             answer.routed_to = RankRef(pick.engine, pick.dp_rank)
             answer.route_costs = costs
@@ -167,7 +168,7 @@ class PrefixMatcher:
         query: Query,
         lookups: list[_Lookup],
         specs: list[EngineSpec],
-        statuses: dict[str, list[RankStatus]],
+        flags: dict[str, tuple[bool, ...]],
         found: dict[RankId, PrefixMatch],
         weights: TierWeights,
     ) -> Routed:
@@ -187,7 +188,7 @@ class PrefixMatcher:
             (spec, dp_rank, degraded)
             for spec in sorted(specs, key=_name)
             if spec.name in lookup.chunk_blocks
-            for dp_rank, degraded in enumerate(_degraded_flags(spec, statuses[spec.name]))
+            for dp_rank, degraded in enumerate(flags[spec.name])
         ]
         return await self._router.route(lookup.chain, ranks, found, weights, query.ttl)
 
@@ -291,6 +292,7 @@ class PrefixMatcher:
         query: Query,
         specs: list[EngineSpec],
         statuses: dict[str, list[RankStatus]],
+        degraded: dict[str, tuple[bool, ...]],
         found: dict[RankId, PrefixMatch],
         routed: dict[RankId, int],
         weights: TierWeights,
@@ -315,7 +317,7 @@ class PrefixMatcher:
             known = self.block_size(spec, override)
             sizes.add(known)
             block_size, status = known or 0, statuses[spec.name]  # 0: not known yet
-            flags = _degraded_flags(spec, status)
+            flags = degraded[spec.name]
             zeros = zero_rows.of(spec, block_size, flags)
             ranks = answered.get(spec.name)
             if ranks is None:

@@ -8,6 +8,7 @@ what it is compared to, so that a slow moment hits both.
 from __future__ import annotations
 
 import gc
+import math
 import resource
 import statistics
 import time
@@ -44,8 +45,10 @@ def interleaved(
 
 
 def quantile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile, no interpolation: a p99 of 100 samples is their slowest
+    but one, of fewer than 100 their slowest; NaN of none."""
     ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
 
 
 def latency_ms(samples: Sequence[float]) -> dict[str, float]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import signal
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from bench import plots
 from bench import routing_workload as workload_mod
+from bench.measure import quantile
 from bench.report import Figure, Goal, Report
 from bench.routing_fleet import (
     COUNTERS,
@@ -68,13 +68,6 @@ PEERS = (
     ("smg cache_aware", Smg, "cache_aware"),
 )
 HITS, QUERIES, DONE = COUNTERS
-
-
-def quantile(values: list[float], q: float) -> float:
-    """Nearest-rank quantile (no interpolation: a p99 of 100 samples is their slowest but
-    one)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else float("nan")
 
 
 def summary(before: dict, after: dict, samples: list, wall: float) -> dict:

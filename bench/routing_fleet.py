@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.real_server.conftest import Process, environment, free_port, kv_events, serve_command
 
@@ -75,10 +76,10 @@ def counters(url: str) -> dict[str, float]:
     """The :data:`COUNTERS` of one engine's /metrics, each summed over its labels."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name] += sample.value
     return out
 
 
