@@ -6,26 +6,19 @@ vLLM-wire publisher binds the ports it announces (``tcp://*:PORT``, as vLLM
 does). Registration goes through ``POST /engines`` (the app with the real
 subscriber), and through ``kvindex serve --engine-url`` and a config file's
 ``engine_urls`` (the real process), and in scale-out through a worker and an
-API replica over Redis. Every test here fails on the code before URL
-registrations (no ``url`` body, flag or config key; ``block_size`` could not be
-null).
+API replica over Redis (those two in ``test_engine_url_processes.py``). Every
+test here fails on the code before URL registrations (no ``url`` body, flag or
+config key; ``block_size`` could not be null).
 """
 
 from __future__ import annotations
 
-import json
-import threading
-import uuid
 from collections.abc import AsyncIterator, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from api import ApiSettings
-from indexer.core.events import BlockStored, EventBatch
 from indexer.discovery.served import (
     BadAnswer,
     Unsupported,
@@ -34,118 +27,12 @@ from indexer.discovery.served import (
     recheck,
     spec_of,
 )
-from indexer.engines import catalog
-from indexer.engines.base import Prompt
 from kvindex.cli import parse_args
 from kvindex.config import ConfigError, load_config
-from producer.publisher import Publisher
 
 from .apikit import LiveApi
 from .conftest import free_ports, wait_until
-from .test_e2e import until
-from .test_scaleout import Process
-from .test_serve import Serve
-
-TOKEN = "s3cret"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-BLOCK = 32  # the engine's block size, which only its events say
-PROMPT = list(range(100, 100 + 3 * BLOCK))
-
-
-def sources(pub: int, replay: int, ranks: int = 1, **more: Any) -> dict[str, dict]:
-    """``/kv_event_sources`` as vLLM 0.33 answers it: each rank's events config."""
-    return {
-        str(r): {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{pub + r}",
-            "replay_endpoint": f"tcp://*:{replay + r}",
-            "buffer_steps": 10000,
-            "hwm": 100000,
-            "max_queue_size": 100000,
-            "topic": "kv-events",
-            **more,
-        }
-        for r in range(ranks)
-    }
-
-
-MODELS = {"object": "list", "data": [{"id": "tiny", "object": "model", "parent": None}]}
-
-
-class _Server(ThreadingHTTPServer):
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # a client that hung up mid-answer: nothing to report
-
-
-class EngineServer:
-    """A real HTTP server answering an engine's description (path -> JSON, or a
-    status code), and its ranks' publishers on the announced ports."""
-
-    def __init__(self, answers: dict[str, Any] | None = None, ranks: int = 1) -> None:
-        self.pub, self.replay = free_ports(ranks), free_ports(ranks)
-        self.answers = answers or {
-            "/kv_event_sources": sources(self.pub, self.replay, ranks),
-            "/v1/models": MODELS,
-        }
-        served = self.answers
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                answer = served.get(self.path, 404)
-                status = answer if isinstance(answer, int) else 200
-                body = json.dumps({"detail": "Not Found"} if status != 200 else answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self._handler = Handler
-        self.up()
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        self.name = self.url.removeprefix("http://")
-        self.publishers: dict[int, Publisher] = {}
-
-    def up(self, port: int = 0) -> None:
-        """Serve (again) on ``port`` (0: any free one)."""
-        self.http = _Server(("127.0.0.1", port), self._handler)
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-
-    def down(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
-
-    def publish(self, algo: str = "sha256", rank: int = 0) -> None:
-        """One batch storing PROMPT's blocks on ``rank``'s GPU, hashed as an engine running
-        ``algo``."""
-        publisher = self.publishers.get(rank)
-        if publisher is None:
-            publisher = self.publishers[rank] = Publisher(
-                f"tcp://*:{self.pub}",
-                f"tcp://*:{self.replay}",
-                topic="kv-events",
-                data_parallel_rank=rank,
-                bind=True,
-            )
-        hasher = catalog.adapter("vllm").hasher(algo, None, BLOCK)
-        stored = BlockStored(
-            block_hashes=hasher.published(hasher.digests(Prompt(tuple(PROMPT)))),
-            token_ids=PROMPT,
-            block_size=BLOCK,
-            extra_keys=[None] * 3,
-            medium="GPU",
-        )
-        assert publisher.publish(EventBatch(ts=1.0, events=[stored]))
-        assert publisher.flush()
-
-    def close(self) -> None:
-        self.down()
-        for publisher in self.publishers.values():
-            publisher.close()
+from .engine_url_kit import AUTH, BLOCK, MODELS, PROMPT, TOKEN, EngineServer, sources
 
 
 @pytest.fixture
@@ -343,109 +230,3 @@ async def test_a_server_that_cannot_be_asked_is_a_clear_error(live):
     bad = await live.client.post("/engines", json={"url": "tcp://h:1"}, headers=AUTH)
     assert bad.status_code == 422 and "expected http://HOST" in bad.json()["error"]
     assert live.registry.all() == []
-
-
-# --- kvindex serve and kvindex indexer -------------------------------------------------
-
-
-@pytest.mark.slow
-def test_serve_registers_flag_and_config_urls_once_their_servers_answer(tmp_path: Path) -> None:
-    """Started before either server is up: both are retried, then followed."""
-    flag, config = EngineServer(), EngineServer()
-    for engine in (flag, config):  # not up yet
-        engine.down()
-    path = tmp_path / "kvindex.yaml"
-    path.write_text(f"engine_urls:\n  - {{url: '{config.url}', name: cfg}}\n")
-    serve = Serve(tmp_path / "serve.log", "--config", str(path), "--engine-url", flag.url)
-    try:
-        serve.until(lambda: serve.logs().count("retrying") >= 2, "both retried")
-        assert serve.get("/engines") == []
-        for engine in (flag, config):
-            engine.up(int(engine.url.rsplit(":", 1)[1]))
-        for name in (flag.name, "cfg"):
-            serve.until(lambda n=name: serve.get(f"/engines/{n}") is not None, f"{name} registered")
-        flag.publish()
-        config.publish()
-        for name in (flag.name, "cfg"):
-            serve.until(
-                lambda n=name: serve.rank(n).get("applied_seq") == 0, f"{name} to apply its batch"
-            )
-            state = serve.get(f"/engines/{name}")
-            assert (state["url"], state["learned_block_size"]) == (
-                flag.url if name == flag.name else config.url,
-                BLOCK,
-            )
-        answer = serve.http.post("/prefix-match", json={"tokens": PROMPT}).json()
-        assert [row["gpu_blocks"] for row in answer["engines"]] == [3, 3]
-        logs = serve.stop()
-    finally:
-        flag.close()
-        config.close()
-    registered = [e for e in logs if e["event"] == "engine registered by its URL"]
-    assert sorted(e["engine"] for e in registered) == sorted(["cfg", flag.name])
-
-
-@pytest.mark.slow
-async def test_in_scale_out_the_replicas_use_the_block_size_the_worker_learned(
-    redis_server, tmp_path, server
-):
-    redis = ("--redis-url", redis_server.url, "--redis-prefix", f"url-{uuid.uuid4().hex[:8]}")
-    port = free_ports()
-    worker = Process(tmp_path / "w.log", "indexer", *redis, "--engine-url", server.url)
-    api = Process(tmp_path / "api.log", "api", *redis, "--port", str(port))
-    name = server.name
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-
-            async def state() -> dict | None:
-                try:
-                    answer = await client.get(f"/engines/{name}")
-                except httpx.TransportError:
-                    return None
-                return answer.json() if answer.status_code == 200 else None
-
-            async def registered() -> bool:
-                return await state() is not None
-
-            await until(registered, 30, "the worker to register the engine")
-            server.publish()
-
-            async def learned() -> bool:
-                return ((await state()) or {}).get("learned_block_size") == BLOCK
-
-            await until(learned, 30, "the replica to read the block size the worker learned")
-            answer = (await client.post("/prefix-match", json={"tokens": PROMPT})).json()
-        assert answer["engines"][0]["gpu_blocks"] == 3
-    finally:
-        api.stop()
-        worker.stop()
-
-
-async def test_a_worker_taking_an_engine_over_keeps_what_its_predecessor_found(redis_server):
-    """The next owner learns the block size again before it has checked the hashes:
-    its first publication must not clear the contradiction found before."""
-    from indexer.cluster.misdeclared_board import RedisMisdeclared
-    from indexer.cluster.registry import RedisRegistry
-    from indexer.registry import EngineSpec
-    from indexer.stores.redis import RedisConfig, RedisStore
-
-    store = RedisStore(RedisConfig(redis_server.url, prefix=f"over-{uuid.uuid4().hex[:8]}"))
-    try:
-        registry = RedisRegistry(store.client)
-        spec = await registry.add(EngineSpec("e", "tcp://127.0.0.1:1", block_size=None))
-        replica = RedisMisdeclared(store.client, registry)
-        RedisMisdeclared(store.client, registry).publish(spec, {"hash": "hash: differ"}, BLOCK)
-
-        async def has(reasons: list[str], size: int) -> bool:
-            await replica.refresh()
-            return (replica.reasons("e"), replica.block_size("e")) == (reasons, size)
-
-        await until(lambda: has(["hash: differ"], BLOCK), 5, "the first owner's finding")
-        after = RedisMisdeclared(store.client, registry)  # the next owner: learns, then finds
-        after.publish(spec, {}, BLOCK)
-        after.publish(spec, {"kv_groups": "kv_groups: differ"}, BLOCK)
-        both = ["hash: differ", "kv_groups: differ"]
-        await until(lambda: has(both, BLOCK), 5, "both owners' findings")
-        assert replica.excluded("e")
-    finally:
-        await store.close()

@@ -13,64 +13,35 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
-import msgspec
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from api import ApiSettings, create_app
 from indexer.core.events import BlockStored, EventBatch, RankId
-from indexer.engines import catalog
 from indexer.engines.base import Prompt
-from indexer.engines.vllm.render import (
-    ChatMessage,
-    ChatOptions,
-    PromptRefused,
-    TemplateTraits,
-    chat_call,
-)
-from indexer.prompts import ModelTokenizer, Tokenizers
+from indexer.engines.vllm.render import PromptRefused
+from indexer.prompts import ModelTokenizer
 from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
-from kvindex.config import ConfigError, load_config
 
 from .apikit import FakeConsumers, engine
-
-FIXTURES = Path(__file__).resolve().parents[2] / "shared/fixtures/vllm-0.33.0/tokenize"
-GOLDEN = json.loads((FIXTURES / "cases.json").read_text())
-CASES = GOLDEN["cases"]
-MODELS = {name: ModelTokenizer(str(FIXTURES / d)) for name, d in GOLDEN["tokenizers"].items()}
-BLOCK = GOLDEN["block_size"]
-REQUEST_FIELDS = ("add_special_tokens", "add_generation_prompt", "continue_final_message")
-VLLM = catalog.adapter("vllm")
-#: One pool for the whole module: loading a tokenizer is the slow part of a test.
-POOL = Tokenizers(MODELS)
-
-
-def _id(case: dict) -> str:
-    return f"{case['tokenizer']}-{case['name']}"
-
-
-ACCEPTED = [c for c in CASES if "expected_error" not in c]
-REFUSED = [c for c in CASES if "expected_error" in c]
-
-
-def _tokens(case: dict, pool: Tokenizers = POOL) -> list[int]:
-    request = case["request"]
-    messages = request.get("messages")
-    return pool.tokens_now(
-        case["tokenizer"],
-        prompt=request.get("prompt"),
-        messages=msgspec.convert(messages, list[ChatMessage]) if messages is not None else None,
-        options=ChatOptions(**{k: request[k] for k in REQUEST_FIELDS if k in request}),
-    )
+from .prompts_kit import (
+    ACCEPTED,
+    BLOCK,
+    CASES,
+    FIXTURES,
+    GOLDEN,
+    MODELS,
+    POOL,
+    REFUSED,
+    VLLM,
+    _id,
+    _tokens,
+)
 
 
 def test_the_golden_cases_are_all_here() -> None:
@@ -323,247 +294,3 @@ async def test_tokenizers_load_at_start_and_readyz_waits_for_them() -> None:
         assert tokenizers.loading() == []
         assert (await client.get("/readyz")).status_code == 200
     assert not tokenizers.failed(), tokenizers.failed()
-
-
-# --- the piece cache is exact, and tokenizing leaves the event loop free ----------------
-
-
-def _conversation(turns: int, seed: int = 3) -> list[ChatMessage]:
-    rng = random.Random(seed)
-    words = ["kv", "cache", "re\u0301sume", "日本語", "12345", "\n\n", "  ", "<|eot_id|>", "x"]
-    return [
-        ChatMessage(
-            role="user" if i % 2 == 0 else "assistant",
-            content=" ".join(rng.choice(words) for _ in range(rng.randint(0, 60))),
-        )
-        for i in range(turns)
-    ]
-
-
-@pytest.mark.parametrize("tokenizer", sorted(MODELS))
-def test_a_growing_conversation_tokenizes_as_if_whole(tokenizer: str) -> None:
-    """Turn after turn, the cached pieces give exactly what tokenizing the whole
-    rendered text gives, and the earlier turns come from the cache."""
-    pool = Tokenizers({tokenizer: MODELS[tokenizer]})
-    for turns in range(1, 12):
-        messages = _conversation(turns)
-        tokens = pool.tokens_now(tokenizer, messages=messages)
-        loaded = pool._model(tokenizer, "messages")
-        text = loaded.hf.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        assert tokens == loaded.hf(text, add_special_tokens=False)["input_ids"]
-    assert loaded.split is not None and len(pool._cache) > 10
-
-
-#: Texts made of what the tokenizers treat specially: added tokens of both, their
-#: fragments, combining accents (NFC), digits, contractions and whitespace runs.
-_PIECES = ["a", "é", "e\u0301", " ", "  ", "\n", "\t", "1", "日", "'s", "<|", "<|im_end|>"]
-_TEXT = st.lists(st.sampled_from([*_PIECES, "<|eot_id|>", "<|begin_of_text|>"]), max_size=40).map(
-    "".join
-)
-
-
-@pytest.mark.slow
-@settings(max_examples=150, deadline=None)
-@given(text=_TEXT, special=st.booleans())
-def test_pieces_equal_the_whole_text_for_any_text(text: str, special: bool) -> None:
-    for name in MODELS:
-        loaded = POOL._model(name, "prompt")
-        assert POOL._encode(loaded, text, special) == loaded.whole(text, special)
-
-
-@pytest.mark.slow
-async def test_tokenizing_runs_off_the_event_loop() -> None:
-    pool = Tokenizers({"llama3ish": MODELS["llama3ish"]})
-    await pool.tokens("llama3ish", prompt="warm up")
-    seen: list[str] = []
-    real = pool._encode
-
-    def spy(*args: object) -> list[int]:
-        seen.append(threading.current_thread().name)
-        return real(*args)
-
-    pool._encode = spy  # type: ignore[method-assign]
-    ticks = 0
-    long_text = " ".join(str(i) for i in range(20_000))
-    work = asyncio.ensure_future(pool.tokens("llama3ish", prompt=long_text))
-    while not work.done():
-        ticks += 1
-        await asyncio.sleep(0)
-    assert len(await work) > 20_000 and ticks > 1
-    assert seen and all(name.startswith("kvindex-tokenize") for name in seen)
-    pool.close()
-
-
-# --- configuration ------------------------------------------------------------------------
-
-
-def test_models_are_a_top_level_config_section(tmp_path: Path) -> None:
-    path = tmp_path / "kvindex.yaml"
-    path.write_text(f"models:\n  m:\n    tokenizer: {FIXTURES / 'chatmlish'}\n")
-    assert load_config(path).api_settings().models == {
-        "m": ModelTokenizer(str(FIXTURES / "chatmlish"))
-    }
-    path.write_text("api:\n  models: {}\n")
-    with pytest.raises(ConfigError, match="models is a section of its own"):
-        load_config(path).api_settings()
-    path.write_text("models:\n  m:\n    tokeniser: x\n")
-    with pytest.raises(ConfigError, match="tokeniser"):
-        load_config(path)
-
-
-def test_a_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
-    template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
-    pool = Tokenizers(
-        {
-            "file": ModelTokenizer(str(FIXTURES / "chatmlish"), chat_template=str(template)),
-            "text": ModelTokenizer(str(FIXTURES / "chatmlish"), chat_template=template.read_text()),
-            "typo": ModelTokenizer(str(FIXTURES / "chatmlish"), chat_template="no/such.jinja"),
-        }
-    )
-    messages = [ChatMessage(role="user", content="hi")]
-    assert pool.tokens_now("file", messages=messages) == pool.tokens_now("text", messages=messages)
-    with pytest.raises(PromptRefused, match="neither a file nor a template"):
-        pool.tokens_now("typo", messages=messages)
-
-
-# --- vLLM's message rules, beyond the golden cases ------------------------------------------
-
-STRING = TemplateTraits("string", False, frozenset({"add_generation_prompt"}))
-PARTS = TemplateTraits("openai", True, frozenset({"add_generation_prompt"}))
-
-
-def _conversation_of(messages: list[dict], traits: TemplateTraits = STRING) -> list[dict]:
-    converted = msgspec.convert(messages, list[ChatMessage])
-    return chat_call(converted, ChatOptions(), traits).conversation
-
-
-def test_text_parts_join_with_newlines_and_empty_ones_add_no_line() -> None:
-    parts = [
-        {"type": "text", "text": "one", "cache_control": {"type": "ephemeral"}},
-        {"type": "text", "text": ""},
-        "two",
-        {"type": "input_text", "text": "three"},
-        {"type": "text", "text": None},
-    ]
-    assert _conversation_of([{"role": "user", "content": parts}]) == [
-        {"role": "user", "content": "one\ntwo\nthree"}
-    ]
-    # A template that loops over parts gets them as typed dicts, extra fields kept.
-    assert _conversation_of([{"role": "user", "content": parts}], PARTS)[0]["content"] == [
-        {"type": "text", "text": "one", "cache_control": {"type": "ephemeral"}},
-        {"type": "text", "text": ""},
-        {"type": "text", "text": "two"},
-        {"type": "text", "text": "three"},
-    ]
-
-
-def test_roles_carry_the_fields_vllm_passes_on() -> None:
-    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    conversation = _conversation_of(
-        [
-            {"role": "user", "content": "hi", "name": "ann", "unknown_field": 1},
-            {"role": "assistant", "content": None, "tool_calls": calls, "reasoning_content": "r"},
-            {"role": "tool", "content": [{"type": "text", "text": "42"}], "tool_call_id": "c1"},
-        ],
-        PARTS,
-    )
-    assert conversation == [
-        {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "ann"},
-        {
-            "role": "assistant",
-            "content": [],
-            "tool_calls": calls,
-            "reasoning": "r",
-            "reasoning_content": "r",
-        },
-        {"role": "tool", "content": "42", "tool_call_id": "c1"},
-    ]
-
-
-def test_developer_messages_merge_into_one_system_only_where_the_template_lacks_the_role() -> None:
-    messages = [
-        {"role": "user", "content": "u"},
-        {"role": "system", "content": "s"},
-        {"role": "developer", "content": "d", "tools": [{"type": "function"}]},
-    ]
-    assert _conversation_of(messages) == [
-        {"role": "system", "content": "s\n\nd"},
-        {"role": "user", "content": "u"},
-    ]
-    kept = _conversation_of(messages, PARTS)
-    assert [m["role"] for m in kept] == ["user", "system", "developer"]
-    assert kept[2]["tools"] == [{"type": "function"}]
-    # Without a developer message, system messages stay where they are.
-    two_systems = [{"role": "system", "content": "a"}, {"role": "system", "content": "b"}]
-    assert [m["content"] for m in _conversation_of(two_systems)] == ["a", "b"]
-
-
-def test_the_request_flags_override_chat_template_kwargs_and_unknown_kwargs_are_dropped() -> None:
-    messages = msgspec.convert([{"role": "user", "content": "x"}], list[ChatMessage])
-    kwargs = {"add_generation_prompt": True, "enable_thinking": False, "nobody_reads_me": 1}
-    traits = TemplateTraits(
-        "string", False, frozenset({"add_generation_prompt", "enable_thinking"})
-    )
-    call = chat_call(messages, ChatOptions(False, None, None, kwargs), traits)
-    assert call.kwargs == {"add_generation_prompt": False, "enable_thinking": False}
-    assert call.add_special_tokens is False
-
-
-def test_the_content_format_is_read_off_the_template() -> None:
-    loops = "{% for m in messages %}{% for c in m['content'] %}{{ c.text }}{% endfor %}{% endfor %}"
-    aliased = (
-        "{% set msgs = messages[1:] %}{% for m in msgs %}{% for c in m.content %}"
-        "{{ c['text'] }}{% endfor %}{% endfor %}"
-    )
-    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# 'developer' #}"
-    pool = Tokenizers(
-        {
-            name: ModelTokenizer(str(FIXTURES / "chatmlish"), chat_template=template)
-            for name, template in (("loops", loops), ("aliased", aliased), ("plain", plain))
-        }
-    )
-    traits = {name: pool._model(name, "messages").traits for name in ("loops", "aliased", "plain")}
-    assert traits["loops"].content_format == traits["aliased"].content_format == "openai"
-    assert traits["plain"].content_format == "string"
-    assert traits["plain"].knows_developer and not traits["loops"].knows_developer
-    messages = [ChatMessage(role="user", content=[{"type": "text", "text": "hello"}])]
-    assert pool.tokens_now("loops", messages=messages) == pool.tokens_now(
-        "plain", messages=[ChatMessage(role="user", content="hello")]
-    )
-
-
-@pytest.mark.parametrize("tokenizer", sorted(MODELS))
-@pytest.mark.parametrize("seed", range(12))
-def test_random_chats_and_flags_tokenize_as_transformers_renders_them(
-    tokenizer: str, seed: int
-) -> None:
-    """Where vLLM adds no rule of its own (no developer role, no billing header, string
-    content), its tokens are transformers' render, tokenized: random chats and flags."""
-    rng = random.Random(seed)
-    messages = [
-        {"role": role, "content": m.content}
-        for role, m in zip(
-            rng.choice([["system"], []]) + ["user", "assistant"] * 3,
-            _conversation(8, seed),
-            strict=False,
-        )
-    ]
-    generation = rng.choice([None, True, False])
-    cont = generation is False and rng.random() < 0.5
-    special = rng.choice([None, True, False])
-    options = ChatOptions(generation, cont or None, special)
-    converted = msgspec.convert(messages, list[ChatMessage])
-    tokens = POOL.tokens_now(tokenizer, messages=converted, options=options)
-    hf = POOL._model(tokenizer, "messages").hf
-    text = hf.apply_chat_template(
-        messages,
-        tokenize=False,
-        add_generation_prompt=generation is not False,
-        continue_final_message=cont,
-    )
-    assert tokens == hf(text, add_special_tokens=bool(special))["input_ids"]

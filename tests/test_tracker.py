@@ -2,55 +2,21 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from indexer.core.events import BlockRemoved, BlockStored, EventBatch
-from indexer.engines.vllm.wire import decode_batch, encode_batch
-from producer.tracker import GroupSpec, OffloadEvent, OffloadKey, RequestView, Tracker
+from indexer.core.events import BlockRemoved
+from producer.tracker import OffloadEvent, OffloadKey, RequestView, Tracker
 
-from .conftest import FIXTURES
-
-BLOCK = 4
-
-
-def group(idx: int = 0, blocks_per_chunk: int = 1, **kw) -> GroupSpec:
-    kw.setdefault("kind", "full_attention")
-    kw.setdefault("sliding_window", None)
-    kw.setdefault("tokens_per_block", BLOCK)
-    return GroupSpec(group_idx=idx, blocks_per_chunk=blocks_per_chunk, **kw)
-
-
-def request(hashes, tokens=None, **kw) -> RequestView:
-    """A request whose token i is i + 1, enough for every hash at hash block size BLOCK."""
-    hashes = list(hashes)
-    return RequestView(hashes, tokens or list(range(1, len(hashes) * BLOCK + 1)), **kw)
-
-
-def chunk_keys(req: RequestView, spec: GroupSpec, n: int) -> list[OffloadKey]:
-    per_chunk = spec.tokens_per_chunk // spec.tokens_per_hash
-    return [OffloadKey(spec.group_idx, req.block_hashes[(c + 1) * per_chunk - 1]) for c in range(n)]
-
-
-def store_chunks(tracker: Tracker, req: RequestView, spec: GroupSpec, n: int) -> list[OffloadKey]:
-    keys = chunk_keys(req, spec, n)
-    for chunk_idx, key in enumerate(keys):
-        tracker.record_store(req, chunk_idx, key)
-    return keys
-
-
-def stored(keys, medium="CPU", **kw) -> OffloadEvent:
-    return OffloadEvent(list(keys), medium, removed=False, **kw)
-
-
-def removed(keys, medium="CPU", **kw) -> OffloadEvent:
-    return OffloadEvent(list(keys), medium, removed=True, **kw)
-
-
-def is_placeholder(event: BlockStored) -> bool:
-    return event.block_size == 0 and event.token_ids == [] and len(event.block_hashes) == 1
+from .tracker_kit import (
+    BLOCK,
+    chunk_keys,
+    group,
+    is_placeholder,
+    removed,
+    request,
+    store_chunks,
+    stored,
+)
 
 
 def test_chunk_fans_out_to_its_per_block_hashes_on_store_and_removal():
@@ -378,73 +344,3 @@ def test_inconsistent_requests_are_rejected(call, message):
 def test_group_spec_rejects_block_not_made_of_whole_hashes():
     with pytest.raises(ValueError, match="not a multiple"):
         group(tokens_per_block=16, hash_block_size=5)
-
-
-def test_batch_from_tracker_round_trips_through_the_wire():
-    specs = [group(0, blocks_per_chunk=2), group(1, kind="mamba", sliding_window_in_chunks=1)]
-    tracker = Tracker(True, specs)
-    req = request([2**64 - 1, 2**63 + 5], lora_id=3, lora_name="a")
-    [key] = store_chunks(tracker, req, specs[0], 1)
-    events = tracker.take_events(
-        [
-            stored([key, OffloadKey(1, 7)], "STORAGE", locality="REMOTE", ownership="kvcr"),
-            removed([key, OffloadKey(1, 7)], "STORAGE", locality="REMOTE", ownership="kvcr"),
-        ]
-    )
-    batch = EventBatch(1760000000.25, events, 0)
-
-    assert decode_batch(encode_batch(batch)) == batch
-    assert len(events) == 4 and events[1].kv_cache_spec_kind == "mamba"
-
-
-WIRE = FIXTURES / "wire"
-
-
-def test_self_describing_chunk_matches_vllm_bytes():
-    spec = group(tokens_per_block=16, blocks_per_chunk=4)
-    tracker = Tracker(True, [spec])
-    req = RequestView([7, 8, 9, 10, 11, 12, 13, 14], list(range(36, 164)))
-    key = OffloadKey(0, 14)
-    tracker.record_store(req, 1, key)
-
-    events = tracker.take_events(
-        [stored([key], locality="LOCAL"), removed([key], locality="LOCAL")]
-    )
-
-    expected = (WIRE / "cpu_self_describing_chunk.msgpack").read_bytes()
-    assert encode_batch(EventBatch(1760000001.5, events, 0)) == expected
-
-
-def test_owned_storage_tier_matches_vllm_bytes():
-    spec = group(tokens_per_block=16, blocks_per_chunk=2)
-    tracker = Tracker(True, [spec])
-    req = RequestView([19, 20, 21, 22], [0] * 32 + list(range(32)))
-    key = OffloadKey(0, 22)
-    tracker.record_store(req, 1, key)
-    tier = {"locality": "REMOTE", "ownership": "kvcr"}
-
-    events = tracker.take_events(
-        [stored([key], "STORAGE", **tier), removed([key], "STORAGE", **tier)]
-    )
-
-    expected = (WIRE / "storage_owned_tier.msgpack").read_bytes()
-    assert encode_batch(EventBatch(1760000003.0, events, 1)) == expected
-
-
-def test_placeholder_matches_vllm_bytes():
-    tracker = Tracker(False, [group(tokens_per_block=16, blocks_per_chunk=4)])
-
-    events = tracker.take_events([stored([OffloadKey(0, 2**64 - 1)])])
-
-    expected = (WIRE / "cpu_placeholder.msgpack").read_bytes()
-    assert encode_batch(EventBatch(1760000002.0, events, 0)) == expected
-
-
-def test_producer_imports_no_server_dependencies():
-    code = (
-        "import sys, producer, producer.tracker; "
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'fastapi', 'redis', 'api'}); "
-        "sys.exit(f'server modules imported: {bad}' if bad else 0)"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr

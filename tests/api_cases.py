@@ -1,0 +1,45 @@
+"""What the HTTP API's tests feed it: batches of GPU blocks and CPU chunks, an
+engine's registration body, and an answer read as vLLM's tier tokens, written
+once so every API test module builds its cases the same way."""
+
+from __future__ import annotations
+
+from indexer.core.events import BlockStored, EventBatch
+
+
+def batch(*events) -> EventBatch:
+    return EventBatch(1.0, list(events), 0)
+
+
+def gpu(hashes, parent=None) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, medium="GPU")
+
+
+def cpu_chunk(hashes) -> BlockStored:
+    """A self-describing CPU chunk (token ids elided: the store only needs the hashes)."""
+    return BlockStored(
+        block_hashes=list(hashes), token_ids=[0] * 16 * len(hashes), block_size=16, medium="CPU"
+    )
+
+
+def _tier_tokens(answer: dict) -> dict[str, int]:
+    (entry,) = answer["engines"]
+    size = answer["block_size"]
+    return {
+        "gpu_tokens": entry["gpu_blocks"] * size,
+        "cpu_prefix_tokens": entry["cpu_blocks"] * size,
+    }
+
+
+ENGINE_BODY = {
+    "name": "vllm-a",
+    "model": "m",
+    "endpoint": "tcp://10.0.0.1:5557",
+    "replay_endpoint": "tcp://10.0.0.1:5558",
+    "dp_ranks": 2,
+    "topic": "",
+    "block_size": 16,
+    "hash_algo": "sha256",
+    "hash_seed": None,
+    "blocks_per_chunk": None,
+}

@@ -1,0 +1,124 @@
+"""The snapshot tier's engine as configured (vLLM 0.33.0's config for each
+data-parallel rank, a stand-in executor) and the chats it serves, in one place:
+the pool and tier sizes are what make both the GPU and the CPU tier evict."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from vllm.config import KVEventsConfig, KVTransferConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from tests.servers import port_free
+
+BLOCK = 16
+CHUNK_BLOCKS = 4  # offloaded chunks of 64 tokens
+GPU_BLOCKS = 40
+CPU_CHUNKS = 12
+BUFFER = 10  # vLLM's replay buffer, in batches
+OFFSET = 1000  # the plugin's stream beside vLLM's; snapshots beside it
+RANKS = 2
+NAME = "tier-snapshots"
+SAMPLED = 7  # the token every "forward pass" samples
+MAX_PROMPT = 440  # tokens; the model's context is 512
+LAYER = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
+CHUNK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 2 * CHUNK_BLOCKS  # 2 layers of K and V, fp16
+
+
+class CpuExecutor:
+    """The model executor's answers about the KV cache: two full-attention layers."""
+
+    def get_kv_cache_specs(self):
+        return [{f"model.layers.{i}.self_attn.attn": FullAttentionSpec(**LAYER) for i in (0, 1)}]
+
+    def get_supported_kv_cache_layouts(self):
+        return [["LBNHC"]]
+
+    def set_kv_cache_layout(self, name, interleave):
+        pass
+
+    def determine_available_memory(self):
+        return [64 << 20]
+
+    def initialize_from_config(self, configs):
+        pass
+
+    def compile_or_warm_up_model(self):
+        pass
+
+
+def engine_ports() -> int:
+    """A base port B with vLLM's events at B + r, its replay at B + 2 + r, the plugin's
+    at + 1000 and its snapshots at + 2000 all free."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000)
+        if all(
+            port_free(base + o + i, "0.0.0.0") for o in (0, OFFSET, 2 * OFFSET) for i in range(4)
+        ):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def engine_config(model_dir, base: int, rank: int):
+    """vLLM's config as ``vllm serve`` builds it for data-parallel rank ``rank``."""
+    config = EngineArgs(
+        model=str(model_dir),
+        skip_tokenizer_init=True,  # nothing here tokenizes
+        served_model_name=["tiny-llama"],
+        block_size=BLOCK,
+        enable_prefix_caching=True,
+        prefix_caching_hash_algo="sha256",
+        max_model_len=512,
+        num_gpu_blocks_override=GPU_BLOCKS,
+        data_parallel_size=RANKS,
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"tcp://*:{base}",
+            replay_endpoint=f"tcp://*:{base + 2}",
+            buffer_steps=BUFFER,
+            topic="kv@tier",
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "block_size": BLOCK * CHUNK_BLOCKS,
+                "cpu_bytes_to_use": CPU_CHUNKS * CHUNK_BYTES,
+                "self_describing_kv_events": True,
+            },
+        ),
+    ).create_engine_config()
+    # what the rank's own engine core process is started with
+    config.parallel_config.data_parallel_rank = rank
+    config.parallel_config.data_parallel_index = rank
+    return config
+
+
+class Chats:
+    """Multi-turn chats over a few system prompts shared by every rank, and now and
+    then a system prompt alone: block-aligned and cached, vLLM recomputes its last
+    block (a hit stops a token short of the prompt), a second physical copy."""
+
+    SYSTEM = [[random.Random(n).randrange(1, 4000) for _ in range(size)] for n, size in
+              enumerate((96, 64, 128))]  # fmt: skip
+
+    def __init__(self, seed: int, chats: int = 6) -> None:
+        self._rng = random.Random(seed)
+        self._histories: list[list[int]] = [[] for _ in range(chats)]
+
+    def __next__(self) -> list[int]:
+        i = self._rng.randrange(len(self._histories))
+        system = self.SYSTEM[i % len(self.SYSTEM)]
+        if self._rng.random() < 0.1:
+            return list(system)
+        history = self._histories[i]
+        turn = [self._rng.randrange(1, 4000) for _ in range(self._rng.randrange(12, 60))]
+        if len(system) + len(history) + len(turn) > MAX_PROMPT:
+            history.clear()  # a new chat
+        prompt = system + history + turn
+        history.extend([*turn, SAMPLED])  # the next turn holds this one and its answer
+        return prompt
