@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, groupby
-from operator import attrgetter, itemgetter
+from itertools import groupby
 from typing import NamedTuple
 
 from indexer.core.events import (
@@ -40,6 +39,7 @@ from indexer.core.hybrid import (
     sliding_window_kind,
 )
 from indexer.core.matching import PrefixMatch, chunk_end, leading_run, match_prefix
+from indexer.core.planning import planned_runs
 
 
 class Tier(NamedTuple):
@@ -89,10 +89,6 @@ HOLD = 0
 
 _TIERS: dict[tuple, Tier] = {}
 _CLEAR_GPU = ClearMedium(GPU)
-#: What makes consecutive events one operation, read in C for every event.
-_SIGNATURE = attrgetter(
-    "__class__", "medium", "ownership", "group_idx", "locality", "kv_cache_spec_kind"
-)
 
 
 def _tier(medium: str | None, ownership: str | None, group_idx: int | None) -> Tier:
@@ -107,74 +103,24 @@ def _tier(medium: str | None, ownership: str | None, group_idx: int | None) -> T
 
 
 def plan_batch(batch: EventBatch, *, hold_gpu: bool = False) -> list[Op]:
-    """Translate a decoded batch into store operations, in event order.
+    """Translate a decoded batch into store operations, in planning order.
 
     ``hold_gpu``: GPU stores become holds (:class:`TierOp`), for an engine whose
     stream may carry reuse reports that nothing tells from new copies.
 
     Consecutive events that do the same thing to the same tier become one
-    operation (engines often remove blocks one event at a time). Within a
-    stretch of events on one tier, removals go first when that changes no
-    count, so that a pool evicting one chunk per chunk it stores gives two
-    operations, not one per event; otherwise order is kept.
-    This runs for every event the indexer sees: events are grouped in C by
-    the fields that make them one operation, and Python runs once per group.
+    operation (engines often remove blocks one event at a time), and within a
+    stretch of events on one tier removals go first when that changes no
+    count: :func:`~indexer.core.planning.planned_runs`' rule, the one order
+    every reader of a batch takes. This runs for every event the indexer sees:
+    events are grouped in C by the fields that make them one operation, and
+    Python runs once per group.
     """
     ops: list[Op] = []
-    runs = groupby(batch.events, _SIGNATURE)
-    for _, stretch in groupby(runs, _place):
-        alike = [(signature, list(run)) for signature, run in stretch]
-        for signature, events in _removals_first(alike) if len(alike) > 2 else alike:
-            _plan_run(ops, signature, events, HOLD if hold_gpu else 1)
+    gpu_store = HOLD if hold_gpu else 1
+    for signature, events in planned_runs(batch.events):
+        _plan_run(ops, signature, events, gpu_store)
     return ops
-
-
-Run = tuple[tuple, list[Event]]
-
-
-def _place(run: tuple[tuple, object]) -> tuple:
-    """Where a run's events act: runs of one place act on one tier."""
-    return run[0][1:5]
-
-
-def _removals_first(runs: list[Run]) -> list[Run]:
-    """The runs with every removal moved ahead of every store, if that changes nothing.
-
-    Counts of distinct hashes do not interact, so the move changes nothing
-    unless the stretch clears, or removes a hash after storing it (an
-    eviction of a block stored moments before; evicting, then storing again,
-    keeps its order). Runs left next to a run alike are joined.
-    """
-    classes = [signature[0] for signature, _ in runs]
-    if AllBlocksCleared in classes or BlockRemoved not in classes:
-        return runs
-    removed = [run for run in runs if run[0][0] is BlockRemoved]
-    stored = [run for run in runs if run[0][0] is not BlockRemoved]
-    both = set(_all_hashes(removed))
-    both.intersection_update(_all_hashes(stored))
-    if both and _removed_after_stored(runs, both):
-        return runs
-    return [
-        (signature, [*chain.from_iterable(events for _, events in alike)])
-        for signature, alike in groupby(removed + stored, itemgetter(0))
-    ]
-
-
-def _all_hashes(runs: list[Run]) -> Iterable[BlockHash]:
-    return (h for _, events in runs for event in events for h in event.block_hashes)
-
-
-def _removed_after_stored(runs: list[Run], hashes: set[BlockHash]) -> bool:
-    """Whether some run removes one of ``hashes`` after an earlier run stored it."""
-    stored: set[BlockHash] = set()
-    for signature, events in runs:
-        for event in events:
-            if signature[0] is BlockRemoved:
-                if not stored.isdisjoint(event.block_hashes):
-                    return True
-            else:
-                stored.update(hashes.intersection(event.block_hashes))
-    return False
 
 
 def _plan_run(ops: list[Op], signature: tuple, events: list[Event], gpu_store: int) -> None:

@@ -59,12 +59,19 @@ cdef inline bint same(const Val *a, const Val *b) noexcept nogil:
 
 
 cdef inline bint same_place(const Ev *a, const Ev *b) noexcept nogil:
-    """Whether two events act on one tier as sent (raw medium and group: planning's
-    ``_place``): clears have no fields, so they share the place of events with none."""
+    """Whether two events act on one place: ``indexer.core.planning.place``, the raw
+    medium, ownership, group and locality (clears have none of these fields, so they
+    share the place of events with none)."""
     return (
         same(&a.f[F_MEDIUM], &b.f[F_MEDIUM]) and same(&a.f[F_OWNERSHIP], &b.f[F_OWNERSHIP])
         and same(&a.f[F_GROUP], &b.f[F_GROUP]) and same(&a.f[F_LOCALITY], &b.f[F_LOCALITY])
     )
+
+
+cdef inline bint same_signature(const Ev *a, const Ev *b) noexcept nogil:
+    """Whether two events are of one run: ``indexer.core.planning.SIGNATURE``, the class,
+    the place and the kind (a removal's and a clear's is absent: their classes have none)."""
+    return a.cls == b.cls and same(&a.f[F_KIND], &b.f[F_KIND]) and same_place(a, b)
 
 
 cdef int read_event(Cur *c, Ev *e, Py_ssize_t most) except -2

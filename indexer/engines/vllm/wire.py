@@ -25,6 +25,7 @@ from typing import Union
 
 import msgspec
 
+from indexer.core import planning
 from indexer.core.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -33,7 +34,6 @@ from indexer.core.events import (
     EventBatch,
     WireError,
 )
-from indexer.core.residency import _SIGNATURE, _place, _removals_first
 from indexer.engines.base import MAX_HASHES_PER_EVENT, check_batch
 from indexer.engines.vllm import frames
 
@@ -227,19 +227,12 @@ def merge_alike(batch: EventBatch) -> EventBatch:
 
 
 def planning_order(batch: EventBatch) -> EventBatch:
-    """The batch in the order :func:`~indexer.core.residency.plan_batch` takes it: in a
-    stretch of events on one tier, removals ahead of stores where its rule
-    (``_removals_first``, used here as it is) moves them, so that they merge.
-
-    A CPU pool that evicts a chunk per chunk it stores sends them alternating,
-    hundreds a batch; planning moved them anyway, event by event.
-    """
-    events: list[Event] = []
-    for _, stretch in groupby(groupby(batch.events, _SIGNATURE), _place):
-        runs = [(signature, list(run)) for signature, run in stretch]
-        for _, run in _removals_first(runs) if len(runs) > 2 else runs:
-            events.extend(run)
-    return msgspec.structs.replace(batch, events=events)
+    """The batch in the order :func:`~indexer.core.residency.plan_batch` takes it
+    (:func:`indexer.core.planning.planned_runs`' rule): in a stretch of events on
+    one tier, removals ahead of stores where that changes no count, so that they
+    merge. A CPU pool that evicts a chunk per chunk it stores sends them
+    alternating, hundreds a batch."""
+    return msgspec.structs.replace(batch, events=planning.planning_order(batch.events))
 
 
 def _joined(run: list[Event]) -> Event:
