@@ -42,11 +42,15 @@ TABLE = Table(
         Row("replica over HTTP",
             "prefix-match p50 over HTTP on a scale-out replica (`kvindex api --mirror`) vs "
             "embedded (`kvindex serve`), same 32 engines, one keep-alive connection each", ("17",),
-            _picks("17", name="--mirror")),
+            _picks("17", name="--mirror", baseline="same queries")),
         Row("replica over HTTP, reading Redis",
             "the same on a replica reading Redis (`kvindex api`, no goal: what --mirror "
             "replaces)", ("17",),
-            _picks("17", name="reading Redis")),
+            _picks("17", name="reading Redis", baseline="same queries")),
+        Row("replica staleness",
+            "how stale a replica's answers are: an engine's new prompt in the answers of a "
+            "mirror / a replica reading Redis, vs embedded (no goal)", ("17",),
+            _picks("17", name="after its engine publishes")),
         Row("at the store",
             "the same at the store, the bench's 64-engine fleet: Redis vs embedded, "
             "64 / 512 blocks (no goal)", ("5",),
