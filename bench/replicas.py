@@ -171,15 +171,18 @@ def holds(servers: Servers, name: str, tokens: list[int], engine: str) -> bool:
 def visible_after(servers: Servers, engines: list[Engine], rounds: int) -> dict[str, dict]:
     """How stale each server's answers are: from an engine publishing a new prompt's
     batches to each server first answering with its blocks (servers polled in turn,
-    so the resolution is one round of three queries)."""
+    a different one first each round, so the resolution is one round of three
+    queries, a few milliseconds)."""
     rng, seen = random.Random(9), {name: [] for name in servers.clients}
     for r in range(rounds):
         engine = engines[r % len(engines)]
         tokens = [rng.randrange(1, 30_000) for _ in range(QUERY_BLOCKS * BLOCK_SIZE)]
         waiting, started = set(servers.clients), time.perf_counter()
         engine.serve([tokens])
+        names = sorted(waiting)
+        names = names[r % len(names) :] + names[: r % len(names)]  # each polled first in turn
         while waiting and time.perf_counter() - started < 30:
-            for name in sorted(waiting):
+            for name in [n for n in names if n in waiting]:
                 if holds(servers, name, tokens, engine.spec["name"]):
                     seen[name].append(time.perf_counter() - started)
                     waiting.discard(name)
