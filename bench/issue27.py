@@ -47,10 +47,12 @@ TABLE = Table(
             "the same on a replica reading Redis (`kvindex api`, no goal: what --mirror "
             "replaces)", ("17",),
             _picks("17", name="reading Redis", baseline="same queries")),
-        Row("replica staleness",
-            "how stale a replica's answers are: an engine's new prompt in the answers of a "
-            "mirror / a replica reading Redis, vs embedded (no goal)", ("17",),
-            _picks("17", name="after its engine publishes")),
+        Row("mirror staleness",
+            "how stale a mirror's answers are: an engine's new prompt in them, vs in the "
+            "embedded server's (no goal)", ("17",),
+            _picks("17", name="--mirror`, after its engine publishes")),
+        Row("Redis replica staleness", "the same for a replica reading Redis (no goal)", ("17",),
+            _picks("17", name="reading Redis, after its engine publishes")),
         Row("at the store",
             "the same at the store, the bench's 64-engine fleet: Redis vs embedded, "
             "64 / 512 blocks (no goal)", ("5",),

@@ -118,7 +118,7 @@ MADE = [
      "Redis, p50", "ms", "`kvindex serve` (embedded), same queries: p50",
      "replica over HTTP, reading Redis"),
     ("17", "a new prompt's blocks in the answers of `kvindex api --mirror`, after its engine "
-     "publishes them: p50", "ms", "`kvindex serve` (embedded): p50", "replica staleness"),
+     "publishes them: p50", "ms", "`kvindex serve` (embedded): p50", "mirror staleness"),
     ("2", "ingest, Redis Cluster (3 masters): fleet stream, Redis CPU per block-op", "us",
      "standalone Redis, same stream", "Redis Cluster vs standalone"),
     ("2", "ingest, Redis: bulk load (4096-hash events), block-ops/s", "ops/s",
