@@ -148,6 +148,33 @@ async def test_picks_recorded_on_a_mirror_are_shared_through_redis(replicas, eng
     assert row["routed_blocks"] == len(tokens) // 16
 
 
+async def test_a_mirror_learns_tokens_a_redis_replica_cannot_hash(replicas, engines) -> None:
+    """An engine declaring no hash algorithm: only a process applying its events learns
+    which tokens its blocks hold, so the mirror matches it by tokens, the other cannot."""
+    redis_api, mirror = replicas.clients
+    secret = engines[sorted(engines)[0]]
+    spec = {**secret.spec, "hash_algo": None, "hash_seed": None}
+    assert (await mirror.post("/engines", json=spec)).status_code == 201
+
+    async def connected() -> bool:
+        return (await mirror.get("/stats")).json()["connected_ranks"] == 1
+
+    await until(connected, 30, "the mirror to consume the engine")
+    tokens = prompts(11, 1)[0]
+    secret.submit(tokens)
+    secret.drain()
+
+    async def gpu_blocks(client: httpx.AsyncClient) -> int:
+        rows = (await client.post("/prefix-match", json={"tokens": tokens})).json()["engines"]
+        return next(r["gpu_blocks"] for r in rows if r["engine"] == spec["name"])
+
+    async def learned() -> bool:
+        return await gpu_blocks(mirror) == len(tokens) // 16
+
+    await until(learned, 30, "the mirror to match the engine's prompt by tokens")
+    assert await gpu_blocks(redis_api) == 0
+
+
 def _spec(name: str, dp_ranks: int) -> EngineSpec:
     return EngineSpec(name, f"tcp://127.0.0.1:{free_ports(dp_ranks)}", "m", dp_ranks=dp_ranks)
 
