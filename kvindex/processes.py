@@ -137,14 +137,19 @@ async def run_api(
     registry = RedisRegistry(store.client)
     registry.declare(config.engines)  # registered again should the registry be lost
     polls = config.indexer
-    board = StatusBoard(store.client, registry, stale_after=3 * polls.status_interval)
-    store.on_loss(board.forget)  # the statuses read before a loss may be of what it lost
+    # what /engines, /stats and `degraded` show: the mirror's own consumers, or the
+    # statuses the workers publish
+    own = board = None
+    if mirror:
+        own = Mirror(registry, config.subscriber, settings.auth_token)
+    else:
+        board = StatusBoard(store.client, registry, stale_after=3 * polls.status_interval)
+        store.on_loss(board.forget)  # the statuses read before a loss may be of what it lost
     routed = RedisRouted(redis, store.client)
     # every replica sees and sweeps the same leases: an engine may renew through any of them
     book = RedisBook(store.client)
     leases = Leases(registry, settings.announce, on_removed=routed.forget, book=book)
     misdeclared = RedisMisdeclared(store.client, registry)
-    own = Mirror(registry, config.subscriber, settings.auth_token) if mirror else None
     app = create_app(
         own.store if own else store,
         registry,
@@ -160,14 +165,15 @@ async def run_api(
             store.watch()  # a replica writes no batch: it looks for lost data all the same
             with contextlib.suppress(StoreUnavailable):  # the polls retry; /readyz says 503
                 await registry.refresh()
-                await board.refresh()
+                if board is not None:
+                    await board.refresh()
             tasks = [asyncio.create_task(misdeclared.follow(polls.status_interval))]
-            if own is None:
-                tasks.append(asyncio.create_task(registry.follow(polls.registry_poll)))
-                tasks.append(asyncio.create_task(board.follow(polls.status_interval)))
-            else:
+            if own is not None:  # the mirror refreshes the registry itself, then syncs with it
                 await own.start()
                 tasks.append(asyncio.create_task(own.follow(polls.registry_poll)))
+            else:
+                tasks.append(asyncio.create_task(registry.follow(polls.registry_poll)))
+                tasks.append(asyncio.create_task(board.follow(polls.status_interval)))
             leases.start()
             kind = "mirror" if own else "RedisStore"
             await serve_http(app, settings, sock, stop, store=kind)
