@@ -122,13 +122,14 @@ class Servers:
         stats = [c.get("/stats").json() for c in self.clients.values()]
         return all(s.get("connected_ranks") == engines for s in stats)
 
+    def rows(self, name: str, tokens: list[int]) -> list[dict]:
+        """One server's answer rows for a prompt."""
+        reply = self.clients[name].post("/prefix-match", json={"tokens": tokens})
+        reply.raise_for_status()
+        return reply.json()["engines"]
+
     def answers(self, name: str, queries: list[list[int]]) -> list[list[tuple]]:
-        out = []
-        for tokens in queries:
-            reply = self.clients[name].post("/prefix-match", json={"tokens": tokens})
-            reply.raise_for_status()
-            out.append(sorted((r["engine"], r["score"]) for r in reply.json()["engines"]))
-        return out
+        return [sorted((r["engine"], r["score"]) for r in self.rows(name, q)) for q in queries]
 
     def agree(self, queries: list[list[int]]) -> bool:
         embedded = self.answers("embedded", queries)
@@ -162,12 +163,6 @@ def measure(servers: Servers, queries: list[list[int]], rounds: int) -> dict[str
     return {name: latency_ms(values) for name, values in samples.items()}
 
 
-def holds(servers: Servers, name: str, tokens: list[int], engine: str) -> bool:
-    reply = servers.clients[name].post("/prefix-match", json={"tokens": tokens})
-    rows = reply.json()["engines"]
-    return any(r["engine"] == engine and r["gpu_blocks"] for r in rows)
-
-
 def visible_after(servers: Servers, engines: list[Engine], rounds: int) -> dict[str, dict]:
     """How stale each server's answers are: from an engine publishing a new prompt's
     batches to each server first answering with its blocks (servers polled in turn,
@@ -183,7 +178,8 @@ def visible_after(servers: Servers, engines: list[Engine], rounds: int) -> dict[
         names = names[r % len(names) :] + names[: r % len(names)]  # each polled first in turn
         while waiting and time.perf_counter() - started < 30:
             for name in [n for n in names if n in waiting]:
-                if holds(servers, name, tokens, engine.spec["name"]):
+                rows = servers.rows(name, tokens)
+                if any(r["engine"] == engine.spec["name"] and r["gpu_blocks"] for r in rows):
                     seen[name].append(time.perf_counter() - started)
                     waiting.discard(name)
         if waiting:
