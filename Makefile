@@ -5,23 +5,30 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TRACES := ../shared/fixtures/vllm-0.33.0/traces
 
-.PHONY: help setup demo replay test lint bench
+LOCK   := locks/dev.txt
+
+.PHONY: help setup demo replay test test-latest lint bench lock
 
 help:
 	@echo "make demo    set up, then run the service with 4 simulated engines"
 	@echo "make test    set up (Python deps, redis-server, docker-compose), then lint and run the tests"
 	@echo "make replay  apply a vLLM fixture trace, print the JSON report and whether vLLM's answers match"
 	@echo "make bench   run every benchmark (quick mode); report in bench/results/"
+	@echo "make lock         refresh locks/ to the newest releases pyproject.toml's ranges allow"
+	@echo "make test-latest  run the tests on the newest releases (no lock), in a copy of the checkout"
 
-# The compiled core builds at install time: a changed source reinstalls.
-$(STAMP): pyproject.toml setup.py $(shell find indexer -name '*.pyx' -o -name '*.pxd')
+# The compiled core builds at install time: a changed source reinstalls. Every package comes
+# from the lock, exact versions and hashes; kvindex itself builds with the lock's setuptools
+# and Cython (no build isolation, which would fetch the newest).
+$(STAMP): pyproject.toml setup.py $(LOCK) $(shell find indexer -name '*.pyx' -o -name '*.pxd')
 	@echo "== [1/3] build tools for the compiled core (a C compiler, OpenSSL and xxhash headers)"
 	@scripts/ensure-build-tools.sh $(PYTHON)
 	@echo "== [2/3] $(VENV): a virtualenv with a current pip"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	@echo "== [3/3] kvindex and its test tools into $(VENV) (minutes the first time: pip's progress follows)"
-	$(BIN)/pip install -e '.[test]'
+	@echo "== [3/3] $(LOCK), then kvindex, into $(VENV) (minutes the first time: pip's progress follows)"
+	$(BIN)/pip install --require-hashes --no-deps -r $(LOCK)
+	$(BIN)/pip install --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $@
 
 setup: $(STAMP)
@@ -47,12 +54,17 @@ test: lint
 	$(BIN)/pytest -q
 	@echo "make test skips the vLLM tier (tests/vllm_tier: vLLM 0.33.0 in its own venv); scripts/vllm-tier.sh runs it, and so does .ci/run"
 
-BENCH_STAMP := $(VENV)/.bench-installed
-
-$(BENCH_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[test,bench]'
-	touch $@
-
-bench: setup $(BENCH_STAMP)
+bench: setup
 	$(BIN)/python -m bench --quick
+
+# The lock: what demo, test, bench and CI install (every extra but vllm-plugin, which goes into
+# an engine's venv), and the Dockerfile's runtime subset at the same versions.
+UV := uv pip compile --quiet --python-version 3.11 --universal --generate-hashes
+lock:
+	$(PYTHON) -m pip install -q "uv>=0.9"
+	cd locks && $(UV) --upgrade ../pyproject.toml build.in --extra test --extra bench -o dev.txt
+	cd locks && $(UV) --upgrade ../pyproject.toml build.in -c dev.txt -o service.txt
+
+test-latest: setup
+	scripts/test-latest.sh $(PYTHON)
 
