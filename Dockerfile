@@ -16,13 +16,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/kvindex
 RUN python -m venv /opt/venv
+# What kvindex runs with, exact versions and hashes (make lock refreshes it); kvindex builds
+# with the lock's setuptools and Cython.
+COPY locks/service.txt ./locks/
+RUN pip install --require-hashes --no-deps -r locks/service.txt
 COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY indexer ./indexer
 COPY api ./api
 COPY producer ./producer
 COPY kvindex ./kvindex
 # The build fails here, not at run time, if the compiled core did not build.
-RUN pip install . \
+RUN pip install --no-deps --no-build-isolation . && pip check \
     && cd / && python -c "from api.operators import compiled_status as s; assert s()['compiled_core'], s()"
 
 FROM python:3.11-slim-bookworm

@@ -185,11 +185,14 @@ def test_the_image_holds_what_the_package_installs() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     for package in ("indexer", "api", "producer"):
         assert f"COPY {package} ./{package}" in dockerfile
-    assert "RUN pip install ." in dockerfile
+    # the lock's exact versions and hashes, then kvindex on them, nothing resolved anew
+    assert "RUN pip install --require-hashes --no-deps -r locks/service.txt" in dockerfile
+    assert "RUN pip install --no-deps --no-build-isolation ." in dockerfile
+    assert "!locks/service.txt" in (ROOT / ".dockerignore").read_text().splitlines()
 
 
 def test_the_image_build_checks_every_compiled_part() -> None:
-    """The build stage's check (the one Python line after ``pip install .``) runs and
+    """The build stage's check (the one Python line after kvindex's install) runs and
     passes here, where every compiled part built: it names modules that exist."""
     dockerfile = (ROOT / "Dockerfile").read_text()
     (check,) = re.findall(r'python -c "([^"]+)"', dockerfile)

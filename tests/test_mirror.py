@@ -172,6 +172,13 @@ async def test_a_mirror_learns_tokens_a_redis_replica_cannot_hash(replicas, engi
         return await gpu_blocks(mirror) == len(tokens) // 16
 
     await until(learned, 30, "the mirror to match the engine's prompt by tokens")
+
+    async def in_redis() -> bool:  # the Redis replica sees the engine and its blocks
+        reply = await redis_api.get(f"/engines/{spec['name']}")
+        ranks = reply.json()["ranks"] if reply.status_code == 200 else []
+        return sum(sum(rank["blocks"].values()) for rank in ranks) >= len(tokens) // 16
+
+    await until(in_redis, 30, "the worker to apply the engine's blocks to Redis")
     assert await gpu_blocks(redis_api) == 0
 
 

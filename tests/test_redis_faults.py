@@ -190,6 +190,8 @@ async def main():
     for seq, payload in load_trace(sys.argv[3]):
         await apply_events(store, rank, seq, decode_batch(payload))
         print(seq, flush=True)
+        if seq == int(sys.argv[6]):  # the test is in step here: it kills us in what follows
+            sys.stdin.readline()
 
 asyncio.run(main())
 """
@@ -198,19 +200,29 @@ asyncio.run(main())
 @pytest.mark.slow
 async def test_kill_9_of_an_indexer_process_then_redelivery(redis_server: RedisServer) -> None:
     """Each worker resumes from the Redis watermark; it is killed as it passes a target
-    seq, somewhere in the batches it applies next."""
+    seq, somewhere in the batches it applies next. The worker waits at the target until
+    the test reads it (its output is a pipe: on a busy machine the test would read old
+    lines while the worker ran to the end), and the test's own reads wait out a Redis
+    kept busy by the load."""
     trace = load_trace(TRACE_FILE)
-    config = redis_config(redis_server.url)
+    config = dataclasses.replace(redis_config(redis_server.url), socket_timeout=60.0)
     args = [redis_server.url, config.prefix, str(TRACE_FILE), RANK.engine, "0"]
     async with reopened(config) as store:
         for target in (30, 90, 150):
             worker = subprocess.Popen(
-                [sys.executable, "-c", WORKER, *args], stdout=subprocess.PIPE, text=True
+                [sys.executable, "-c", WORKER, *args, str(target)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
             )
             while int(worker.stdout.readline()) < target:
                 pass
+            worker.stdin.write("go\n")
+            worker.stdin.flush()
             worker.send_signal(signal.SIGKILL)
             worker.wait()
+            worker.stdin.close()
+            worker.stdout.close()
             mark = await store.watermark(RANK)
             assert target <= mark.seq < trace[-1][0], "not killed part-way"
         await apply_trace(store, RANK, trace)
