@@ -56,4 +56,3 @@ def test_the_service_lock_is_the_dev_locks_versions() -> None:
     dev = pins("dev.txt")
     differ = {name: v for name, v in pins("service.txt").items() if not v <= dev.get(name, set())}
     assert not differ, differ
-
