@@ -23,7 +23,7 @@ git ls-files -z --cached --others --exclude-standard |
 ln -sfn "$(cd ../shared && pwd)" "$WORK/shared"
 cd "$WORK/main"
 "$PYTHON" -m venv .venv
-.venv/bin/pip install -q --upgrade pip packaging
+.venv/bin/pip install -q --upgrade pip packaging setuptools
 case "$MODE" in
 latest) constraints=() ;;
 floors)
