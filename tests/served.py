@@ -10,7 +10,7 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,19 @@ def get(port: int, path: str) -> Any:
     answer = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=30)
     answer.raise_for_status()
     return answer.json()
+
+
+def poll(port: int, path: str, ready: Callable[[Any], bool], what: str, within: float = 300) -> Any:
+    """The JSON answer of ``GET path`` once ``ready`` holds of it. A server applying a
+    flood on a busy machine can take longer than any one request's timeout to answer: an
+    answer that timed out is not one yet, until ``within`` seconds have passed."""
+    deadline = time.monotonic() + within
+    while True:
+        with contextlib.suppress(httpx.TimeoutException):
+            if ready(answer := get(port, path)):
+                return answer
+        assert time.monotonic() < deadline, f"{what}: not within {within:.0f} s"
+        time.sleep(0.05)
 
 
 def healthy(port: int) -> bool:
