@@ -16,7 +16,7 @@ Pure logic, no I/O: the wire form is msgpack (:func:`encode_snapshot`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated
 
 import msgspec
@@ -26,6 +26,17 @@ from indexer.core.residency import Op, RankResidency, Tier, TierOp
 
 #: Its ``seq`` when the engine published no batch yet: the rank is empty.
 NOTHING_PUBLISHED = -1
+
+#: The most references a snapshot may give one hash. A hash's references are the
+#: copies of it an engine holds: GPU blocks computed twice at once (vLLM's prefix
+#: cache shares a cached block rather than copying it), offloaded chunks that each
+#: contain a shared block, an owned residency beside a primary one: a few, rarely
+#: tens. :func:`plan_snapshot` makes one operation per level of references, so
+#: this also bounds the operations one tier costs, whatever its counts say.
+MAX_COPIES = 4096
+
+#: The rejection counted for a snapshot asking for more than any engine holds.
+SNAPSHOT_OVER_CAPACITY = "snapshot_over_capacity"
 
 
 class SnapshotTier(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -58,6 +69,29 @@ class Snapshot(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=Fals
     def blocks(self) -> int:
         """Residencies it holds (a hash on two tiers counts twice)."""
         return sum(len(t.hashes) for t in self.tiers)
+
+
+def beyond_capacity(snapshot: Snapshot, bounds: Mapping[str, int]) -> str | None:
+    """Why applying the snapshot would build more than any engine holds (None: it
+    would not): a hash with more than :data:`MAX_COPIES` references, or a medium
+    with more references than the rank's bound of blocks there (``bounds``, by
+    medium). Each reference is a block of the engine's cache, so no engine that
+    fits its rank's bound holds more; a few bytes claiming ``counts: [10**9]``
+    would otherwise make kvindex build a billion of them. Costs one pass over the
+    decoded counts, before anything is planned or applied.
+    """
+    references = dict.fromkeys(bounds, 0)
+    for t in snapshot.tiers:
+        medium = normalise_medium(t.medium)
+        if t.counts is None:
+            references[medium] += len(t.hashes)
+            continue
+        most = max(t.counts, default=0)
+        if most > MAX_COPIES:
+            return f"a {medium} hash held {most} times, over {MAX_COPIES}"
+        references[medium] += sum(t.counts)
+    over = [f"{m} {n} references, over {bounds[m]}" for m, n in references.items() if n > bounds[m]]
+    return ", ".join(over) or None
 
 
 def snapshot_of(residency: RankResidency, seq: int, ts: float) -> Snapshot:

@@ -105,8 +105,13 @@ class RankConsumer:
         self._failed = False  # the loop died of a bug
         self.fenced = False  # another owner took the rank: nothing more is applied
         self._has_replay = spec.replay_endpoint is not None
+        replay = spec.rank_endpoint(dp_rank, replay=True) or ""
+        self._report = Report(self.status, self.metrics, self.ids, replay, settings.replay_attempts)
+        bounds = rank_bounds(spec, settings.max_blocks)
         snapshots = spec.rank_snapshot_endpoint(dp_rank)
-        self._snapshots = snapshots and SnapshotFetch(shared, snapshots, self._wake)
+        self._snapshots = snapshots and SnapshotFetch(
+            shared, snapshots, self._wake, bounds, self._report.rejected
+        )
         self._seq: Sequencer[EventBatch] = Sequencer(
             self.status,
             settings.rules(self._has_replay, snapshots is not None),
@@ -115,8 +120,6 @@ class RankConsumer:
             time.monotonic(),
         )
         self._decode_batch = spec.engine_adapter.decode
-        replay = spec.rank_endpoint(dp_rank, replay=True) or ""
-        self._report = Report(self.status, self.metrics, self.ids, replay, settings.replay_attempts)
         self._replay = ReplayClient(
             shared.context,
             settings,
@@ -137,7 +140,6 @@ class RankConsumer:
             self._connected,
             self.ids,
         )
-        bounds = rank_bounds(spec, settings.max_blocks)
         self._capacity = Capacity(bounds, self.status, self.metrics, self.ids)
         self._slot_held = False
         self._losses = LossWatch(store, self._seq)
@@ -151,7 +153,7 @@ class RankConsumer:
             what="rank consumer",
             extra=self.ids(),
             on_error=self._store_error,
-            stopping=self._is_stopping,
+            stopping=lambda: self._stopping,
             sleep=self._losses.pause,
         )
 
@@ -441,9 +443,6 @@ class RankConsumer:
             resync = self._seq.resync(loss.number, loss.reason, loss.wiped, mark, self.reached())
             await self._perform(resync)
         self._perform_now(self._seq.settle_rebuild())
-
-    def _is_stopping(self) -> bool:
-        return self._stopping
 
     def _store_error(self, error: BaseException) -> None:
         self.status.store_errors += 1
