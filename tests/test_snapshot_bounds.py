@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from indexer.core.events import EventBatch
-from indexer.core.snapshot import MAX_COPIES, SNAPSHOT_OVER_CAPACITY, Snapshot, SnapshotTier
+from indexer.core.snapshot import SNAPSHOT_OVER_CAPACITY, Snapshot, SnapshotTier
 from indexer.ingest.settings import SubscriberSettings
 from indexer.ingest.subscriber import Subscriber
 from indexer.registry import EngineRegistry, EngineSpec, RankStatus
@@ -38,7 +38,7 @@ PUBLISHED = 5
 #: The engine's declared GPU capacity: its rank may hold twice that on GPU.
 GPU_BLOCKS = 8
 #: The subscriber's max_blocks: the rank's bound on CPU and storage.
-MAX_BLOCKS = MAX_COPIES
+MAX_BLOCKS = 4096
 #: RSS growth allowed while a refused snapshot is handled (allocator noise).
 RSS_SLACK = 32 << 20
 
@@ -109,7 +109,7 @@ def tier(medium: str, hashes: list[int], counts: list[int] | None = None) -> Sna
     "tiers",
     [
         pytest.param([tier("GPU", [1], [10**9])], id="one hash held 10**9 times"),
-        pytest.param([tier("CPU", [1], [MAX_COPIES + 1])], id="counts past MAX_COPIES"),
+        pytest.param([tier("CPU", [1], [MAX_BLOCKS + 1])], id="one hash past max_blocks"),
         pytest.param(
             [tier("GPU", [1, 2, 3], [7, 7, 7])], id="GPU references past twice gpu_blocks"
         ),
@@ -140,8 +140,11 @@ async def test_a_snapshot_beyond_capacity_is_refused_at_once_and_counted(
     assert len(answered.asked) == 1  # asked again only after snapshot_retry
 
 
-async def test_a_snapshot_within_the_bounds_is_applied(rank_answering) -> None:
-    bounded = [tier("GPU", [1, 2], [GPU_BLOCKS, GPU_BLOCKS]), tier("CPU", [3], [MAX_COPIES])]
+async def test_a_snapshot_at_the_bounds_is_applied(rank_answering) -> None:
+    """Right at each bound (one hash held as many times as the rank may hold blocks
+    too): applied, so the refusals above are the bounds' doing."""
+    bounded = [tier("GPU", [1, 2], [GPU_BLOCKS, GPU_BLOCKS]), tier("CPU", [3], [MAX_BLOCKS])]
     _, status = await rank_answering(bounded)
     await wait_until(lambda: status().restores == 1, 30, "the snapshot to be applied")
     assert not status().rejected and status().snapshot_error is None
+    assert not status().degraded

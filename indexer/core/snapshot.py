@@ -27,14 +27,6 @@ from indexer.core.residency import Op, RankResidency, Tier, TierOp
 #: Its ``seq`` when the engine published no batch yet: the rank is empty.
 NOTHING_PUBLISHED = -1
 
-#: The most references a snapshot may give one hash. A hash's references are the
-#: copies of it an engine holds: GPU blocks computed twice at once (vLLM's prefix
-#: cache shares a cached block rather than copying it), offloaded chunks that each
-#: contain a shared block, an owned residency beside a primary one: a few, rarely
-#: tens. :func:`plan_snapshot` makes one operation per level of references, so
-#: this also bounds the operations one tier costs, whatever its counts say.
-MAX_COPIES = 4096
-
 #: The rejection counted for a snapshot asking for more than any engine holds.
 SNAPSHOT_OVER_CAPACITY = "snapshot_over_capacity"
 
@@ -73,23 +65,19 @@ class Snapshot(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=Fals
 
 def beyond_capacity(snapshot: Snapshot, bounds: Mapping[str, int]) -> str | None:
     """Why applying the snapshot would build more than any engine holds (None: it
-    would not): a hash with more than :data:`MAX_COPIES` references, or a medium
-    with more references than the rank's bound of blocks there (``bounds``, by
-    medium). Each reference is a block of the engine's cache, so no engine that
-    fits its rank's bound holds more; a few bytes claiming ``counts: [10**9]``
-    would otherwise make kvindex build a billion of them. Costs one pass over the
-    decoded counts, before anything is planned or applied.
+    would not): more references on a medium, one hash's counted as many times as
+    its count says, than the rank may hold blocks there (``bounds``, by medium).
+
+    Each reference is a block of the engine's cache (a physical GPU copy, an
+    offloaded chunk holding the hash), so an engine within its rank's bound
+    holds no more; a few bytes claiming ``counts: [10**9]`` would otherwise make
+    kvindex build a billion of them. One pass over the decoded counts, before
+    anything is planned or applied.
     """
     references = dict.fromkeys(bounds, 0)
     for t in snapshot.tiers:
         medium = normalise_medium(t.medium)
-        if t.counts is None:
-            references[medium] += len(t.hashes)
-            continue
-        most = max(t.counts, default=0)
-        if most > MAX_COPIES:
-            return f"a {medium} hash held {most} times, over {MAX_COPIES}"
-        references[medium] += sum(t.counts)
+        references[medium] += len(t.hashes) if t.counts is None else sum(t.counts)
     over = [f"{m} {n} references, over {bounds[m]}" for m, n in references.items() if n > bounds[m]]
     return ", ".join(over) or None
 
@@ -111,30 +99,25 @@ def _tier_of(tier: Tier, counts: dict[BlockHash, int], locality: str | None) -> 
 
 
 def plan_snapshot(snapshot: Snapshot) -> list[Op]:
-    """Operations that give an empty rank the snapshot's counts: per tier, one +1
-    for every hash, then one more for each hash with a second reference, and so on
-    (a hash rarely has more than a few physical copies)."""
+    """Operations that give an empty rank the snapshot's counts: one per tier, +1 for
+    each hash as many times as its count says (a store counts a hash repeated in one
+    operation once per repeat, as in an event). What it builds is the snapshot's
+    references, which :func:`beyond_capacity` bounds, whatever one hash's count."""
     kinds, chunk = snapshot.group_kinds, snapshot.chunk_blocks
     ops: list[Op] = []
     for t in snapshot.tiers:
         tier = Tier(normalise_medium(t.medium), t.ownership, t.group_idx)
-        kind = kinds.get(t.group_idx)
         lower = chunk if tier.medium != GPU else None
-        ops.extend(TierOp(tier, 1, hashes, t.locality, kind, lower) for hashes in _layers(t))
+        ops.append(TierOp(tier, 1, _references(t), t.locality, kinds.get(t.group_idx), lower))
     return ops
 
 
-def _layers(tier: SnapshotTier) -> list[Sequence[BlockHash]]:
-    """The hashes with at least 1, 2, ... references: one list per level."""
+def _references(tier: SnapshotTier) -> Sequence[BlockHash]:
+    """Each hash of the tier, repeated as many times as its count."""
     if tier.counts is None:
-        return [tier.hashes]
-    layers: list[list[BlockHash]] = []
-    for h, count in zip(tier.hashes, tier.counts, strict=True):
-        while len(layers) < count:
-            layers.append([])
-        for level in range(count):
-            layers[level].append(h)
-    return layers
+        return tier.hashes
+    pairs = zip(tier.hashes, tier.counts, strict=True)
+    return [h for h, count in pairs for _ in range(count)]
 
 
 _ENCODER = msgspec.msgpack.Encoder()
