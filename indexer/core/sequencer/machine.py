@@ -119,7 +119,8 @@ class Sequencer(Stream[B]):
             missing = status.missing[-1] if status.missing else None
             lost = f" (batches {missing.first}..{missing.last} missing)" if missing else ""
             status.store_loss = f"{rebuild.reason}; replay could not apply every lost batch{lost}"
-        return [RebuildSettled(rebuild.last, exact)]
+        # (a snapshot's held batches, no loss: nothing to tell operators)
+        return [] if rebuild.reason is None else [RebuildSettled(rebuild.last, exact)]
 
     # --- inputs: snapshots ------------------------------------------------------------
 
