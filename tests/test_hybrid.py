@@ -231,6 +231,21 @@ async def test_every_store_answers_like_the_reference_on_random_hybrid_streams(
             assert found == want, (declared, chain)
 
 
+async def test_a_window_past_the_bound_limits_no_hit_and_every_store_still_answers(
+    store: Store,
+) -> None:
+    """A sliding window of 2**63 tokens (a number from the wire) made the memory store's
+    every prefix match fail; past MAX_RULE_WINDOW the group is tracked, not matched."""
+    rank, chain = RankId("engine-a", 0), CHAIN[:4]
+    windowed = stored(chain[:2], group=1, kind="sliding_window", block_size=BLOCK, window=2**63)
+    batch = EventBatch(1.0, [stored(chain, block_size=BLOCK), windowed], 0)
+    await apply_events(store, rank, 0, batch)
+    reference = RankResidency()
+    reference.apply(plan_batch(batch))
+    found = await store.prefix_match(chain, {"engine-a": None})
+    assert found == {rank: reference.match(chain, None)} and found[rank].gpu_blocks == 4
+
+
 # --- vLLM's traces, over ZMQ, joined late --------------------------------------
 
 

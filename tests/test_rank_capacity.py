@@ -23,6 +23,7 @@ from producer.publisher import Publisher
 
 from .conftest import free_ports, wait_until
 from .served import memory, poll, reset_peak, serve
+from .test_e2e import until
 from .test_subscriber import Engine, applied, consuming, publish, status, tuned
 
 MB = 1 << 20
@@ -55,7 +56,11 @@ async def test_a_rank_past_its_bound_is_cleared_and_refused_until_its_engine_res
         assert is_degraded(st) and "over capacity: GPU held 250 blocks, over 200" in (
             degraded_reasons(st)
         )
-        assert (await store.block_counts(RANK))[GPU] == 0
+
+        async def cleared() -> bool:  # flagged first, then cleared: one store call later
+            return (await store.block_counts(RANK))[GPU] == 0
+
+        await until(cleared, 30, "the refused GPU blocks to be cleared")
         await publish(pub, [stores(2000, 10, 1002.0), stores(3000, 10, 1003.0, "cpu")])
         await applied(sub, 3)
         counts = await store.block_counts(RANK)

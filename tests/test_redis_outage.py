@@ -114,6 +114,20 @@ class Kvindex:
                 proc.wait()
 
 
+def engines(count: int) -> tuple[list[EngineSpec], list[Publisher]]:
+    """``count`` engines, ``e0``, ``e1``...: each a publisher bound on fresh ports, with
+    its replay buffer."""
+    specs, publishers = [], []
+    for i in range(count):
+        pub, replay = free_ports(), free_ports()
+        spec = EngineSpec(
+            f"e{i}", f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}"
+        )
+        specs.append(spec)
+        publishers.append(Publisher(spec.endpoint, spec.replay_endpoint, bind=True))
+    return specs, publishers
+
+
 def gpu_chains(batches: list[EventBatch], count: int) -> list[tuple[int, ...]]:
     """The last ``count`` block-hash chains the batches store on GPU."""
     chains = [
@@ -162,6 +176,17 @@ class Observed:
     def ready(self, status: int) -> None:
         if not self.readyz or self.readyz[-1][1] != status:
             self.readyz.append((self.now(), status))
+
+    def summary(self) -> str:
+        return (
+            f"{self.answers} answers ({self.rows} rows) checked, {self.flagged} differing rows"
+            f" flagged, {len(self.unflagged)} unflagged, {self.unavailable} answered 503"
+        )
+
+    def assert_flagged(self) -> None:
+        """Every differing row was flagged, and some did differ (else nothing was checked)."""
+        assert not self.unflagged, self.unflagged[:10]
+        assert self.flagged, "no answer fell between the restart and the rebuild: nothing checked"
 
     def check(self, counts: Rows, flags: dict, want: Rows, ready: bool) -> None:
         """One answer against the reference's, row by row."""
@@ -215,14 +240,7 @@ async def test_every_wrong_answer_after_redis_restarts_is_flagged(
     batches = trace_batches(*TRACE_NAMES)
     half = len(batches) // 2 if restart == "snapshot" else len(batches)
     later = outage_batches(batches[-1])
-    specs, publishers = [], []
-    for i in range(ENGINES):
-        pub, replay = free_ports(), free_ports()
-        spec = EngineSpec(
-            f"e{i}", f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{replay}"
-        )
-        specs.append(spec)
-        publishers.append(Publisher(spec.endpoint, spec.replay_endpoint, bind=True))
+    specs, publishers = engines(ENGINES)
     reference = LiveApi()
     reference.publishers += publishers  # closed with it
     kvindex = Kvindex(tmp_path, topology, volatile_redis.url, specs)
@@ -279,12 +297,7 @@ async def test_every_wrong_answer_after_redis_restarts_is_flagged(
     finally:
         await kvindex.close()
         await reference.__aexit__()
-    print(
-        f"\nafter the restart: {seen.answers} answers ({seen.rows} rows) checked,"
-        f" {seen.flagged} differing rows flagged, {len(seen.unflagged)} unflagged,"
-        f" {seen.unavailable} answered 503; /readyz {seen.readyz}; whole at {whole[0]}s"
-    )
-    assert not seen.unflagged, seen.unflagged[:10]
+    print(f"\nafter the restart: {seen.summary()}; /readyz {seen.readyz}; whole at {whole[0]}s")
+    seen.assert_flagged()
     assert not seen.wrong_while_ready, seen.wrong_while_ready[:10]
-    assert seen.flagged, "no answer fell between the restart and the rebuild: nothing was checked"
     assert seen.readyz[0][1] == 503 and seen.readyz[-1][1] == 200, seen.readyz

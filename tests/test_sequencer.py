@@ -71,6 +71,10 @@ class Shell:
                 self.applied.append(action.seq)
                 self.seq.applied(action.seq, action.ts, True)
 
+    def turn(self) -> None:
+        """The consumer's next loop turn: a rebuild whose batches are all applied settles."""
+        self.run(self.seq.settle_rebuild())
+
     def of(self, kind: type) -> list:
         return [a for a in self.actions if isinstance(a, kind)]
 

@@ -32,6 +32,8 @@ def test_a_start_past_the_replay_buffer_asks_for_a_snapshot_and_is_exact_after_i
     shell.run(shell.seq.restored(41, T0 + 41))  # taken after 41 was published
     assert shell.of(Restored) == [Restored(41, 2)]  # 40 and 41 are in it
     assert shell.applied[-1:] == [42] and shell.seq.mark == Mark(42, T0 + 42)
+    assert shell.status.degraded  # until 42 is in the store: the loop's next turn
+    shell.turn()
     assert not shell.status.degraded and shell.status.missing == []
     assert shell.status.restores == 1 and not shell.seq.snapshot_due(shell.now + 100)
 
@@ -45,6 +47,7 @@ def test_batches_missing_between_the_snapshot_and_the_held_ones_are_replayed() -
     assert shell.applied[-1] == 39 and shell.seq.next == 41
     assert shell.ask() is not None  # from the snapshot's seq: the hole is asked
     shell.answer(range(40, 46))
+    shell.turn()
     assert shell.applied[-5:] == [41, 42, 43, 44, 45] and not shell.status.degraded
 
 
@@ -72,6 +75,7 @@ def test_held_batches_past_the_bound_drop_the_oldest_and_replay_brings_them() ->
     shell.run(shell.seq.restored(39, T0 + 39))
     shell.ask()
     shell.answer(range(39, 46))
+    shell.turn()
     assert shell.applied[-6:] == [40, 41, 42, 43, 44, 45] and not shell.status.degraded
 
 
@@ -122,4 +126,5 @@ def test_after_a_snapshot_every_seq_past_it_is_applied_once_in_order(
         shell.answer(range(30, last + 1))
     after = shell.applied[before:]
     assert after == list(range(taken + 1, last + 1))
+    shell.turn()
     assert not shell.status.degraded

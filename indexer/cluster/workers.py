@@ -129,8 +129,9 @@ class Worker:
         self._tasks: list[asyncio.Task] = []
         self._dropping: set[asyncio.Task] = set()
         self._live = 0  # live workers, as of the last heartbeat
-        #: ranks consumed here before: the last seq applied, and the store's losses when
-        #: that consumer was claimed (a loss since means it may have to be applied again)
+        #: ranks consumed here before: the newest seq reached (applied or received), and the
+        #: store's losses when that consumer was claimed (a loss since means it may have to
+        #: be applied again)
         self._retired: dict[RankId, tuple[int, int]] = {}
         self._balances = 0
 
@@ -259,9 +260,10 @@ class Worker:
         """
         if why == "fenced":
             self._leases.forget(rank)
+        reached = owned.consumer.reached()  # before stopping: what it had queued counts too
         await self._pool.stop(rank)
+        self._remember(rank, None if reached < 0 else reached, owned.losses)
         seq = owned.consumer.status.applied_seq
-        self._remember(rank, seq, owned.losses)
         log.info("rank dropped", extra={**owned.consumer.ids(), "why": why, "applied_seq": seq})
         try:
             await record(self._redis, why, rank, worker=self.id, token=owned.token, seq=seq)
@@ -270,7 +272,7 @@ class Worker:
             log.warning("could not record a dropped rank", extra={"error": repr(e)})
 
     def _remember(self, rank: RankId, seq: int | None, losses: int) -> None:
-        """Keep what a dropped consumer had applied (the furthest of this worker's
+        """Keep what a dropped consumer had reached (the furthest of this worker's
         consumers of the rank since the earliest claim not yet followed up)."""
         prior = self._retired.get(rank)
         if prior is not None:

@@ -45,6 +45,14 @@ def is_scored(kind: str | None) -> bool:
 
 SLIDING_WINDOW, MAMBA = "sliding_window", "mamba"
 _RULES_CACHED = 256
+#: The largest sliding window (tokens) and block size a kind's rule takes: far above
+#: any model's (windows of thousands of tokens, blocks of at most thousands), yet
+#: small enough that the matchers' C arithmetic on them (a window over chunks of
+#: blocks) never overflows. An event's window is a number from the wire: one of
+#: 2**63 made every prefix match of the memory store fail. Past either, the group
+#: is tracked but does not limit hits, as a window no block size came with.
+MAX_RULE_WINDOW = 1 << 32
+MAX_RULE_BLOCK_SIZE = 1 << 16
 
 
 def refines(known: object, kind: str) -> bool:
@@ -103,8 +111,10 @@ def _rule_of(kind: str | None) -> tuple[int | None, int] | None:
         rule = (0, 0)
     elif kind and kind.startswith(SLIDING_WINDOW + ":"):
         parts = kind.split(":")
-        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() and int(parts[2]) > 0:
-            rule = (int(parts[1]), int(parts[2]))
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            window, block_size = int(parts[1]), int(parts[2])
+            if window <= MAX_RULE_WINDOW and 0 < block_size <= MAX_RULE_BLOCK_SIZE:
+                rule = (window, block_size)
     if len(_RULE_OF) < _RULES_CACHED:
         _RULE_OF[kind] = rule
     return rule

@@ -16,7 +16,7 @@ Pure logic, no I/O: the wire form is msgpack (:func:`encode_snapshot`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated
 
 import msgspec
@@ -26,6 +26,9 @@ from indexer.core.residency import Op, RankResidency, Tier, TierOp
 
 #: Its ``seq`` when the engine published no batch yet: the rank is empty.
 NOTHING_PUBLISHED = -1
+
+#: The rejection counted for a snapshot asking for more than any engine holds.
+SNAPSHOT_OVER_CAPACITY = "snapshot_over_capacity"
 
 
 class SnapshotTier(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -60,6 +63,25 @@ class Snapshot(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=Fals
         return sum(len(t.hashes) for t in self.tiers)
 
 
+def beyond_capacity(snapshot: Snapshot, bounds: Mapping[str, int]) -> str | None:
+    """Why applying the snapshot would build more than any engine holds (None: it
+    would not): more references on a medium, one hash's counted as many times as
+    its count says, than the rank may hold blocks there (``bounds``, by medium).
+
+    Each reference is a block of the engine's cache (a physical GPU copy, an
+    offloaded chunk holding the hash), so an engine within its rank's bound
+    holds no more; a few bytes claiming ``counts: [10**9]`` would otherwise make
+    kvindex build a billion of them. One pass over the decoded counts, before
+    anything is planned or applied.
+    """
+    references = dict.fromkeys(bounds, 0)
+    for t in snapshot.tiers:
+        medium = normalise_medium(t.medium)
+        references[medium] += len(t.hashes) if t.counts is None else sum(t.counts)
+    over = [f"{m} {n} references, over {bounds[m]}" for m, n in references.items() if n > bounds[m]]
+    return ", ".join(over) or None
+
+
 def snapshot_of(residency: RankResidency, seq: int, ts: float) -> Snapshot:
     """The snapshot of counts kept as kvindex keeps them (an engine that follows its
     own events, or a test's reference)."""
@@ -77,30 +99,25 @@ def _tier_of(tier: Tier, counts: dict[BlockHash, int], locality: str | None) -> 
 
 
 def plan_snapshot(snapshot: Snapshot) -> list[Op]:
-    """Operations that give an empty rank the snapshot's counts: per tier, one +1
-    for every hash, then one more for each hash with a second reference, and so on
-    (a hash rarely has more than a few physical copies)."""
+    """Operations that give an empty rank the snapshot's counts: one per tier, +1 for
+    each hash as many times as its count says (a store counts a hash repeated in one
+    operation once per repeat, as in an event). What it builds is the snapshot's
+    references, which :func:`beyond_capacity` bounds, whatever one hash's count."""
     kinds, chunk = snapshot.group_kinds, snapshot.chunk_blocks
     ops: list[Op] = []
     for t in snapshot.tiers:
         tier = Tier(normalise_medium(t.medium), t.ownership, t.group_idx)
-        kind = kinds.get(t.group_idx)
         lower = chunk if tier.medium != GPU else None
-        ops.extend(TierOp(tier, 1, hashes, t.locality, kind, lower) for hashes in _layers(t))
+        ops.append(TierOp(tier, 1, _references(t), t.locality, kinds.get(t.group_idx), lower))
     return ops
 
 
-def _layers(tier: SnapshotTier) -> list[Sequence[BlockHash]]:
-    """The hashes with at least 1, 2, ... references: one list per level."""
+def _references(tier: SnapshotTier) -> Sequence[BlockHash]:
+    """Each hash of the tier, repeated as many times as its count."""
     if tier.counts is None:
-        return [tier.hashes]
-    layers: list[list[BlockHash]] = []
-    for h, count in zip(tier.hashes, tier.counts, strict=True):
-        while len(layers) < count:
-            layers.append([])
-        for level in range(count):
-            layers[level].append(h)
-    return layers
+        return tier.hashes
+    pairs = zip(tier.hashes, tier.counts, strict=True)
+    return [h for h, count in pairs for _ in range(count)]
 
 
 _ENCODER = msgspec.msgpack.Encoder()

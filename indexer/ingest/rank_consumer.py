@@ -105,8 +105,13 @@ class RankConsumer:
         self._failed = False  # the loop died of a bug
         self.fenced = False  # another owner took the rank: nothing more is applied
         self._has_replay = spec.replay_endpoint is not None
+        replay = spec.rank_endpoint(dp_rank, replay=True) or ""
+        self._report = Report(self.status, self.metrics, self.ids, replay, settings.replay_attempts)
+        bounds = rank_bounds(spec, settings.max_blocks)
         snapshots = spec.rank_snapshot_endpoint(dp_rank)
-        self._snapshots = snapshots and SnapshotFetch(shared, snapshots, self._wake)
+        self._snapshots = snapshots and SnapshotFetch(
+            shared, snapshots, self._wake, bounds, self._report.rejected
+        )
         self._seq: Sequencer[EventBatch] = Sequencer(
             self.status,
             settings.rules(self._has_replay, snapshots is not None),
@@ -119,11 +124,11 @@ class RankConsumer:
             shared.context,
             settings,
             spec.engine_adapter,
-            spec.rank_endpoint(dp_rank, replay=True) or "",
+            replay,
             self._deliver,
             self._seq.holds,
             self._replay_activity,
-            self._reject,
+            self._report.rejected,
         )
         self._live = LiveFeed(
             shared.context,
@@ -131,17 +136,13 @@ class RankConsumer:
             spec,
             self.status,
             self._deliver,
-            self._reject,
+            self._report.rejected,
             self._connected,
             self.ids,
         )
-        bounds = rank_bounds(spec, settings.max_blocks)
         self._capacity = Capacity(bounds, self.status, self.metrics, self.ids)
         self._slot_held = False
         self._losses = LossWatch(store, self._seq)
-        self._report = Report(
-            self.metrics, self.ids, self._replay.endpoint, settings.replay_attempts
-        )
         #: Call the store until it succeeds: a batch in hand is never dropped.
         self._store_call = functools.partial(
             until_done,
@@ -152,7 +153,7 @@ class RankConsumer:
             what="rank consumer",
             extra=self.ids(),
             on_error=self._store_error,
-            stopping=self._is_stopping,
+            stopping=lambda: self._stopping,
             sleep=self._losses.pause,
         )
 
@@ -200,10 +201,18 @@ class RankConsumer:
         """Have the loop look at its state now (it may be waiting for a batch)."""
         self._intake.put_nowait((WAKE, 0, 0, b"", 0.0))
 
+    def _queued(self) -> tuple[int, float] | None:
+        """The seq and ts of the newest batch read that the sequencer has not taken yet."""
+        return self._live.queued if not self._intake.empty() else None
+
     def status_now(self) -> RankStatus:
         """A copy of the status, lag computed now (counting queued batches), losses in doubt."""
-        queued = self._live.queued if not self._intake.empty() else None
-        return status_now(self.status, self._seq, queued, self._losses.in_doubt())
+        return status_now(self.status, self._seq, self._queued(), self._losses.in_doubt())
+
+    def reached(self) -> int:
+        """The newest seq this rank applied or received (-1: none): what it must apply
+        again after a store loss before it is exact (or a consumer claiming it anew)."""
+        return self._seq.reached(queued[0] if (queued := self._queued()) else None)
 
     def ids(self, **extra: Any) -> dict[str, Any]:
         return {"engine": self.rank.engine, "dp_rank": self.rank.dp_rank, **extra}
@@ -220,20 +229,13 @@ class RankConsumer:
         await self._intake.put(item)
         await self._shared.slices.pause_if_spent()
 
-    def _reject(self, error: WireError) -> None:
-        rejected = self.status.rejected
-        rejected[error.reason] = rejected.get(error.reason, 0) + 1
-        self.metrics.rejected(error.reason)
-        if rejected[error.reason] == 1:
-            log.warning("bad frame", extra=self.ids(reason=error.reason, detail=error.detail[:200]))
-
     def _decode(self, payload: bytes) -> EventBatch | None:
         """The batch, or None (counted) if the payload is none: its seq stays missing
         (replay may bring a good copy, or its attempts run out and the seq is given up)."""
         try:
             return self._decode_batch(payload, tokens=self._shared.reads_tokens(self.rank.engine))
         except WireError as e:
-            self._reject(e)
+            self._report.rejected(e)
             return None
 
     def _decode_held(self, payload: bytes) -> EventBatch:
@@ -438,11 +440,9 @@ class RankConsumer:
         loss = self._store.last_loss() if self._fence is None else None
         if loss is not None and loss.number != self._seq.losses_seen:
             mark = _mark(await self._store_call(self._store.watermark, self.rank))
-            await self._perform(self._seq.resync(loss.number, loss.reason, loss.wiped, mark))
+            resync = self._seq.resync(loss.number, loss.reason, loss.wiped, mark, self.reached())
+            await self._perform(resync)
         self._perform_now(self._seq.settle_rebuild())
-
-    def _is_stopping(self) -> bool:
-        return self._stopping
 
     def _store_error(self, error: BaseException) -> None:
         self.status.store_errors += 1

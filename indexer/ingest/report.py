@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from indexer import metrics
+from indexer.core.events import WireError
 from indexer.core.sequencer import (
     Action,
     Duplicate,
@@ -30,17 +31,28 @@ log = logging.getLogger("kvindex.subscriber")
 
 class Report:
     """Logs and counts the notes a :class:`~indexer.core.sequencer.Sequencer` answers
-    (gaps, give-ups, restarts, replay timeouts, store losses) for one rank."""
+    (gaps, give-ups, restarts, replay timeouts, store losses) for one rank, and what
+    it rejects (:meth:`rejected`)."""
 
     def __init__(
         self,
+        status: RankStatus,
         rank_metrics: metrics.RankMetrics,
         ids: Callable[..., dict[str, Any]],
         replay_endpoint: str,
         replay_attempts: int,
     ) -> None:
-        self.metrics, self.ids = rank_metrics, ids
+        self.status, self.metrics, self.ids = status, rank_metrics, ids
         self._replay_endpoint, self._replay_attempts = replay_endpoint, replay_attempts
+
+    def rejected(self, error: WireError) -> None:
+        """Count bad input by its reason (the rank's ``rejected`` and the metrics), and
+        log the first of each reason."""
+        rejected = self.status.rejected
+        rejected[error.reason] = rejected.get(error.reason, 0) + 1
+        self.metrics.rejected(error.reason)
+        if rejected[error.reason] == 1:
+            log.warning("bad frame", extra=self.ids(reason=error.reason, detail=error.detail[:200]))
 
     def __call__(self, action: Action) -> None:
         match action:

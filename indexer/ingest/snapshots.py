@@ -9,23 +9,29 @@ the request on; the answer, applied as the rank's whole state
 (:mod:`indexer.core.sequencer`). Each request has a DEALER of its own, a
 timeout, and a bound on the answer's size; a process runs at most
 ``max_concurrent_snapshots`` at once, so a fleet restarting together does not
-make every engine serialise its cache at the same moment.
+make every engine serialise its cache at the same moment. An answer that is
+no snapshot, or asks for more than the rank may hold
+(:func:`~indexer.core.snapshot.beyond_capacity`), is refused before anything
+is built from it, counted among the rank's rejections by reason: the rank
+stays degraded and asks again later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import zmq
 import zmq.asyncio
 
 from indexer.core.events import WireError
 from indexer.core.snapshot import (
+    SNAPSHOT_OVER_CAPACITY,
     Snapshot,
     SnapshotRefused,
     answered_snapshot,
+    beyond_capacity,
     snapshot_request,
 )
 from indexer.ingest.settings import Shared
@@ -61,10 +67,19 @@ async def fetch_snapshot(
 class SnapshotFetch:
     """The snapshot request of one rank, in flight in a task of its own while the
     rank's loop goes on (holding batches); the loop takes its outcome when
-    :attr:`done` and is woken by ``wake`` then."""
+    :attr:`done` and is woken by ``wake`` then. ``bounds``: the blocks the rank may
+    hold per medium; ``reject``: counts an answer refused, by reason."""
 
-    def __init__(self, shared: Shared, endpoint: str, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        shared: Shared,
+        endpoint: str,
+        wake: Callable[[], None],
+        bounds: Mapping[str, int],
+        reject: Callable[[WireError], None],
+    ) -> None:
         self._shared, self.endpoint, self._wake = shared, endpoint, wake
+        self._bounds, self._reject = bounds, reject
         self._task: asyncio.Task[Outcome] | None = None
 
     @property
@@ -93,17 +108,21 @@ class SnapshotFetch:
     async def _fetch(self) -> Outcome:
         settings = self._shared.settings
         try:
-            return await fetch_snapshot(
+            snapshot = await fetch_snapshot(
                 self._shared.context,
                 self.endpoint,
                 self._shared.token,
                 settings.snapshot_timeout,
                 settings.snapshot_bytes,
             )
+            if (excess := beyond_capacity(snapshot, self._bounds)) is not None:
+                raise WireError(SNAPSHOT_OVER_CAPACITY, excess)
+            return snapshot
         except SnapshotRefused as e:
             return f"refused by the engine ({e})"
         except WireError as e:
-            return f"not a snapshot ({e})"
+            self._reject(e)
+            return f"not accepted ({e})"
         except TimeoutError:
             return f"no answer in {settings.snapshot_timeout:g} s"
         except zmq.ZMQError as e:

@@ -31,13 +31,16 @@ The rules:
   wait for each probe in a row that got no answer, up to ``probe_backoff_max``;
 - when the store loses acknowledged batches the rank continues from the
   store's watermark, asks replay for the rest and is degraded (``store_loss``)
-  until every batch it had applied is applied again, or the engine restarts;
+  until every batch it had reached, applied or only received, is applied
+  again (after an engine restart meanwhile: the new incarnation's up to the
+  batch that showed it), checked between two turns of its caller's loop, so
+  never while one of them is still being written;
 - where the engine answers snapshots (``has_snapshot``), a range replay
   could not fill makes the rank ask for one: from the moment it is sent, the
   batches received are held, not applied; the snapshot, applied by the
   caller as the rank's whole state as of its seq, makes the rank exact
-  again, and the held batches after that seq follow (those at or below it
-  are dropped). A failed one releases what was held, as a gap given up
+  again once the held batches after that seq have followed (those at or
+  below it are dropped). A failed one releases what was held, as a gap given up
   does, and is asked again ``snapshot_retry`` seconds later.
 
 Payloads stay opaque bytes until applied: ``decode`` turns one into a batch

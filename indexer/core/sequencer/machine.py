@@ -39,19 +39,27 @@ class Sequencer(Stream[B]):
             self.status.duplicates += 1
 
     def resync(
-        self, loss_number: int, reason: str, wiped: bool, stored: Mark | None
+        self,
+        loss_number: int,
+        reason: str,
+        wiped: bool,
+        stored: Mark | None,
+        reached: int = -1,
     ) -> list[Action]:
-        """The store lost data (loss ``loss_number``); ``stored`` is its watermark now.
+        """The store lost data (loss ``loss_number``); ``stored`` is its watermark now;
+        ``reached``: the newest seq the rank's readers received, taken or not.
 
         A rank whose stored watermark is its own lost nothing; a batch in hand
         (its store call ended with the news) is asked from replay again.
-        Otherwise the rank is degraded, with the reason in its status, until
-        the batches it had applied are applied again (:meth:`settle_rebuild`).
+        Otherwise the rank is degraded, with the reason in its status, until it
+        has applied again every batch it had reached, applied or received
+        (:meth:`settle_rebuild`).
         """
         self.losses_seen = loss_number
         had, status = self.mark, self.status
         if stored == had and self.next == (0 if had is None else had.seq + 1):
             return self._take()
+        reached = self.reached(reached)
         self._abandon_request()
         self.mark = stored
         self.next = stored.seq + 1 if stored else 0
@@ -61,7 +69,7 @@ class Sequencer(Stream[B]):
         self.replay_wanted = self._rules.has_replay
         if had is not None and had.seq >= self.next:  # else the store is ahead: nothing lost
             lost = f"batches {self.next}..{had.seq}"
-            self._begin_rebuild(had.seq, reason, lost, wiped or not status.degraded)
+            self._begin_rebuild(reached, reason, lost, wiped or not status.degraded)
         return self._take()
 
     def loss_in_doubt(self, number: int, reason: str) -> str | None:
@@ -84,7 +92,7 @@ class Sequencer(Stream[B]):
 
     def _begin_rebuild(self, last: int, reason: str, lost: str, clean: bool) -> None:
         status = self.status
-        self._rebuild = _Rebuild(last, reason, status.restarts, status.gaps_unfilled, clean)
+        self._rebuild = _Rebuild(last, reason, status.gaps_unfilled, clean)
         status.degraded = True
         status.store_loss = f"{reason}; {lost} lost, being applied again from replay"
         self._out.append(StoreLossFound(lost))
@@ -92,29 +100,27 @@ class Sequencer(Stream[B]):
     def settle_rebuild(self) -> list[Action]:
         """End a rebuild once it is settled: exact again, or degraded for good.
 
-        Exact when every lost batch was applied again with no gap given up
-        meanwhile, or when the engine restarted (its new stream is whole);
-        a rank that was already degraded stays so unless it lost everything
-        and replay brought it all back.
+        Exact when every batch it had to apply again was applied with no gap
+        given up meanwhile (after an engine restart: the new incarnation's,
+        whose stream is whole); a rank that was already degraded stays so
+        unless it lost everything and replay brought it all back. Called
+        between two turns of the rank's loop, once the batches the sequencer
+        answered are in the store: never while one is still being applied.
         """
         rebuild, status = self._rebuild, self.status
-        if rebuild is None:
+        if rebuild is None or self.next <= rebuild.last:
             return []
-        if status.restarts != rebuild.restarts:
-            exact = True
-        elif self.next > rebuild.last:
-            exact = status.gaps_unfilled == rebuild.gaps_unfilled
-        else:
-            return []
+        exact = status.gaps_unfilled == rebuild.gaps_unfilled
         self._rebuild = None
         if exact:
             status.store_loss = None
             status.degraded = status.degraded and not rebuild.clean
-        else:
+        elif rebuild.reason is not None:
             missing = status.missing[-1] if status.missing else None
             lost = f" (batches {missing.first}..{missing.last} missing)" if missing else ""
             status.store_loss = f"{rebuild.reason}; replay could not apply every lost batch{lost}"
-        return [RebuildSettled(rebuild.last, exact)]
+        # (a snapshot's held batches, no loss: nothing to tell operators)
+        return [] if rebuild.reason is None else [RebuildSettled(rebuild.last, exact)]
 
     # --- inputs: snapshots ------------------------------------------------------------
 
@@ -130,8 +136,10 @@ class Sequencer(Stream[B]):
     def restored(self, seq: int, ts: float) -> list[Action]:
         """The caller applied the engine's snapshot as of batch ``seq`` (published at
         ``ts``; ``seq`` -1: the engine published nothing yet) as the rank's whole
-        state: exact from here, with the held batches after ``seq`` to follow."""
-        status = self.status
+        state: exact once the held batches after ``seq`` follow, and degraded
+        until then (each is applied in its own store call, queries in between)."""
+        status, rebuild = self.status, self._rebuild
+        reached = max(self.reached(), -1 if rebuild is None else rebuild.last)
         self.restoring = False
         self.mark = None if seq < 0 else Mark(seq, ts)
         seen = self._seen
@@ -139,11 +147,17 @@ class Sequencer(Stream[B]):
             self._seen = Mark(max(seq, seen.seq), max(ts, seen.ts)) if seen else self.mark
         self.next = seq + 1
         dropped = self._drop_held(seq)
-        self._gap, self._attempts, self._rebuild = None, 0, None
+        self._gap, self._attempts = None, 0
         status.applied_seq = None if seq < 0 else seq
         status.restores += 1
-        status.degraded, status.store_loss, status.missing = False, None, []
-        status.snapshot_error = None
+        status.missing, status.snapshot_error = [], None
+        if reached > seq:
+            reason = None if rebuild is None else rebuild.reason
+            self._rebuild = _Rebuild(reached, reason, status.gaps_unfilled, clean=True)
+            status.degraded = True
+        else:
+            self._rebuild = None
+            status.degraded, status.store_loss = False, None
         self._out.append(Restored(seq, dropped))
         self._drain()
         self._watch_gap()

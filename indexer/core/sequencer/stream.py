@@ -54,12 +54,17 @@ class _Gap:
 
 @dataclass(slots=True)
 class _Rebuild:
-    """A rank re-applying batches its store lost: degraded until ``next`` passes ``last``."""
+    """A rank whose store state is being rebuilt: degraded until ``next`` passes ``last``.
 
-    last: int  # the last batch applied before the loss
-    reason: str
-    restarts: int  # the rank's counts when the loss was found: a restart since, or a
-    gaps_unfilled: int  # gap given up since, settles it
+    ``last`` is the newest batch the rank had reached (applied *or* received)
+    when the rebuild began, not only the last one applied: a rank re-applied up
+    to its old watermark still lacks every batch received since (queued while
+    the store was down), and would answer from an older state unflagged.
+    """
+
+    last: int
+    reason: str | None  # the store loss being rebuilt after (None: a snapshot's held batches)
+    gaps_unfilled: int  # the rank's count when the rebuild began: a gap given up since
     clean: bool  # whether the rank is exact once rebuilt (it lost everything, or was exact)
 
 
@@ -210,6 +215,12 @@ class Stream(Generic[B]):
         """Batches held behind a gap."""
         return len(self._pending)
 
+    def reached(self, queued: int | None = None) -> int:
+        """The newest seq of this incarnation the rank applied or received (``queued``:
+        the newest its readers received that it has not taken yet); -1: none."""
+        seqs = (self.mark, self._seen)
+        return max(-1 if queued is None else queued, *(-1 if m is None else m.seq for m in seqs))
+
     def _hole(self) -> tuple[int, int] | None:
         """The missing range before the lowest held batch, if any."""
         if self._heap and self._heap[0] > self.next:
@@ -265,7 +276,14 @@ class Stream(Generic[B]):
         self.snapshot_wanted = self._rules.has_snapshot
 
     def _restart(self, seq: int | None) -> None:
-        """The engine restarted: forget its GPU/CPU counts and its numbering."""
+        """The engine restarted: forget its GPU/CPU counts and its numbering.
+
+        The new incarnation's stream is whole, so its gaps and losses are
+        forgotten; a rank rebuilding after a store loss stays degraded until it
+        has applied the new incarnation up to ``seq`` (the batch that showed the
+        restart; None: it published nothing yet), not from the moment its
+        counts are cleared.
+        """
         status = self.status
         status.restarts += 1
         self._out.append(Restarted(status.applied_seq, seq))
@@ -277,9 +295,13 @@ class Stream(Generic[B]):
         self._gap = None
         self._attempts = 0
         status.applied_seq = None
-        status.degraded = False
-        status.store_loss = None  # the new incarnation's stream is whole
         status.missing = []
+        rebuild = self._rebuild
+        if rebuild is None:
+            status.degraded, status.store_loss = False, None
+        else:
+            rebuild.last = -1 if seq is None else seq
+            rebuild.gaps_unfilled, rebuild.clean = status.gaps_unfilled, True
         self.replay_wanted = self._rules.has_replay
         self.snapshot_wanted = self.restoring = False  # an answer now is the old one's
 
