@@ -31,7 +31,7 @@ from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
 
 from .apikit import get_json
-from .conftest import free_ports, trace_path
+from .conftest import EXIT_WITHIN, free_ports, trace_path
 
 pytestmark = pytest.mark.slow  # most tests start kvindex processes
 
@@ -216,7 +216,7 @@ class Fleet:
         for proc in self.procs:
             proc.send_signal(signal.SIGTERM)
         for proc in self.procs:
-            proc.wait(timeout=15)
+            proc.wait(timeout=EXIT_WITHIN)
 
 
 @pytest.fixture

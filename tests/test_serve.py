@@ -27,7 +27,7 @@ from kvindex.http import listen
 from producer.publisher import Publisher
 
 from .apikit import get_json
-from .conftest import free_ports, load_expected_json, trace_batches
+from .conftest import EXIT_WITHIN, free_ports, load_expected_json, trace_batches
 
 YAML = """
 engines:
@@ -148,7 +148,7 @@ class Serve:
         """Signal it; returns its log lines once it has exited 0."""
         self.http.close()
         self.proc.send_signal(sig)
-        assert self.proc.wait(timeout=15) == 0, self.logs()
+        assert self.proc.wait(timeout=EXIT_WITHIN) == 0, self.logs()
         lines = self.logs().splitlines()
         return [msgspec.json.decode(line) for line in lines if line.startswith("{")]
 
