@@ -79,6 +79,10 @@ def fixtures_dir() -> Path:
 #: ranks and servers first, which a busy machine can stretch far past the usual second
 #: (a process that hangs is caught by the test's own timeout, with every stack).
 EXIT_WITHIN = 240
+#: Seconds a test waits by default for a kvindex process to reach a state by itself
+#: (serving, connected, applied): under a second on a quiet machine, and a busy one can
+#: stretch that a hundredfold.
+WAIT_WITHIN = 120.0
 
 
 def free_ports(count: int = 1) -> int:

@@ -27,7 +27,7 @@ from kvindex.http import listen
 from producer.publisher import Publisher
 
 from .apikit import get_json
-from .conftest import EXIT_WITHIN, free_ports, load_expected_json, trace_batches
+from .conftest import EXIT_WITHIN, WAIT_WITHIN, free_ports, load_expected_json, trace_batches
 
 YAML = """
 engines:
@@ -134,7 +134,7 @@ class Serve:
     def rank(self, engine: str, dp_rank: int = 0) -> dict:
         return (self.get(f"/engines/{engine}") or {"ranks": [{}] * (dp_rank + 1)})["ranks"][dp_rank]
 
-    def until(self, condition, what: str, timeout: float = 15.0) -> None:
+    def until(self, condition, what: str, timeout: float = WAIT_WITHIN) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
             assert self.proc.poll() is None, f"serve exited: {self.logs()}"
