@@ -173,14 +173,13 @@ def run(
     ranks = _start(layout, config, workload, events)
     specs = [engine_spec(layout, e, config, model, events) for e in range(layout.engines)]
     announced = announce(specs) if announce is not None else ExitStack()
-    for r in ranks:
-        p = r.publisher
-        print(
-            f"{r.name}: " + (f"PUB {p.endpoint}  replay {p.replay_endpoint}" if p else "no events")
-        )
-    sys.stdout.flush()  # whoever started us may be waiting for these lines
-    started = last_report = time.monotonic()
-    try:
+    try:  # from here on, an interrupt (Ctrl-C, SIGTERM) stops cleanly
+        for r in ranks:
+            p = r.publisher
+            endpoints = f"PUB {p.endpoint}  replay {p.replay_endpoint}" if p else "no events"
+            print(f"{r.name}: {endpoints}")
+        sys.stdout.flush()  # whoever started us may be waiting for these lines
+        started = last_report = time.monotonic()
         while True:
             now = time.monotonic()
             for r in ranks:

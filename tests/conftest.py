@@ -75,6 +75,16 @@ def fixtures_dir() -> Path:
     return FIXTURES
 
 
+#: Seconds a kvindex process may take to exit after SIGTERM or SIGINT: it winds down its
+#: ranks and servers first, which a busy machine can stretch far past the usual second
+#: (a process that hangs is caught by the test's own timeout, with every stack).
+EXIT_WITHIN = 240
+#: Seconds a test waits by default for a kvindex process to reach a state by itself
+#: (serving, connected, applied): under a second on a quiet machine, and a busy one can
+#: stretch that a hundredfold.
+WAIT_WITHIN = 120.0
+
+
 def free_ports(count: int = 1) -> int:
     """The first of ``count`` consecutive free TCP ports on 127.0.0.1.
 

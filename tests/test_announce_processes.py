@@ -20,7 +20,7 @@ import pytest
 from producer.announce import Announcer, AnnounceRefused
 
 from .announce_kit import announcement, spec
-from .conftest import free_ports
+from .conftest import EXIT_WITHIN, free_ports
 from .test_e2e import until
 from .test_scaleout import Process
 
@@ -60,7 +60,7 @@ class Serve:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=EXIT_WITHIN)
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -97,7 +97,7 @@ class Sim:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         self.proc.send_signal(sig)
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=EXIT_WITHIN)
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
 
 from .apikit import get_json
-from .conftest import free_ports, trace_path
+from .conftest import EXIT_WITHIN, WAIT_WITHIN, free_ports, trace_path
 
 pytestmark = pytest.mark.slow  # most tests start kvindex processes
 
@@ -204,7 +204,7 @@ class Fleet:
     def get(self, path: str) -> dict | None:
         return get_json(self.http, path)
 
-    def until(self, condition, what: str, timeout: float = 20.0) -> None:
+    def until(self, condition, what: str, timeout: float = WAIT_WITHIN) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
             assert all(p.poll() is None for p in self.procs), self.log.read_text()
@@ -216,7 +216,7 @@ class Fleet:
         for proc in self.procs:
             proc.send_signal(signal.SIGTERM)
         for proc in self.procs:
-            proc.wait(timeout=15)
+            proc.wait(timeout=EXIT_WITHIN)
 
 
 @pytest.fixture

@@ -301,7 +301,9 @@ def test_kvindex_serve_with_models_routes_a_chat_end_to_end(tmp_path: Path) -> N
             publish(pub, [EventBatch(time.time(), [stored], None)])
         for name in "ab":
             serve.until(lambda n=name: serve.rank(n).get("applied_seq") == 0, f"{name} applied")
-        with Kvindex(f"http://127.0.0.1:{serve.port}") as kv:
+        # the first chat loads the model's tokenizer: seconds on a busy machine, past the
+        # client's default per-attempt timeout, which a router sets for a warm server
+        with Kvindex(f"http://127.0.0.1:{serve.port}", timeout=120) as kv:
             match = kv.prefix_match(model="chat", messages=MESSAGES)
         serve.stop()
     held = {(e.engine, e.prefix_blocks) for e in match.engines}

@@ -29,7 +29,7 @@ from producer.sim import SimConfig, SimEngine
 from producer.simcli import Layout, engine_spec
 from producer.workload import Workload, WorkloadConfig
 
-from .conftest import free_ports
+from .conftest import EXIT_WITHIN, free_ports
 
 pytestmark = pytest.mark.slow  # a fleet of simulated engines and kvindex processes
 
@@ -145,7 +145,7 @@ async def serving(
                 yield client
         finally:
             service.send_signal(signal.SIGINT)
-            assert service.wait(timeout=10) == 0, log.seek(0) or log.read()
+            assert service.wait(timeout=EXIT_WITHIN) == 0, log.seek(0) or log.read()
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from kvindex.config import (
 )
 from kvindex.http import listen, serve_http
 
-from .conftest import free_ports, wait_until
+from .conftest import EXIT_WITHIN, free_ports, wait_until
 
 KVINDEX = (sys.executable, "-m", "kvindex.cli")
 
@@ -108,7 +108,7 @@ class Running:
     def stop(self) -> None:
         self.http.close()
         self.proc.send_signal(signal.SIGTERM)
-        assert self.proc.wait(timeout=15) == 0
+        assert self.proc.wait(timeout=EXIT_WITHIN) == 0
 
 
 @pytest.mark.slow

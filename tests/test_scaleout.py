@@ -40,7 +40,7 @@ from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
 from producer.workload import Workload
 
-from .conftest import free_ports, trace_path
+from .conftest import EXIT_WITHIN, free_ports, trace_path
 from .test_e2e import WORKLOAD, SimRank, answers, until
 from .test_store_conformance import RANK, check_trace_state, redis_config, server_for
 
@@ -196,7 +196,7 @@ class Process:
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
-        assert self.proc.wait(timeout=15) == 0, self.log.read_text()[-3000:]
+        assert self.proc.wait(timeout=EXIT_WITHIN) == 0, self.log.read_text()[-3000:]
 
     def kill(self) -> None:
         self.proc.kill()

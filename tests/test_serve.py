@@ -27,7 +27,7 @@ from kvindex.http import listen
 from producer.publisher import Publisher
 
 from .apikit import get_json
-from .conftest import free_ports, load_expected_json, trace_batches
+from .conftest import EXIT_WITHIN, WAIT_WITHIN, free_ports, load_expected_json, trace_batches
 
 YAML = """
 engines:
@@ -134,7 +134,7 @@ class Serve:
     def rank(self, engine: str, dp_rank: int = 0) -> dict:
         return (self.get(f"/engines/{engine}") or {"ranks": [{}] * (dp_rank + 1)})["ranks"][dp_rank]
 
-    def until(self, condition, what: str, timeout: float = 15.0) -> None:
+    def until(self, condition, what: str, timeout: float = WAIT_WITHIN) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
             assert self.proc.poll() is None, f"serve exited: {self.logs()}"
@@ -148,7 +148,7 @@ class Serve:
         """Signal it; returns its log lines once it has exited 0."""
         self.http.close()
         self.proc.send_signal(sig)
-        assert self.proc.wait(timeout=15) == 0, self.logs()
+        assert self.proc.wait(timeout=EXIT_WITHIN) == 0, self.logs()
         lines = self.logs().splitlines()
         return [msgspec.json.decode(line) for line in lines if line.startswith("{")]
 

@@ -43,7 +43,7 @@ from producer.publisher import Publisher
 from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
 
-from .conftest import FIXTURES, free_ports, load_expected_json, trace_batches
+from .conftest import EXIT_WITHIN, FIXTURES, free_ports, load_expected_json, trace_batches
 from .test_serve import KVINDEX, Serve, blocks_of, publish
 
 pytestmark = pytest.mark.slow  # a serve, a sim and a browser
@@ -152,7 +152,7 @@ class Fleet:
 
     def _stop_sim(self) -> None:
         self.sim.send_signal(signal.SIGTERM)
-        self.sim.wait(timeout=15)
+        self.sim.wait(timeout=EXIT_WITHIN)
 
     def rank(self, engine: str, dp_rank: int = 0) -> dict:
         return self.serve.rank(engine, dp_rank)
