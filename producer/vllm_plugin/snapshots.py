@@ -7,7 +7,7 @@ stays rank r's), with the token the plugin announces the engine with
 
 - GPU: the block pool's own table of cached blocks. vLLM keys it by the block
   hash with the KV group's id in its last four bytes, to one block or, for a
-  hash cached more than once, a dict of its physical copies; each copy was
+  hash cached more than once, each of its physical copies (:func:`_copies`); each copy was
   announced by a ``BlockStored`` and each eviction removes one, so the number
   of copies is the count kvindex keeps. Hashes are published as vLLM
   publishes them (``maybe_convert_block_hash``); group kinds as the plugin
@@ -105,9 +105,11 @@ class EngineSnapshots:
             self._handoff.give(self._take)
 
     def _take(self) -> _Taken:
-        table = self._block_pool().cached_block_hash_to_block._cache.copy()
-        copies = {key: len(blocks) for key, blocks in table.items() if type(blocks) is dict}
-        return _Taken(*self._published.last, table, copies, self._published.snapshot())
+        cached = self._block_pool().cached_block_hash_to_block
+        table = cached._cache.copy()
+        return _Taken(
+            *self._published.last, table, _copies(cached, table), self._published.snapshot()
+        )
 
     def _block_pool(self) -> Any:
         return self._core.scheduler.kv_cache_manager.block_pool
@@ -124,6 +126,17 @@ class EngineSnapshots:
         queue = getattr(self._core, "input_queue", None)
         if queue is not None:
             queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
+def _copies(cached: Any, table: dict) -> dict:
+    """Each key cached by several physical blocks, with their number. vLLM 0.34 keeps
+    one block id per key in its table and the ids of every key cached more than once
+    in a table beside it (``_dup_ids``); 0.33 keeps a key's copies, when there are
+    several, as a dict in place of its block."""
+    several = getattr(cached, "_dup_ids", None)
+    if several is not None:
+        return {key: len(ids) for key, ids in several.items()}
+    return {key: len(blocks) for key, blocks in table.items() if type(blocks) is dict}
 
 
 def _assembled(taken: _Taken, kinds: Mapping[int, str | None]) -> Snapshot:

@@ -163,15 +163,18 @@ class Rank:
     # --- vLLM's own state (read while the rank is settled) ----------------------
 
     def gpu_counts(self) -> dict[int, int]:
-        """Each cached hash's physical copies in the block pool, as vLLM publishes it."""
-        cached = self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
-        counts = {}
-        for key, blocks in cached._cache.items():
-            assert get_group_id(key) == 0
-            counts[maybe_convert_block_hash(get_block_hash(key))] = (
-                len(blocks) if type(blocks) is dict else 1
-            )
-        return counts
+        """Each cached hash's physical copies in the block pool, as vLLM publishes it:
+        counted over the pool's blocks (each block's hash, and any more it is cached
+        under), not read from the hash table whose layout the plugin reads."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        keys: Counter = Counter()
+        for block in pool.blocks:
+            if block.block_hash is not None:
+                keys[block.block_hash] += 1
+            keys.update(pool.cached_block_hashes_by_block.get(block.block_id, ()))
+        assert set(keys) == set(pool.cached_block_hash_to_block._cache), "the table agrees"
+        assert all(get_group_id(key) == 0 for key in keys)
+        return {maybe_convert_block_hash(get_block_hash(key)): n for key, n in keys.items()}
 
     def cpu_counts(self) -> dict[int, int]:
         """Each hash's CPU chunks listing it: the chunks the CPU tier holds, with the
