@@ -118,9 +118,12 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``adapter`` names the engine's event format (:mod:`indexer.engines.catalog`);
     it also says where each data-parallel rank publishes (vLLM: the
     endpoint's port + r, for both the PUB and the replay socket).
-    ``block_size`` null: not declared, learned from the engine's first
-    ``BlockStored`` (:mod:`indexer.misdeclared`), as for an engine registered by
-    its ``url`` (:mod:`indexer.discovery.served`), whose server does not say it.
+    ``block_size`` null (the default): not declared, learned from the engine's
+    first ``BlockStored`` (:mod:`indexer.misdeclared`), as for an engine registered
+    by its ``url`` (:mod:`indexer.discovery.served`), whose server does not say
+    it. No size is assumed: vLLM's default changed (16 in 0.33, 64 in 0.34) and
+    its attention backend may pick another, so a guess would make tokens queries
+    hash blocks the engine never had.
     """
 
     name: Name
@@ -129,7 +132,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replay_endpoint: Endpoint | None = None
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     topic: str = ""
-    block_size: Positive | None = 16
+    block_size: Positive | None = None
     hash_algo: Literal[HASH_ALGOS] | None = "sha256"  # None: not reproducible here
     hash_seed: str | None = None
     lookahead_tokens: LookaheadTokens = 0
