@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-# vLLM 0.34 refuses an x86 CPU without Triton. The venv holds the real Triton (its
-# backends are GPU ones, with no device here); with no device visible vLLM keeps it,
-# as on a worker whose devices come up later. Nothing here runs a kernel.
+# vLLM 0.34 refuses an x86 CPU without Triton. The venv holds the real Triton (in the
+# pinned list; its backends are GPU ones, with no device here); with no device visible
+# vLLM keeps it, as on a worker whose devices come up later. Nothing here runs a kernel.
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
