@@ -165,10 +165,12 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "endpoint: required for an engine that publishes events, and only for one"
                 " (events: false)"
             )
-        if not self.events and (self.gpu_blocks is None or self.replay_endpoint or self.bind):
+        if not self.events and (
+            self.gpu_blocks is None or self.block_size is None or self.replay_endpoint or self.bind
+        ):
             raise ValueError(
                 "an engine with events: false needs gpu_blocks (its GPU capacity in blocks)"
-                " and has no replay_endpoint or bind"
+                " and block_size (no event can teach it), and has no replay_endpoint or bind"
             )
         if self.snapshot_endpoint and not self.replay_endpoint:
             raise ValueError("snapshot_endpoint: needs the engine's replay_endpoint too")

@@ -77,8 +77,10 @@ def test_an_unsized_engine_is_matched_by_messages_at_the_size_its_events_say(
     hasher = get_request_block_hasher(hash_block_size, hash_fn)
     port, replay = free_port(), free_port()
     publisher = ZmqEventPublisher(0, f"tcp://*:{port}", f"tcp://*:{replay}", topic="kv")
-    http = httpx.Client(
-        base_url=serve_with_tokenizer.url, headers={"Authorization": f"Bearer {TOKEN}"}
+    http = httpx.Client(  # the first messages query loads the tokenizer: give it time
+        base_url=serve_with_tokenizer.url,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
     )
     try:
         spec = {
