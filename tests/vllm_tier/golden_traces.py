@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from tests.vllm_tier.pool_truth import cached_copies
 from tests.vllm_tier.snapshot_engine import (
     BLOCK,
     CHUNK_BLOCKS,
@@ -118,12 +119,7 @@ class _Engine:
     def gpu_refcounts(self) -> dict[str, int]:
         from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
 
-        pool = self.scheduler.kv_cache_manager.block_pool
-        keys: Counter = Counter()
-        for block in pool.blocks:
-            if block.block_hash is not None:
-                keys[block.block_hash] += 1
-            keys.update(pool.cached_block_hashes_by_block.get(block.block_id, ()))
+        keys = cached_copies(self.scheduler.kv_cache_manager.block_pool)
         return {str(maybe_convert_block_hash(get_block_hash(k))): n for k, n in keys.items()}
 
     def cpu_tier(self) -> tuple[dict[str, int], list[str]]:

@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
 
 from producer.vllm_plugin import snapshots
+from tests.vllm_tier.pool_truth import cached_copies
 from tests.vllm_tier.snapshot_engine import (
     BLOCK,
     CHUNK_BLOCKS,
@@ -163,15 +164,9 @@ class Rank:
     # --- vLLM's own state (read while the rank is settled) ----------------------
 
     def gpu_counts(self) -> dict[int, int]:
-        """Each cached hash's physical copies in the block pool, as vLLM publishes it:
-        counted over the pool's blocks (each block's hash, and any more it is cached
-        under), not read from the hash table whose layout the plugin reads."""
+        """Each cached hash's physical copies in the block pool, as vLLM publishes it."""
         pool = self.scheduler.kv_cache_manager.block_pool
-        keys: Counter = Counter()
-        for block in pool.blocks:
-            if block.block_hash is not None:
-                keys[block.block_hash] += 1
-            keys.update(pool.cached_block_hashes_by_block.get(block.block_id, ()))
+        keys = cached_copies(pool)
         assert set(keys) == set(pool.cached_block_hash_to_block._cache), "the table agrees"
         assert all(get_group_id(key) == 0 for key in keys)
         return {maybe_convert_block_hash(get_block_hash(key)): n for key, n in keys.items()}
