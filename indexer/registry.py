@@ -118,12 +118,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``adapter`` names the engine's event format (:mod:`indexer.engines.catalog`);
     it also says where each data-parallel rank publishes (vLLM: the
     endpoint's port + r, for both the PUB and the replay socket).
-    ``block_size`` null (the default): not declared, learned from the engine's
-    first ``BlockStored`` (:mod:`indexer.misdeclared`), as for an engine registered
-    by its ``url`` (:mod:`indexer.discovery.served`), whose server does not say
-    it. No size is assumed: vLLM's default changed (16 in 0.33, 64 in 0.34) and
-    its attention backend may pick another, so a guess would make tokens queries
-    hash blocks the engine never had.
+    ``block_size`` null (the default): learned from the engine's first ``BlockStored``
+    (:mod:`indexer.misdeclared`). None is assumed: vLLM's default changed (16 in 0.33,
+    64 in 0.34) and its attention backend may pick another; a wrong guess matches nothing.
     """
 
     name: Name
