@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.core.events import GPU
+from indexer.core.events import CPU, GPU
 from indexer.core.hybrid import GroupDeclaration
 from indexer.core.snapshot import Snapshot, SnapshotTier
 from indexer.engines import catalog
@@ -97,6 +97,15 @@ class EngineSnapshots:
             self._published.last = (seq, batch.ts)
         if self._handoff.wanted:
             self._handoff.give(self._take)
+
+    def connector_copies(self) -> list[tuple[int, list]]:
+        """Per KV group, each hash of the connector's own tier (CPU, no ownership) as
+        many times as it was published stored and not removed."""
+        return [
+            (tier.group_idx, [h for h, n in table.counts.items() for _ in range(n)])
+            for tier, table in self._published.residency.tables.items()
+            if tier.medium == CPU and tier.ownership is None and table.counts
+        ]
 
     def between_steps(self) -> None:
         """The engine core handled a client request: take a wanted snapshot unless

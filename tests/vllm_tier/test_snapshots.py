@@ -200,6 +200,24 @@ def test_copies_restored_from_a_snapshot_then_evicted_stay_exact(fleet, kvindex_
             assert [r["anomalies"] for r in status] == anomalies, "no removal of a block not held"
 
 
+def test_a_connector_reset_drops_the_cpu_tier_in_kvindex_too(fleet, kvindex_late) -> None:
+    """A prefix-cache reset with the connector's (as sleep asks) empties vLLM's CPU tier
+    and publishes no event of it; kvindex's stream from the plugin says so, and
+    kvindex holds exactly what vLLM holds after it."""
+    fleet.serve(16)
+    kvindex = kvindex_late()
+    kvindex.register(fleet)
+    kvindex.restored(1)
+    anomalies = [r["anomalies"] for r in assert_exact(kvindex, fleet, restores=1)]
+    for rank in fleet.ranks:  # settled: nothing steps while the engine core resets
+        assert rank.cpu_counts()
+        assert rank.core.reset_prefix_cache(reset_connector=True)
+        assert not rank.cpu_counts(), "vLLM's CPU tier is empty"
+    fleet.serve(8)  # the next batches, and new chunks stored
+    status = assert_exact(kvindex, fleet, restores=1)
+    assert [r["anomalies"] for r in status] == anomalies, "no removal of a block not held"
+
+
 def test_a_failure_counting_a_batch_stops_the_snapshots_not_the_engine(monkeypatch) -> None:
     """The plugin counts each batch inside vLLM's publish, on the engine's thread: a bug
     there must cost the snapshots, never the engine's step."""
