@@ -26,14 +26,13 @@ from tests.vllm_tier.snapshot_engine import (
     BLOCK,
     CHUNK_BLOCKS,
     Chats,
+    CpuExecutor,
     engine_config,
     engine_ports,
     make_scheduler,
     plan_kv_cache,
 )
 from tests.vllm_tier.stand_in import StandIn
-
-PROBES = 12
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,9 @@ class Trace:
     requests: int
     seed: int  # of the chats
     clear_after: int | None = None  # requests served before a ``reset_prefix_cache``
+    sliding_window: int | None = None  # a second KV cache group, sliding window
+    prefill_chunk: int | None = None  # tokens per prefill step (None: vLLM's default)
+    probes: int = 12
 
 
 TRACES = (
@@ -54,6 +56,17 @@ TRACES = (
     Trace("chat-gpu-only", 96, 0, True, 100, seed=2),
     Trace("chat-placeholders", 128, 48, False, 100, seed=3),
     Trace("chat-clear", 128, 48, True, 100, seed=4, clear_after=50),
+    Trace(
+        "hybrid-sliding",
+        220,
+        0,
+        False,
+        150,
+        seed=5,
+        sliding_window=64,
+        prefill_chunk=128,
+        probes=40,
+    ),
 )
 
 
@@ -75,8 +88,10 @@ class _Engine:
             self_describing=trace.self_describing,
             buffer=100_000,
             replay=False,
+            prefill_chunk=trace.prefill_chunk,
         )
-        kv_cache_config = plan_kv_cache(EngineCore.__new__(EngineCore), self.config)
+        executor = CpuExecutor(trace.sliding_window)
+        kv_cache_config = plan_kv_cache(EngineCore.__new__(EngineCore), self.config, executor)
         self.scheduler = make_scheduler(self.config, kv_cache_config)
         self.stand_in = StandIn(self.scheduler)
         hash_fn = get_hash_fn_by_name("sha256")
@@ -116,11 +131,19 @@ class _Engine:
 
     # --- vLLM's own state ----------------------------------------------------------
 
-    def gpu_refcounts(self) -> dict[str, int]:
-        from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+    def gpu_refcounts_by_group(self) -> dict[str, dict[str, int]]:
+        """Per KV group, each hash's blocks in the pool."""
+        from vllm.v1.core.kv_cache_utils import (
+            get_block_hash,
+            get_group_id,
+            maybe_convert_block_hash,
+        )
 
-        keys = cached_copies(self.scheduler.kv_cache_manager.block_pool)
-        return {str(maybe_convert_block_hash(get_block_hash(k))): n for k, n in keys.items()}
+        groups: dict[str, dict[str, int]] = {}
+        for key, n in cached_copies(self.scheduler.kv_cache_manager.block_pool).items():
+            published = str(maybe_convert_block_hash(get_block_hash(key)))
+            groups.setdefault(str(get_group_id(key)), {})[published] = n
+        return groups
 
     def cpu_tier(self) -> tuple[dict[str, int], list[str]]:
         """Each hash's resident CPU chunks listing it, and the chunks' end hashes."""
@@ -151,6 +174,7 @@ class _Engine:
         hashes = list(self.request(tokens).block_hashes)
         coordinator = self.scheduler.kv_cache_manager.coordinator
         gpu = coordinator.find_longest_cache_hit(hashes, len(hashes) * BLOCK)[1]
+        by_group = getattr(coordinator, "find_longest_cache_hit_per_group", None)
         cpu = 0
         if self.scheduler.connector is not None:
             chunks = self.scheduler.connector.connector_scheduler.manager._policy.chunks
@@ -159,12 +183,10 @@ class _Engine:
                 if chunk is None or not chunk.is_ready:
                     break
                 cpu += CHUNK_BLOCKS * BLOCK
-        return {
-            "tokens": tokens,
-            "gpu_tokens": gpu,
-            "cpu_prefix_tokens": cpu,
-            "hashes": [maybe_convert_block_hash(h) for h in hashes],
-        }
+        answers = {"tokens": tokens, "gpu_tokens": gpu, "cpu_prefix_tokens": cpu}
+        if by_group is not None:  # a hybrid model: each group's hit on its own too
+            answers["gpu_tokens_by_group"] = list(by_group(hashes, len(hashes) * BLOCK)[1])
+        return answers | {"hashes": [maybe_convert_block_hash(h) for h in hashes]}
 
 
 def record(model_dir: Any, trace: Trace) -> tuple[bytes, str]:
@@ -183,24 +205,20 @@ def record(model_dir: Any, trace: Trace) -> tuple[bytes, str]:
         frames = engine.frames()
         # the last prompts, and earlier ones cut short and gone on otherwise
         rng = random.Random(trace.seed)
-        asked = rng.sample(prompts[-30:], PROBES // 2)
-        for prompt in rng.sample(prompts, PROBES // 2):
+        asked = rng.sample(prompts[-30:], trace.probes // 2)
+        for prompt in rng.sample(prompts, trace.probes // 2):
             asked.append([*prompt[: rng.randrange(BLOCK, len(prompt))], 1, 2, 3])
         cpu_refcounts, ends = engine.cpu_tier()
+        by_group = engine.gpu_refcounts_by_group()
+        gpu_refcounts: Counter[str] = Counter()
+        for counts in by_group.values():
+            gpu_refcounts.update(counts)
         expected = {
-            "engine": {
-                "block_size": BLOCK,
-                "gpu_blocks": trace.gpu_blocks,
-                "blocks_per_chunk": CHUNK_BLOCKS,
-                "cpu_chunks": trace.cpu_chunks,
-                "hash_algo": "sha256",
-                "offload": bool(trace.cpu_chunks),
-                "self_describing": trace.self_describing,
-                "dp_rank": 0,
-            },
+            "engine": _engine_of(trace),
             "frames": len(frames),
             "expected": {
-                "gpu_refcounts": engine.gpu_refcounts(),
+                "gpu_refcounts": dict(gpu_refcounts),
+                **({"gpu_refcounts_by_group": by_group} if trace.sliding_window else {}),
                 "cpu_refcounts": cpu_refcounts,
                 "cpu_chunk_end_hashes": ends,
             },
@@ -209,3 +227,23 @@ def record(model_dir: Any, trace: Trace) -> tuple[bytes, str]:
     finally:
         engine.publisher.shutdown()
     return msgspec.msgpack.encode([list(f) for f in frames]), json.dumps(expected)
+
+
+def _engine_of(trace: Trace) -> dict[str, Any]:
+    """The engine's configuration as the trace's ``expected.json`` states it."""
+    engine: dict[str, Any] = {
+        "block_size": BLOCK,
+        "gpu_blocks": trace.gpu_blocks,
+        "blocks_per_chunk": CHUNK_BLOCKS,
+        "cpu_chunks": trace.cpu_chunks,
+        "hash_algo": "sha256",
+        "offload": bool(trace.cpu_chunks),
+        "self_describing": trace.self_describing,
+        "dp_rank": 0,
+    }
+    if trace.sliding_window:
+        full = {"group_idx": 0, "kind": "full_attention", "sliding_window": None}
+        window = {"group_idx": 1, "kind": "sliding_window", "sliding_window": trace.sliding_window}
+        engine["groups"] = [g | {"block_size": BLOCK} for g in (full, window)]
+        engine["prefill_chunk_tokens"] = trace.prefill_chunk
+    return engine

@@ -12,7 +12,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.servers import port_free
@@ -32,10 +32,18 @@ CHUNK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 2 * CHUNK_BLOCKS  # 2 layers of K and V, 
 
 
 class CpuExecutor:
-    """The model executor's answers about the KV cache: two full-attention layers."""
+    """The model executor's answers about the KV cache: two full-attention layers, or
+    a full-attention and a sliding-window one (a hybrid model: two KV cache groups)."""
+
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self._window = sliding_window
 
     def get_kv_cache_specs(self):
-        return [{f"model.layers.{i}.self_attn.attn": FullAttentionSpec(**LAYER) for i in (0, 1)}]
+        second = FullAttentionSpec(**LAYER)
+        if self._window:
+            second = SlidingWindowSpec(**LAYER, sliding_window=self._window)
+        return [{"model.layers.0.self_attn.attn": FullAttentionSpec(**LAYER),
+                 "model.layers.1.self_attn.attn": second}]  # fmt: skip
 
     def get_supported_kv_cache_layouts(self):
         return [["LBNHC"]]
@@ -77,10 +85,12 @@ def engine_config(
     self_describing: bool = True,
     buffer: int = BUFFER,
     replay: bool = True,
+    prefill_chunk: int | None = None,
 ):
     """vLLM's config as ``vllm serve`` builds it for data-parallel rank ``rank``: events
     at ``base`` (replay at ``base + 2``), a CPU tier of ``cpu_chunks`` chunks through
-    the ``OffloadingConnector`` (none: no connector)."""
+    the ``OffloadingConnector`` (none: no connector), prefills chunked at
+    ``prefill_chunk`` tokens (None: vLLM's default)."""
     transfer = None
     if cpu_chunks:
         transfer = KVTransferConfig(
@@ -111,6 +121,7 @@ def engine_config(
             topic="kv@tier",
         ),
         kv_transfer_config=transfer,
+        **({"max_num_batched_tokens": prefill_chunk} if prefill_chunk else {}),
     ).create_engine_config()
     # what the rank's own engine core process is started with
     config.parallel_config.data_parallel_rank = rank
@@ -118,12 +129,12 @@ def engine_config(
     return config
 
 
-def plan_kv_cache(core, config):
+def plan_kv_cache(core, config, executor: CpuExecutor | None = None):
     """vLLM's KV cache planning for ``core`` (an engine core made with ``__new__``: the
     parts of its start the tier needs), without the plugin's wrapper (which announces);
     its ``kv_cache_config``."""
     core.vllm_config = config
-    core.model_executor = CpuExecutor()
+    core.model_executor = executor or CpuExecutor()
     core.available_gpu_memory_for_kv_cache = -1
     init = EngineCore._initialize_kv_caches
     return getattr(init, "__wrapped__", init)(core, config)
