@@ -1,6 +1,6 @@
 """Write the golden data of the vLLM release in this venv (as ``shared/fixtures``
 holds 0.33.0's): ``wire/``, ``hash_vectors.json`` (:mod:`.golden_vectors`) and the
-chat traces (:mod:`.golden_traces`). In the tier's venv (``scripts/vllm-tier.sh
+chat and hybrid traces (:mod:`.golden_traces`). In the tier's venv (``scripts/vllm-tier.sh
 VERSION`` builds it)::
 
     PYTHONPATH=$PWD ~/.cache/kvindex/vllm-0.34.0-venv/bin/python \\
