@@ -45,7 +45,7 @@ LookaheadTokens = Annotated[
         ge=0,
         description="tokens after each block that its hash covers: vLLM's"
         " num_hash_lookahead_tokens (EAGLE-style drafting that drops blocks, prefix caching"
-        " on, no KV connector); 0 for none",
+        " on, no KV connector or, in vLLM 0.34, one that supports it); 0 for none",
     ),
 ]
 #: Every hash algorithm some engine adapter reproduces.
