@@ -45,7 +45,7 @@ LookaheadTokens = Annotated[
         ge=0,
         description="tokens after each block that its hash covers: vLLM's"
         " num_hash_lookahead_tokens (EAGLE-style drafting that drops blocks, prefix caching"
-        " on, no KV connector); 0 for none",
+        " on, no KV connector or, in vLLM 0.34, one that supports it); 0 for none",
     ),
 ]
 #: Every hash algorithm some engine adapter reproduces.
@@ -118,9 +118,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``adapter`` names the engine's event format (:mod:`indexer.engines.catalog`);
     it also says where each data-parallel rank publishes (vLLM: the
     endpoint's port + r, for both the PUB and the replay socket).
-    ``block_size`` null: not declared, learned from the engine's first
-    ``BlockStored`` (:mod:`indexer.misdeclared`), as for an engine registered by
-    its ``url`` (:mod:`indexer.discovery.served`), whose server does not say it.
+    ``block_size`` null (the default): learned from the engine's first ``BlockStored``
+    (:mod:`indexer.misdeclared`). None is assumed: vLLM's default changed (16 in 0.33,
+    64 in 0.34) and its attention backend may pick another; a wrong guess matches nothing.
     """
 
     name: Name
@@ -129,7 +129,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replay_endpoint: Endpoint | None = None
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     topic: str = ""
-    block_size: Positive | None = 16
+    block_size: Positive | None = None
     hash_algo: Literal[HASH_ALGOS] | None = "sha256"  # None: not reproducible here
     hash_seed: str | None = None
     lookahead_tokens: LookaheadTokens = 0
@@ -162,10 +162,12 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "endpoint: required for an engine that publishes events, and only for one"
                 " (events: false)"
             )
-        if not self.events and (self.gpu_blocks is None or self.replay_endpoint or self.bind):
+        if not self.events and (
+            self.gpu_blocks is None or self.block_size is None or self.replay_endpoint or self.bind
+        ):
             raise ValueError(
                 "an engine with events: false needs gpu_blocks (its GPU capacity in blocks)"
-                " and has no replay_endpoint or bind"
+                " and block_size (no event can teach it), and has no replay_endpoint or bind"
             )
         if self.snapshot_endpoint and not self.replay_endpoint:
             raise ValueError("snapshot_endpoint: needs the engine's replay_endpoint too")

@@ -13,7 +13,7 @@ Each command reads the sections it needs (:mod:`kvindex.serve`,
       - http://10.0.0.6:8100      # indexer.discovery.served (URL[,FIELD=VALUE...])
       - {url: http://10.0.0.7:8100, name: vllm-b, hash_algo: sha256_cbor}
     discover:                     # engines found by DNS or Kubernetes, see indexer.discovery
-      - dns://vllm.default.svc.cluster.local:5557?replay_port=5558&block_size=16
+      - dns://vllm.default.svc.cluster.local:5557?replay_port=5558
     subscriber:                   # SubscriberSettings, see indexer.ingest.subscriber
       replay_timeout: 2.0
       gap_clear_threshold: 1000

@@ -58,9 +58,15 @@ class FakeConsumers:
             await self.apply(rank, seq, decode_batch(payload))
 
 
+#: The block size the tests' engines declare unless told (kvindex assumes none).
+BLOCK_SIZE = 16
+
+
 def engine(name: str, **fields) -> EngineSpec:
     """A spec with a syntactically valid endpoint nobody listens on."""
-    return EngineSpec(name=name, endpoint="tcp://127.0.0.1:1", **fields)
+    return EngineSpec(
+        name=name, endpoint="tcp://127.0.0.1:1", **{"block_size": BLOCK_SIZE, **fields}
+    )
 
 
 class Api:
@@ -134,7 +140,7 @@ class LiveApi:
             endpoint=f"tcp://127.0.0.1:{base}",
             replay_endpoint=f"tcp://127.0.0.1:{base + dp_ranks}",
             dp_ranks=dp_ranks,
-            **fields,
+            **{"block_size": BLOCK_SIZE, **fields},
         )
         publishers = [
             Publisher(spec.endpoint, spec.replay_endpoint, data_parallel_rank=r, bind=True)

@@ -26,9 +26,17 @@ if TYPE_CHECKING:
     from .servers import LocalCluster, RedisServer
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.33.0"
-TRACE_NAMES = ("chat-sha256", "chat-gpu-only", "chat-placeholders", "chat-clear")
+#: Every release's golden data: 0.33.0's in ../shared, later ones written by the vLLM tier
+#: (tests/vllm_tier/golden.py) and checked in here.
+RELEASES = {
+    "0.33.0": FIXTURES,
+    "0.34.0": Path(__file__).resolve().parent / "fixtures" / "vllm-0.34.0",
+}
+CHAT_TRACES = ("chat-sha256", "chat-gpu-only", "chat-placeholders", "chat-clear")
+#: A trace is named by its name alone in 0.33.0's data, by ``RELEASE/NAME`` in a later one's.
+TRACE_NAMES = CHAT_TRACES + tuple(f"0.34.0/{name}" for name in CHAT_TRACES)
 #: Hybrid models: full attention with a sliding-window group, and with a Mamba group.
-HYBRID_TRACE_NAMES = ("hybrid-sliding", "hybrid-mamba")
+HYBRID_TRACE_NAMES = ("hybrid-sliding", "hybrid-mamba", "0.34.0/hybrid-sliding")
 
 
 def probe_answers(expected: dict) -> list[dict[str, int]]:
@@ -47,12 +55,20 @@ def probe_answers(expected: dict) -> list[dict[str, int]]:
     ]
 
 
+def _traces(name: str) -> tuple[Path, str]:
+    """Where a trace lies (see TRACE_NAMES) and its file name's stem."""
+    release, _, stem = name.rpartition("/")
+    return RELEASES[release or "0.33.0"] / "traces", stem
+
+
 def trace_path(name: str) -> Path:
-    return FIXTURES / "traces" / f"{name}.frames.msgpack"
+    folder, stem = _traces(name)
+    return folder / f"{stem}.frames.msgpack"
 
 
 def expected_path(name: str) -> Path:
-    return FIXTURES / "traces" / f"{name}.expected.json"
+    folder, stem = _traces(name)
+    return folder / f"{stem}.expected.json"
 
 
 def load_expected_json(name: str) -> dict:
@@ -62,7 +78,7 @@ def load_expected_json(name: str) -> dict:
 def trace_batches(*names: str) -> list[EventBatch]:
     """The decoded batches of fixture traces, one after another.
 
-    The traces were recorded in TRACE_NAMES order, so batch ts keep rising
+    Each release's traces were recorded in TRACE_NAMES order, so batch ts keep rising
     when the names come in that order.
     """
     return [decode_batch(p) for name in names for _, p in load_trace(trace_path(name))]

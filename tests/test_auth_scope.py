@@ -28,7 +28,13 @@ from .conftest import redis_config
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SEED = "s33d-that-must-not-leak"
-ENGINE = {"name": "a", "endpoint": "tcp://127.0.0.1:1", "hash_algo": "xxhash", "hash_seed": SEED}
+ENGINE = {
+    "name": "a",
+    "endpoint": "tcp://127.0.0.1:1",
+    "block_size": 16,
+    "hash_algo": "xxhash",
+    "hash_seed": SEED,
+}
 ROUTED = {"engine": "a", "block_hashes": list(range(1, 25))}
 
 

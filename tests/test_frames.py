@@ -24,10 +24,17 @@ from indexer.engines import base, catalog
 from indexer.engines.vllm import frames, wire
 from indexer.ingest.trace import load_trace, map_trace
 
-from .conftest import FIXTURES
+from .conftest import RELEASES
 
-GOLDEN = sorted((FIXTURES / "wire").glob("*.msgpack"))
-TRACES = sorted((FIXTURES / "traces").glob("*.frames.msgpack"))
+GOLDEN = sorted(p for folder in RELEASES.values() for p in (folder / "wire").glob("*.msgpack"))
+TRACES = sorted(
+    p for folder in RELEASES.values() for p in (folder / "traces").glob("*.frames.msgpack")
+)
+
+
+def _id(path) -> str:
+    """A golden file's test id: its release and name."""
+    return f"{path.parents[1].name}-{path.name.split('.')[0]}"
 
 
 def _outcome(decode, payload: bytes) -> tuple:
@@ -62,7 +69,7 @@ def test_the_scanner_is_built_and_in_use() -> None:
     assert wire._scan is not None
 
 
-@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", GOLDEN, ids=_id)
 def test_golden_payloads(path) -> None:
     payload = path.read_bytes()
     assert _check(payload)[0] == "ok"
@@ -70,7 +77,7 @@ def test_golden_payloads(path) -> None:
     assert (wire._scan(payload) is None) == (path.stem == "legacy_positional")
 
 
-@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.split(".")[0])
+@pytest.mark.parametrize("path", TRACES, ids=_id)
 def test_every_payload_of_the_golden_traces(path) -> None:
     trace = msgspec.msgpack.decode(path.read_bytes(), type=list[tuple[int, bytes]])
     for _, payload in trace:
@@ -286,7 +293,7 @@ def test_a_merged_event_lists_at_most_the_limit(monkeypatch) -> None:
     assert _check(payload)[0] == "ok"
 
 
-@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name.split(".")[0])
+@pytest.mark.parametrize("path", TRACES, ids=_id)
 def test_a_mapped_trace_has_the_loaded_trace_s_payloads(path) -> None:
     mapped = map_trace(path)
     assert [(seq, bytes(view)) for seq, view in mapped] == load_trace(path)

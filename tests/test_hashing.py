@@ -24,14 +24,15 @@ from indexer.engines.vllm.hashing import (
     published_ints,
 )
 
+from .conftest import FIXTURES, RELEASES
 from .hash_cases import case_spec, hash_case
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "vllm-0.33.0"
 CASES = json.loads((FIXTURES / "hash_vectors.json").read_text())
 REPO = Path(__file__).resolve().parents[1]
 PROBES = [
     (path.name.removesuffix(".expected.json"), expected["engine"], probe)
-    for path in sorted((FIXTURES / "traces").glob("*.expected.json"))
+    for folder in RELEASES.values()
+    for path in sorted((folder / "traces").glob("*.expected.json"))
     for expected in [json.loads(path.read_text())]
     for probe in expected["probes"]
 ]

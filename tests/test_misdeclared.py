@@ -98,7 +98,7 @@ async def test_a_seed_in_force_but_not_declared_is_caught(live):
 
 async def test_a_kv_group_the_declaration_lacks_is_caught(live):
     groups = [KVGroup(kind="full_attention")]
-    (publisher,) = await live.add_published("hybrid", kv_groups=groups)
+    (publisher,) = await live.add_published("hybrid", kv_groups=groups, block_size=16)
     hasher = catalog.adapter("vllm").hasher("sha256", None, 16)
     stored = BlockStored(
         block_hashes=hasher.published(hasher.digests(Prompt(tuple(range(16))))),

@@ -166,7 +166,9 @@ async def test_an_engine_without_events_is_degraded_nowhere() -> None:
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://kvindex") as client:
-            await registry.add(EngineSpec("routed-only", events=False, gpu_blocks=64))
+            await registry.add(
+                EngineSpec("routed-only", events=False, gpu_blocks=64, block_size=16)
+            )
             (rank,) = (await client.get("/engines/routed-only")).json()["ranks"]
             assert (rank["events"], rank["degraded"], rank["degraded_reasons"]) == (
                 False,

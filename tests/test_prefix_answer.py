@@ -63,7 +63,7 @@ async def fleet() -> AsyncIterator[Api]:
     """``a`` (2 ranks, rank 1 holding block 5), ``b`` without events, ``c``."""
     api = Api()
     await api.add(engine("a", model="m", dp_ranks=2))
-    await api.add(EngineSpec(name="b", model="m", events=False, gpu_blocks=64))
+    await api.add(EngineSpec(name="b", model="m", events=False, gpu_blocks=64, block_size=16))
     await api.add(engine("c", model="m"))
     gpu = BlockStored(block_hashes=[5], parent_block_hash=None, medium="GPU")
     await api.consumers.apply(RankId("a", 1), 0, EventBatch(1.0, [gpu], 0))

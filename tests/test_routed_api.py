@@ -244,7 +244,7 @@ async def test_ttl_expiry_and_bad_input() -> None:
 
 async def test_an_event_less_engine_is_routed_by_its_history() -> None:
     api = Api()
-    spec = EngineSpec(name="silent", model="m", events=False, gpu_blocks=300)
+    spec = EngineSpec(name="silent", model="m", events=False, gpu_blocks=300, block_size=16)
     await api.add(spec)
     await fleet(api)
     try:

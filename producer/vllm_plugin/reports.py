@@ -10,7 +10,8 @@ after its last copy is evicted. Inside the engine they can: the plugin marks the
 events that method appends, and publishes every batch a second time without
 them on a publisher of its own (vLLM's wire format, one batch for each of
 vLLM's, so the same seqs, with a replay buffer as deep as vLLM's), at the
-engine's endpoints moved by :func:`moved` (``KVINDEX_EVENTS_PORT_OFFSET``).
+engine's endpoints moved by :func:`moved` (``KVINDEX_EVENTS_PORT_OFFSET``); a
+batch after a connector reset also says what it dropped (:mod:`.resets`).
 kvindex reads that stream; vLLM's own, which other consumers read, is left byte
 for byte as it was.
 
@@ -25,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from producer.vllm_plugin import snapshots
+from producer.vllm_plugin import resets, snapshots
 from producer.vllm_plugin.settings import PluginSettings
 
 log = logging.getLogger("kvindex.vllm_plugin")
@@ -72,6 +73,7 @@ def install(settings: PluginSettings) -> None:
     if getattr(BlockPool.emit_cached_block_events, "_kvindex", False):
         return
     BlockPool.emit_cached_block_events = _marking(BlockPool.emit_cached_block_events)
+    resets.install()
     ZmqEventPublisher.__init__ = _mirrored(ZmqEventPublisher.__init__)
     ZmqEventPublisher.publish = _publishing(ZmqEventPublisher.publish)
     ZmqEventPublisher.shutdown = _closing(ZmqEventPublisher.shutdown)
@@ -152,9 +154,11 @@ def _publishing(publish: Any) -> Any:
         mirror = getattr(self, _MIRROR, None)
         if mirror is not None:
             kept = without_reports(events)
+            if (found := getattr(self, _SNAPSHOTS, None)) is not None:
+                kept = resets.with_implied_removals(self, found, kept)
             payload = _ENCODER.encode(kept)
             mirror.publish_encoded(payload)
-            if (found := getattr(self, _SNAPSHOTS, None)) is not None:
+            if found is not None:
                 _count(self, found, mirror.last_offered_seq, kept)
 
     return wrapper

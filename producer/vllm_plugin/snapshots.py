@@ -7,7 +7,7 @@ stays rank r's), with the token the plugin announces the engine with
 
 - GPU: the block pool's own table of cached blocks. vLLM keys it by the block
   hash with the KV group's id in its last four bytes, to one block or, for a
-  hash cached more than once, a dict of its physical copies; each copy was
+  hash cached more than once, each of its physical copies (:func:`_copies`); each copy was
   announced by a ``BlockStored`` and each eviction removes one, so the number
   of copies is the count kvindex keeps. Hashes are published as vLLM
   publishes them (``maybe_convert_block_hash``); group kinds as the plugin
@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.core.events import GPU
+from indexer.core.events import CPU, GPU
 from indexer.core.hybrid import GroupDeclaration
 from indexer.core.snapshot import Snapshot, SnapshotTier
 from indexer.engines import catalog
@@ -98,6 +98,15 @@ class EngineSnapshots:
         if self._handoff.wanted:
             self._handoff.give(self._take)
 
+    def connector_copies(self) -> list[tuple[int, list]]:
+        """Per KV group, each hash of the connector's own tier (CPU, no ownership) as
+        many times as it was published stored and not removed."""
+        return [
+            (tier.group_idx, [h for h, n in table.counts.items() for _ in range(n)])
+            for tier, table in self._published.residency.tables.items()
+            if tier.medium == CPU and tier.ownership is None and table.counts
+        ]
+
     def between_steps(self) -> None:
         """The engine core handled a client request: take a wanted snapshot unless
         some change is not yet published (then the next batch published takes it)."""
@@ -105,9 +114,11 @@ class EngineSnapshots:
             self._handoff.give(self._take)
 
     def _take(self) -> _Taken:
-        table = self._block_pool().cached_block_hash_to_block._cache.copy()
-        copies = {key: len(blocks) for key, blocks in table.items() if type(blocks) is dict}
-        return _Taken(*self._published.last, table, copies, self._published.snapshot())
+        cached = self._block_pool().cached_block_hash_to_block
+        table = cached._cache.copy()
+        return _Taken(
+            *self._published.last, table, _copies(cached, table), self._published.snapshot()
+        )
 
     def _block_pool(self) -> Any:
         return self._core.scheduler.kv_cache_manager.block_pool
@@ -124,6 +135,17 @@ class EngineSnapshots:
         queue = getattr(self._core, "input_queue", None)
         if queue is not None:
             queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+
+def _copies(cached: Any, table: dict) -> dict:
+    """Each key cached by several physical blocks, with their number. vLLM 0.34 keeps
+    one block id per key in its table and the ids of every key cached more than once
+    in a table beside it (``_dup_ids``); 0.33 keeps a key's copies, when there are
+    several, as a dict in place of its block."""
+    several = getattr(cached, "_dup_ids", None)
+    if several is not None:
+        return {key: len(ids) for key, ids in several.items()}
+    return {key: len(blocks) for key, blocks in table.items() if type(blocks) is dict}
 
 
 def _assembled(taken: _Taken, kinds: Mapping[int, str | None]) -> Snapshot:

@@ -13,8 +13,8 @@ what the engine does, not what an operator typed:
   fixed public seed (kvindex knows it) and the xxhash ones a random
   per-process one, which nobody outside the engine can know: "seeded", unknown;
 - lookahead tokens: ``num_hash_lookahead_tokens``, the tokens after each block
-  its hash covers (vLLM 0.33 with EAGLE-style drafting that drops blocks,
-  prefix caching on and no KV connector); 0 where vLLM has no such property;
+  its hash covers (EAGLE-style drafting that drops blocks, prefix caching on and
+  no KV connector, or in 0.34 one that supports it); 0 where vLLM has no such property;
 - endpoints: ``kv_events_config``. vLLM binds a wildcard, ipc or inproc
   endpoint and connects to any other (then kvindex binds); rank ``r`` publishes
   on the port + ``r``, so rank 0's endpoints describe every rank. kvindex is

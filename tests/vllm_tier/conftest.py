@@ -1,4 +1,4 @@
-"""The vLLM tier: vLLM 0.33.0's real config objects on the CPU, kvindex's plugin
+"""The vLLM tier: one vLLM release's real config objects on the CPU, kvindex's plugin
 loaded by vLLM's own loader, and a real ``kvindex serve`` it announces to.
 
 vLLM needs no GPU to build its config: ``VLLM_TARGET_DEVICE=cpu`` and a
@@ -21,6 +21,10 @@ import httpx
 import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# vLLM 0.34 refuses an x86 CPU without Triton. The venv holds the real Triton (in the
+# pinned list; its backends are GPU ones, with no device here); with no device visible
+# vLLM keeps it, as on a worker whose devices come up later. Nothing here runs a kernel.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
 TOKENIZER = SHARED / "fixtures" / "vllm-0.33.0" / "tokenize" / "llama3ish"

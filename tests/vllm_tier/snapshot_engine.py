@@ -9,9 +9,14 @@ import random
 import torch
 from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.servers import port_free
+from tests.vllm_tier.stand_in import SAMPLED
 
 BLOCK = 16
 CHUNK_BLOCKS = 4  # offloaded chunks of 64 tokens
@@ -21,17 +26,24 @@ BUFFER = 10  # vLLM's replay buffer, in batches
 OFFSET = 1000  # the plugin's stream beside vLLM's; snapshots beside it
 RANKS = 2
 NAME = "tier-snapshots"
-SAMPLED = 7  # the token every "forward pass" samples
 MAX_PROMPT = 440  # tokens; the model's context is 512
 LAYER = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
 CHUNK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 2 * CHUNK_BLOCKS  # 2 layers of K and V, fp16
 
 
 class CpuExecutor:
-    """The model executor's answers about the KV cache: two full-attention layers."""
+    """The model executor's answers about the KV cache: two full-attention layers, or
+    a full-attention and a sliding-window one (a hybrid model: two KV cache groups)."""
+
+    def __init__(self, sliding_window: int | None = None) -> None:
+        self._window = sliding_window
 
     def get_kv_cache_specs(self):
-        return [{f"model.layers.{i}.self_attn.attn": FullAttentionSpec(**LAYER) for i in (0, 1)}]
+        second = FullAttentionSpec(**LAYER)
+        if self._window:
+            second = SlidingWindowSpec(**LAYER, sliding_window=self._window)
+        return [{"model.layers.0.self_attn.attn": FullAttentionSpec(**LAYER),
+                 "model.layers.1.self_attn.attn": second}]  # fmt: skip
 
     def get_supported_kv_cache_layouts(self):
         return [["LBNHC"]]
@@ -62,8 +74,34 @@ def engine_ports() -> int:
     raise RuntimeError("no free ports")
 
 
-def engine_config(model_dir, base: int, rank: int):
-    """vLLM's config as ``vllm serve`` builds it for data-parallel rank ``rank``."""
+def engine_config(
+    model_dir,
+    base: int,
+    rank: int,
+    *,
+    ranks: int = RANKS,
+    gpu_blocks: int = GPU_BLOCKS,
+    cpu_chunks: int = CPU_CHUNKS,
+    self_describing: bool = True,
+    buffer: int = BUFFER,
+    replay: bool = True,
+    prefill_chunk: int | None = None,
+):
+    """vLLM's config as ``vllm serve`` builds it for data-parallel rank ``rank``: events
+    at ``base`` (replay at ``base + 2``), a CPU tier of ``cpu_chunks`` chunks through
+    the ``OffloadingConnector`` (none: no connector), prefills chunked at
+    ``prefill_chunk`` tokens (None: vLLM's default)."""
+    transfer = None
+    if cpu_chunks:
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "block_size": BLOCK * CHUNK_BLOCKS,
+                "cpu_bytes_to_use": cpu_chunks * CHUNK_BYTES,
+                "self_describing_kv_events": self_describing,
+            },
+        )
     config = EngineArgs(
         model=str(model_dir),
         skip_tokenizer_init=True,  # nothing here tokenizes
@@ -72,30 +110,47 @@ def engine_config(model_dir, base: int, rank: int):
         enable_prefix_caching=True,
         prefix_caching_hash_algo="sha256",
         max_model_len=512,
-        num_gpu_blocks_override=GPU_BLOCKS,
-        data_parallel_size=RANKS,
+        num_gpu_blocks_override=gpu_blocks,
+        data_parallel_size=ranks,
         kv_events_config=KVEventsConfig(
             enable_kv_cache_events=True,
             publisher="zmq",
             endpoint=f"tcp://*:{base}",
-            replay_endpoint=f"tcp://*:{base + 2}",
-            buffer_steps=BUFFER,
+            replay_endpoint=f"tcp://*:{base + 2}" if replay else None,
+            buffer_steps=buffer,
             topic="kv@tier",
         ),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={
-                "block_size": BLOCK * CHUNK_BLOCKS,
-                "cpu_bytes_to_use": CPU_CHUNKS * CHUNK_BYTES,
-                "self_describing_kv_events": True,
-            },
-        ),
+        kv_transfer_config=transfer,
+        **({"max_num_batched_tokens": prefill_chunk} if prefill_chunk else {}),
     ).create_engine_config()
     # what the rank's own engine core process is started with
     config.parallel_config.data_parallel_rank = rank
     config.parallel_config.data_parallel_index = rank
     return config
+
+
+def plan_kv_cache(core, config, executor: CpuExecutor | None = None):
+    """vLLM's KV cache planning for ``core`` (an engine core made with ``__new__``: the
+    parts of its start the tier needs), without the plugin's wrapper (which announces);
+    its ``kv_cache_config``."""
+    core.vllm_config = config
+    core.model_executor = executor or CpuExecutor()
+    core.available_gpu_memory_for_kv_cache = -1
+    init = EngineCore._initialize_kv_caches
+    return getattr(init, "__wrapped__", init)(core, config)
+
+
+def make_scheduler(config, kv_cache_config):
+    """vLLM's scheduler over the planned KV cache (it creates vLLM's event publisher)."""
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, config)
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        include_finished_set=True,
+    )
 
 
 class Chats:

@@ -11,7 +11,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
@@ -22,23 +21,22 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreRequestType
-from vllm.v1.engine.core import EngineCore, EngineCoreProc, EngineShutdownState
+from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
 from vllm.v1.kv_offload.base import make_offload_key
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 from producer.vllm_plugin import snapshots
+from tests.vllm_tier.pool_truth import cached_copies
 from tests.vllm_tier.snapshot_engine import (
     BLOCK,
     CHUNK_BLOCKS,
-    SAMPLED,
     Chats,
-    CpuExecutor,
     engine_config,
+    make_scheduler,
+    plan_kv_cache,
 )
+from tests.vllm_tier.stand_in import StandIn
 
 
 class Rank:
@@ -48,29 +46,15 @@ class Rank:
     def __init__(self, model_dir, base: int, rank: int) -> None:
         self.rank, self.base = rank, base + rank
         self.config = engine_config(model_dir, base, rank)
-        core = EngineCoreProc.__new__(EngineCoreProc)  # the parts of its start the test needs
-        core.vllm_config = self.config
-        core.model_executor = CpuExecutor()
-        core.available_gpu_memory_for_kv_cache = -1
+        core = EngineCoreProc.__new__(EngineCoreProc)
         core.shutdown_state = EngineShutdownState.RUNNING
         core.reject_new_requests = False
         core.input_queue = queue.Queue()
-        # vLLM's KV cache planning, without the plugin's wrapper (which announces)
-        init = EngineCore._initialize_kv_caches
-        self.kv_cache_config = getattr(init, "__wrapped__", init)(core, self.config)
+        self.kv_cache_config = plan_kv_cache(core, self.config)
         # what the plugin's wrapper of _initialize_kv_caches does, on every rank
         self.service = snapshots.attach(core, self.config, self.kv_cache_config)
-        block_size, hash_block_size = resolve_kv_cache_block_sizes(
-            self.kv_cache_config, self.config
-        )
-        core.scheduler = self.scheduler = Scheduler(  # creates vLLM's publisher for the rank
-            vllm_config=self.config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.config),
-            block_size=block_size,
-            hash_block_size=hash_block_size,
-            include_finished_set=True,
-        )
+        _, hash_block_size = resolve_kv_cache_block_sizes(self.kv_cache_config, self.config)
+        core.scheduler = self.scheduler = make_scheduler(self.config, self.kv_cache_config)
         self.core = core
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -84,8 +68,7 @@ class Rank:
         self.taken: list[tuple[int, str, bool]] = []  # snapshots: seq, thread, client on
         self.client_on = False
         self._submitted = self._handled = 0
-        self._stores: list[int] = []  # store jobs the worker submits next step
-        self.loads = 0  # load jobs: chunks read back from the CPU tier
+        self.stand_in = StandIn(self.scheduler)
         self.copies_checked = False  # a GPU block with two physical copies compared
         self._idle = threading.Event()
         self._stop = threading.Event()
@@ -131,7 +114,7 @@ class Rank:
                 while not core.input_queue.empty():
                     self._handle(core.input_queue.get_nowait())
                 if self.scheduler.has_requests():
-                    self._step()
+                    self.stand_in.step()
         except BaseException as e:  # surfaced by the test
             self.error = e
             raise
@@ -140,41 +123,6 @@ class Rank:
         EngineCoreProc._handle_client_request(self.core, *request)
         if request[0] == EngineCoreRequestType.ADD:
             self._handled += 1
-
-    def _step(self) -> None:
-        """One step: schedule, "run" the model and the offloading worker, update.
-
-        The worker does what vLLM's ``OffloadingConnectorWorker`` does: a store job
-        is submitted at the start of the step after the one that scheduled it (or
-        at once when the scheduler flushes it), a load in its own step; each is
-        reported done in the step it runs in."""
-        output = self.scheduler.schedule()
-        meta = output.kv_connector_metadata
-        flushed = meta.jobs_to_flush or set()
-        done, loaded = OffloadingWorkerMetadata(), set()
-        for job_id in [*self._stores, *(j for j in meta.store_jobs if j in flushed)]:
-            done.mark_completed(job_id)
-        self._stores = [j for j in meta.store_jobs if j not in flushed]
-        for job_id, job in meta.load_jobs.items():
-            self.loads += 1
-            done.mark_completed(job_id)
-            if not job.sync:
-                loaded.add(job.req_id)
-        ids = list(output.num_scheduled_tokens)
-        requests = self.scheduler.requests
-        sampled = [
-            [SAMPLED] if requests[i].num_computed_tokens >= requests[i].num_tokens else []
-            for i in ids
-        ]
-        result = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={i: n for n, i in enumerate(ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                finished_recving=loaded or None, kv_connector_worker_meta=done
-            ),
-        )
-        self.scheduler.update_from_output(output, result)
 
     # --- the client's side ----------------------------------------------------
 
@@ -217,14 +165,11 @@ class Rank:
 
     def gpu_counts(self) -> dict[int, int]:
         """Each cached hash's physical copies in the block pool, as vLLM publishes it."""
-        cached = self.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
-        counts = {}
-        for key, blocks in cached._cache.items():
-            assert get_group_id(key) == 0
-            counts[maybe_convert_block_hash(get_block_hash(key))] = (
-                len(blocks) if type(blocks) is dict else 1
-            )
-        return counts
+        pool = self.scheduler.kv_cache_manager.block_pool
+        keys = cached_copies(pool)
+        assert set(keys) == set(pool.cached_block_hash_to_block._cache), "the table agrees"
+        assert all(get_group_id(key) == 0 for key in keys)
+        return {maybe_convert_block_hash(get_block_hash(key)): n for key, n in keys.items()}
 
     def cpu_counts(self) -> dict[int, int]:
         """Each hash's CPU chunks listing it: the chunks the CPU tier holds, with the

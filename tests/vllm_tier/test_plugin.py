@@ -199,6 +199,34 @@ def test_an_eagle_engine_announces_its_lookahead_hashing(serve, model_dir, tmp_p
     core.shutdown()
 
 
+def test_an_eagle_engine_offloading_to_the_cpu_announces_what_vllm_hashes(
+    serve, model_dir, tmp_path, monkeypatch
+):
+    """With a KV connector vLLM 0.33 never hashes with lookahead; 0.34 does where the
+    connector says it supports it (the OffloadingConnector does). kvindex is told what
+    the release does: the lookahead its config resolved, which its connector decides."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    monkeypatch.setenv("KVINDEX_ANNOUNCE_TOKEN", TOKEN)
+    monkeypatch.setenv("KVINDEX_ENGINE_NAME", "tier-eagle-offload")
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA | {"num_hidden_layers": 1}))
+    drafter = {"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2}
+    offload = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"block_size": 64, "cpu_bytes_to_use": 1 << 20},
+    )
+    config = engine_config(model_dir, speculative_config=drafter, kv_transfer_config=offload)
+    connector = KVConnectorFactory.get_connector_class(offload)
+    supports = getattr(connector, "supports_lookahead_block_hashes", None)
+    lookahead = 1 if supports is not None and supports(offload) else 0
+    core = start_engine_core(config)
+    engine = registered(serve, "tier-eagle-offload")
+    assert engine["lookahead_tokens"] == config.num_hash_lookahead_tokens == lookahead
+    assert engine["blocks_per_chunk"] == 4
+    core.shutdown()
+
+
 def test_without_a_token_kvindex_learns_only_that_a_seed_is_in_force(
     open_serve, model_dir, monkeypatch
 ):

@@ -31,6 +31,7 @@ restarting the engine.
 
 from __future__ import annotations
 
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ from producer.vllm_plugin.settings import PluginSettings
 from tests.servers import REDIS_SERVER, RedisServer
 from tests.servers import free_port as free_redis_port
 from tests.vllm_tier.conftest import TOKEN
-from tests.vllm_tier.snapshot_engine import BUFFER, LAYER, OFFSET, RANKS, Chats, engine_ports
+from tests.vllm_tier.snapshot_engine import BLOCK, BUFFER, LAYER, OFFSET, RANKS, Chats, engine_ports
 from tests.vllm_tier.snapshot_kvindex import Kvindex, assert_exact, redis_cli
 from tests.vllm_tier.snapshot_rank import Fleet, Rank
 
@@ -104,7 +105,7 @@ def test_a_late_kvindex_is_exact_from_snapshots_and_again_after_redis_loses_data
     assert min(fleet.batches()) >= 3 * BUFFER, "batches 0.. are long gone from replay"
     for rank in fleet.ranks:
         assert rank.removed["GPU"] and rank.removed["CPU"], rank.removed
-        assert rank.loads, "some prompts were read back from the CPU tier"
+        assert rank.stand_in.loads, "some prompts were read back from the CPU tier"
 
     kvindex = kvindex_late(redis)
     with fleet.stepping():  # the snapshots are taken while the ranks keep stepping
@@ -165,6 +166,56 @@ def test_an_idle_engine_is_woken_for_its_snapshot(fleet, kvindex_late) -> None:
         assert seq == rank.last_seq, "taken between steps, with everything published"
     assert_exact(kvindex, fleet, restores=1)
     assert all(rank.copies_checked for rank in fleet.ranks)
+
+
+def test_copies_restored_from_a_snapshot_then_evicted_stay_exact(fleet, kvindex_late) -> None:
+    """A block the pool holds more than once is restored with every copy (vLLM 0.34
+    keeps the ids of a key's further copies apart from its table), so evicting the
+    copies one by one leaves kvindex holding exactly what vLLM holds, and no removal
+    is of a block kvindex does not hold."""
+    fleet.serve(16)
+    held: dict[int, int] = {}
+    for rank in fleet.ranks:
+        rank.serve_now(Chats.SYSTEM[1])
+        held[rank.rank] = maybe_convert_block_hash(rank.serve_now(Chats.SYSTEM[1])[-1])
+        assert rank.gpu_counts()[held[rank.rank]] >= 2, "a second physical copy"
+    kvindex = kvindex_late()
+    kvindex.register(fleet)
+    kvindex.restored(1)
+    anomalies = [r["anomalies"] for r in assert_exact(kvindex, fleet, restores=1)]
+    assert all(rank.copies_checked for rank in fleet.ranks)
+    rng = random.Random(5)
+
+    def copies() -> list[int]:
+        return [rank.gpu_counts().get(held[rank.rank], 0) for rank in fleet.ranks]
+
+    left = copies()
+    while any(left):  # new prompts evict the pool's blocks; check each time copies go
+        for rank, n in zip(fleet.ranks, left, strict=True):
+            if n:
+                rank.serve_now([rng.randrange(1, 4000) for _ in range(BLOCK * 3)])
+        if copies() != left:
+            left = copies()
+            status = assert_exact(kvindex, fleet, restores=1)
+            assert [r["anomalies"] for r in status] == anomalies, "no removal of a block not held"
+
+
+def test_a_connector_reset_drops_the_cpu_tier_in_kvindex_too(fleet, kvindex_late) -> None:
+    """A prefix-cache reset with the connector's (as sleep asks) empties vLLM's CPU tier
+    and publishes no event of it; kvindex's stream from the plugin says so, and
+    kvindex holds exactly what vLLM holds after it."""
+    fleet.serve(16)
+    kvindex = kvindex_late()
+    kvindex.register(fleet)
+    kvindex.restored(1)
+    anomalies = [r["anomalies"] for r in assert_exact(kvindex, fleet, restores=1)]
+    for rank in fleet.ranks:  # settled: nothing steps while the engine core resets
+        assert rank.cpu_counts()
+        assert rank.core.reset_prefix_cache(reset_connector=True)
+        assert not rank.cpu_counts(), "vLLM's CPU tier is empty"
+    fleet.serve(8)  # the next batches, and new chunks stored
+    status = assert_exact(kvindex, fleet, restores=1)
+    assert [r["anomalies"] for r in status] == anomalies, "no removal of a block not held"
 
 
 def test_a_failure_counting_a_batch_stops_the_snapshots_not_the_engine(monkeypatch) -> None:

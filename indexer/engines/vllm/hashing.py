@@ -12,8 +12,8 @@ Each full block ``i`` hashes ``(parent, tokens_i, extra_keys_i)`` where
 ``parent`` is block ``i-1``'s digest, or ``NONE_HASH`` for the first block.
 Partial trailing blocks are never hashed because vLLM never caches them.
 
-With lookahead hashing (``lookahead_tokens`` L > 0: vLLM 0.33 with EAGLE-style
-drafting that drops blocks, prefix caching on and no KV connector) the
+With lookahead hashing (``lookahead_tokens`` L > 0: EAGLE-style drafting that drops
+blocks, prefix caching on and no KV connector, or in 0.34 one that supports it) the
 drafter's KV at a block's last position depends on the L tokens after the
 block, so its hash covers them: its extra keys become ``(E, *next L tokens)``,
 ``E`` the usual keys taken over the block and those L tokens (or None). A block
