@@ -53,7 +53,7 @@ lint: setup
 
 test: lint
 	$(BIN)/pytest -q
-	@echo "make test skips the vLLM tier (tests/vllm_tier: vLLM 0.33.0 in its own venv); scripts/vllm-tier.sh runs it, and so does .ci/run"
+	@echo "make test skips the engine tiers (tests/vllm_tier: each supported vLLM release in its own venv); scripts/vllm-tier.sh VERSION runs one, and .ci/run runs them all"
 
 bench: setup
 	$(BIN)/python -m bench --quick
