@@ -102,6 +102,16 @@ class EngineAdapter(Protocol):
     #: Where the engine's HTTP server states its load (:meth:`read_load`), None: nowhere.
     load_path: str | None
 
+    #: Where the engine's HTTP server describes its KV event publishers (None: nowhere).
+    sources_path: str | None
+
+    def read_sources(self, answer: Any) -> Any:
+        """The server's JSON answer at :attr:`sources_path` as each data-parallel rank's
+        events config (``endpoint``, ``replay_endpoint``, ``topic``, and ``block_size``
+        if the server states it): a map by rank, or a list of entries naming their
+        ``data_parallel_rank``; ValueError for an answer that describes no publisher."""
+        ...
+
     def read_load(self, text: str) -> dict[int, EngineLoad]:
         """Each data-parallel rank's load from the page at :attr:`load_path`; ValueError
         for a page that does not state it."""

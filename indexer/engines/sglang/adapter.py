@@ -17,7 +17,7 @@ from collections.abc import Collection
 from typing import Any
 
 from indexer.engines.base import Prompt
-from indexer.engines.sglang import hashing, metrics, render, wire
+from indexer.engines.sglang import hashing, metrics, render, server, wire
 from indexer.engines.zmq_framing import ZmqFraming
 
 
@@ -51,6 +51,8 @@ class SglangAdapter(ZmqFraming):
     renderer = SglangRenderer()
     load_path = metrics.PATH
     read_load = staticmethod(metrics.read_load)
+    sources_path = server.PATH
+    read_sources = staticmethod(server.read_sources)
 
     batch_ts = staticmethod(wire.batch_ts)
     decode = staticmethod(wire.decode_batch)

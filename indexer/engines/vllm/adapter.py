@@ -10,7 +10,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from indexer.compiled import Status, combined
-from indexer.engines import vllm_metrics
+from indexer.engines import vllm_metrics, vllm_server
 from indexer.engines.base import Prompt
 from indexer.engines.vllm import frames, native, render, wire
 from indexer.engines.zmq_framing import ZmqFraming
@@ -102,6 +102,8 @@ class VllmAdapter(ZmqFraming):
     renderer = VllmRenderer()
     load_path = vllm_metrics.PATH
     read_load = staticmethod(vllm_metrics.read_load)
+    sources_path = vllm_server.PATH
+    read_sources = staticmethod(vllm_server.read_sources)
 
     batch_ts = staticmethod(wire.batch_ts)
     decode = staticmethod(wire.decode_batch)

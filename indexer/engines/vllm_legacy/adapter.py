@@ -28,7 +28,7 @@ from indexer.core.events import (
     EventBatch,
     WireError,
 )
-from indexer.engines import vllm_metrics
+from indexer.engines import vllm_metrics, vllm_server
 from indexer.engines.base import Prompt, check_batch
 from indexer.engines.zmq_framing import ZmqFraming
 
@@ -126,6 +126,8 @@ class LegacyVllmAdapter(ZmqFraming):
     renderer = None
     load_path = vllm_metrics.PATH  # the same gauges, named alike
     read_load = staticmethod(vllm_metrics.read_load)
+    sources_path = vllm_server.PATH
+    read_sources = staticmethod(vllm_server.read_sources)
 
     def batch_ts(self, payload: bytes) -> float:
         try:
