@@ -11,14 +11,14 @@ chain, which ``route: "best"`` turns into the atomic pick-and-record.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
 import msgspec
 
-from api.chains import ChainComputer, Overrides, Prompt
+from api.chains import ChainComputer, Overrides, Prompt, Query
 from api.context import ApiContext
 from api.errors import ApiError
 from api.routing import Routed, Router
@@ -37,27 +37,6 @@ _encode = msgspec.json.Encoder().encode
 _ENGINES = 1 << 16
 #: Hashing overrides the engines' hashers are kept for: past it, all go.
 _OVERRIDES = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Query:
-    """A parsed prefix-match request: ``chain`` (block hashes) or ``prompt`` (tokens)."""
-
-    chain: list[BlockHash] | None = None
-    prompt: Prompt | None = None
-    #: the prompt as the engines of other adapters take it, by adapter: their servers
-    #: render a ``prompt`` or ``messages`` otherwise than the model's (``prompt``)
-    rendered: Mapping[str, Prompt] = field(default_factory=dict)
-    model: str | None = None
-    engines: Sequence[str] | None = None
-    overrides: Overrides = field(default_factory=Overrides)
-    weights: TierWeights | None = None  # None: the configured ones
-    route: bool = False  # pick the best rank and record the prompt as routed to it
-    ttl: float = 0.0  # seconds the routed entries of ``route`` live
-
-    def prompt_for(self, spec: EngineSpec) -> Prompt | None:
-        """The prompt as this engine takes it."""
-        return self.rendered.get(spec.adapter, self.prompt)
 
 
 #: An engine's hasher under a query's overrides, with the spec and block size it is of.
@@ -253,9 +232,7 @@ class PrefixMatcher:
             key = (id(prompt), hashing, as_bytes)
             lookup = shared.get(key)
             if lookup is None:
-                computer = computers.get(id(prompt))
-                if computer is None:
-                    computer = computers[id(prompt)] = ChainComputer(prompt)
+                computer = computers.setdefault(id(prompt), ChainComputer(prompt))
                 lookup = shared[key] = _Lookup(computer.chain(hashing, as_bytes), {})
             lookup.chunk_blocks[spec.name] = spec.blocks_per_chunk
         return [*shared.values(), *lookups]

@@ -18,10 +18,10 @@ from fastapi import APIRouter, Request, Response
 
 from api.auth import demand_token, optional_security
 from api.chains import Overrides, Prompt
+from api.chains import Query as MatchQuery
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.matching import PrefixMatcher
-from api.matching import Query as MatchQuery
 from api.metrics import QUERY_SECONDS, observe_answer
 from api.openapi import answers, body
 from api.parsing import (

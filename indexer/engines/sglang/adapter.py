@@ -13,10 +13,10 @@ hashes are SGLang's own (:mod:`.wire`, :mod:`.hashing`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
 from typing import Any
 
 from indexer.engines.base import Prompt
+from indexer.engines.prompts import ModuleRenderer
 from indexer.engines.sglang import hashing, metrics, render, server, wire
 from indexer.engines.zmq_framing import ZmqFraming
 
@@ -26,29 +26,13 @@ def _hasher(block_size: int, lookahead_tokens: int) -> hashing.SglangHasher:
     return hashing.SglangHasher(block_size, lookahead_tokens)
 
 
-class SglangRenderer:
-    """SGLang's renderer (:mod:`indexer.engines.sglang.render`); its template reader
-    needs jinja2, so it is imported on first use."""
-
-    completion_input = staticmethod(render.completion_input)
-    completion_special_tokens = staticmethod(render.completion_special_tokens)
-    chat_call = staticmethod(render.chat_call)
-
-    def template_traits(
-        self, source: str, tree: Any, call_parameters: Collection[str]
-    ) -> render.TemplateTraits:
-        from indexer.engines.sglang.template import template_traits
-
-        return template_traits(source, tree, call_parameters)
-
-
 class SglangAdapter(ZmqFraming):
     """SGLang's tagged msgpack events in vLLM's framing, SGLang's page hashes."""
 
     name = "sglang"
     hash_algos = hashing.HASH_ALGOS
     compiled = None
-    renderer = SglangRenderer()
+    renderer = ModuleRenderer(render, "indexer.engines.sglang.template")
     load_path = metrics.PATH
     read_load = staticmethod(metrics.read_load)
     sources_path = server.PATH
