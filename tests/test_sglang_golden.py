@@ -63,7 +63,9 @@ def test_sglang_payloads_decode_to_its_hashes_and_ranks(name: str) -> None:
         assert SGLANG.encode(SGLANG.decode(payload)) == payload
 
 
-async def _follow(live: LiveApi, trace: list[tuple[int, bytes]], engine: dict) -> int:
+async def _follow(
+    live: LiveApi, trace: list[tuple[int, bytes]], engine: dict, hash_algo: str | None
+) -> int:
     """Register the engine between the trace's halves, as SGLang names it; its rank."""
     rank, ranks = engine["dp_rank"], engine["dp_rank"] + 1
     base = free_ports(2 * ranks)
@@ -75,6 +77,7 @@ async def _follow(live: LiveApi, trace: list[tuple[int, bytes]], engine: dict) -
         topic=engine["topic"],
         block_size=engine["page_size"],
         lookahead_tokens=int(engine["eagle"]),
+        hash_algo=hash_algo,
         adapter="sglang",
     )
     publisher = Publisher(
@@ -103,24 +106,29 @@ async def _follow(live: LiveApi, trace: list[tuple[int, bytes]], engine: dict) -
     return rank
 
 
+#: sha256: tokens hashed here as SGLang hashes them; None: matched through the token
+#: index learned from its events, as for an engine whose hashes are not computed.
+@pytest.mark.parametrize("hash_algo", ["sha256", None])
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 @pytest.mark.parametrize("name", TRACES)
 async def test_kvindex_answers_sglangs_probes(
-    request: pytest.FixtureRequest, name: str, kind: str
+    request: pytest.FixtureRequest, name: str, kind: str, hash_algo: str | None
 ) -> None:
     trace, expected = load(name)
     store = None if kind == "memory" else RedisStore(redis_config(server_for(request, kind).url))
     try:
-        await _check_probes(LiveApi(store=store), trace, expected)
+        await _check_probes(LiveApi(store=store), trace, expected, hash_algo)
     finally:
         if store is not None:
             await store.close()
 
 
-async def _check_probes(api: LiveApi, trace: list[tuple[int, bytes]], expected: dict) -> None:
+async def _check_probes(
+    api: LiveApi, trace: list[tuple[int, bytes]], expected: dict, hash_algo: str | None
+) -> None:
     engine = expected["engine"]
     async with api as live:
-        rank = await _follow(live, trace, engine)
+        rank = await _follow(live, trace, engine, hash_algo)
         counts = await live.store.block_counts(RankId("sgl", rank))
         assert counts[GPU] == len(expected["gpu_hashes"])
         for block_hash in expected["gpu_hashes"][:: max(1, len(expected["gpu_hashes"]) // 40)]:

@@ -71,6 +71,22 @@ class BlockHasher(Protocol):
         """The digests in the int form the engine publishes when it sends ints."""
 
 
+class NotReproduced:
+    """The hasher of a configuration whose hashes kvindex does not compute: its engines'
+    ``tokens`` queries go through the learned token index."""
+
+    reproducible = False
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def digests(self, prompt: Prompt) -> list[bytes]:
+        raise ValueError(self.why)
+
+    def published(self, digests: list[bytes]) -> list[int]:
+        raise ValueError(self.why)
+
+
 class CompiledPart(Protocol):
     """An adapter's compiled extension: correct without it, only many times slower,
     so every role says on start when it is missing and ``/stats`` reports it."""

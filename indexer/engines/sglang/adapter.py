@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from indexer.engines.base import Prompt
+from indexer.engines.base import NotReproduced, Prompt
 from indexer.engines.prompts import ModuleRenderer
 from indexer.engines.sglang import hashing, metrics, render, server, wire
 from indexer.engines.zmq_framing import ZmqFraming
@@ -44,12 +44,13 @@ class SglangAdapter(ZmqFraming):
 
     def hasher(
         self, algo: str, seed: str | None, block_size: int, lookahead_tokens: int = 0
-    ) -> hashing.SglangHasher:
-        """SGLang's chain; it has no seed and no other algorithm."""
-        if algo not in hashing.HASH_ALGOS or seed is not None:
-            raise ValueError(
-                f"SGLang hashes with {hashing.HASH_ALGOS[0]} and no seed,"
-                f" not {algo!r} seeded {seed!r}"
+    ) -> hashing.SglangHasher | NotReproduced:
+        """SGLang's chain; it has no seed, no other algorithm and no lookahead but its
+        bigrams' one token: any other declaration is matched through the learned index."""
+        if algo not in hashing.HASH_ALGOS or seed is not None or lookahead_tokens not in (0, 1):
+            return NotReproduced(
+                f"SGLang hashes with {hashing.HASH_ALGOS[0]}, no seed and at most one token"
+                f" of lookahead, not {algo!r} seeded {seed!r} with {lookahead_tokens}"
             )
         return _hasher(block_size, lookahead_tokens)
 
