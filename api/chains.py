@@ -11,14 +11,16 @@ engine is matched through the learned token index, rank by rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from api.errors import ApiError
 from indexer.core.events import BlockHash
+from indexer.core.matching import TierWeights
 from indexer.engines.base import BlockHasher, Prompt
 from indexer.registry import EngineSpec
 
-__all__ = ["DECLARED", "ChainComputer", "Overrides", "Prompt", "learned"]
+__all__ = ["DECLARED", "ChainComputer", "Overrides", "Prompt", "Query", "learned"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +77,24 @@ class ChainComputer:
             return hashing.digests(self._prompt)
         except ValueError as e:  # e.g. a LoRA name without its path
             raise ApiError(422, str(e)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """A parsed prefix-match request: ``chain`` (block hashes) or ``prompt`` (tokens)."""
+
+    chain: list[BlockHash] | None = None
+    prompt: Prompt | None = None
+    #: the prompt as the engines of other adapters take it, by adapter: their servers
+    #: render a ``prompt`` or ``messages`` otherwise than the model's (``prompt``)
+    rendered: Mapping[str, Prompt] = field(default_factory=dict)
+    model: str | None = None
+    engines: Sequence[str] | None = None
+    overrides: Overrides = field(default_factory=Overrides)
+    weights: TierWeights | None = None  # None: the configured ones
+    route: bool = False  # pick the best rank and record the prompt as routed to it
+    ttl: float = 0.0  # seconds the routed entries of ``route`` live
+
+    def prompt_for(self, spec: EngineSpec) -> Prompt | None:
+        """The prompt as this engine takes it."""
+        return self.rendered.get(spec.adapter, self.prompt)

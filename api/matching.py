@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
 import msgspec
 
-from api.chains import ChainComputer, Overrides, Prompt
+from api.chains import ChainComputer, Overrides, Prompt, Query
 from api.context import ApiContext
 from api.errors import ApiError
 from api.routing import Routed, Router
@@ -37,20 +37,6 @@ _encode = msgspec.json.Encoder().encode
 _ENGINES = 1 << 16
 #: Hashing overrides the engines' hashers are kept for: past it, all go.
 _OVERRIDES = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Query:
-    """A parsed prefix-match request: ``chain`` (block hashes) or ``prompt`` (tokens)."""
-
-    chain: list[BlockHash] | None = None
-    prompt: Prompt | None = None
-    model: str | None = None
-    engines: Sequence[str] | None = None
-    overrides: Overrides = field(default_factory=Overrides)
-    weights: TierWeights | None = None  # None: the configured ones
-    route: bool = False  # pick the best rank and record the prompt as routed to it
-    ttl: float = 0.0  # seconds the routed entries of ``route`` live
 
 
 #: An engine's hasher under a query's overrides, with the spec and block size it is of.
@@ -89,7 +75,7 @@ class PrefixMatcher:
             }
             lookups = [_Lookup(query.chain, chunks)]
         else:
-            lookups = self._token_lookups(query.prompt, query.overrides, specs)
+            lookups = self._token_lookups(query, specs)
         # Statuses before the store call: an engine removed meanwhile has none after.
         statuses = {s.name: self._consumers.rank_status(s.name) for s in specs}
         loss = self._store.last_loss()
@@ -131,7 +117,7 @@ class PrefixMatcher:
         if query.prompt is None:
             assert query.chain is not None
             return query.chain
-        lookups = self._token_lookups(query.prompt, query.overrides, [spec])
+        lookups = self._token_lookups(query, [spec])
         if not lookups:
             raise ApiError(
                 422,
@@ -217,14 +203,19 @@ class PrefixMatcher:
             return override or spec.block_size
         return self._misdeclared.block_size(spec.name)
 
-    def _token_lookups(
-        self, prompt: Prompt, overrides: Overrides, specs: list[EngineSpec]
-    ) -> list[_Lookup]:
-        computer = ChainComputer(prompt)
+    def adapters(self, model: str | None, engines: Sequence[str] | None) -> set[str]:
+        """The adapters of the engines a query with this model and engines is about."""
+        return {spec.adapter for spec in self._select(model, engines)}
+
+    def _token_lookups(self, query: Query, specs: list[EngineSpec]) -> list[_Lookup]:
+        overrides = query.overrides
+        computers: dict[int, ChainComputer] = {}  # by id of the prompt: one per rendering
         shared: dict[tuple, _Lookup] = {}
         lookups: list[_Lookup] = []
         hashers = self._hashers_of(overrides)
         for spec in specs:
+            prompt = query.prompt_for(spec)
+            assert prompt is not None
             if self._misdeclared is not None and self._misdeclared.excluded(spec.name):
                 continue  # its events contradict its block size or hashing: it answers zeros
             size = self.block_size(spec, overrides.block_size)
@@ -238,10 +229,11 @@ class PrefixMatcher:
                 lookups.extend(self._learned_lookups(prompt, size, spec))
                 continue
             as_bytes = self._token_index.publishes_bytes(spec.name)
-            lookup = shared.get((hashing, as_bytes))
+            key = (id(prompt), hashing, as_bytes)
+            lookup = shared.get(key)
             if lookup is None:
-                chain = computer.chain(hashing, as_bytes)
-                lookup = shared[hashing, as_bytes] = _Lookup(chain, {})
+                computer = computers.setdefault(id(prompt), ChainComputer(prompt))
+                lookup = shared[key] = _Lookup(computer.chain(hashing, as_bytes), {})
             lookup.chunk_blocks[spec.name] = spec.blocks_per_chunk
         return [*shared.values(), *lookups]
 

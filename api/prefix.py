@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Collection
 from typing import Annotated, Literal
 
 import msgspec
@@ -17,10 +18,10 @@ from fastapi import APIRouter, Request, Response
 
 from api.auth import demand_token, optional_security
 from api.chains import Overrides, Prompt
+from api.chains import Query as MatchQuery
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.matching import PrefixMatcher
-from api.matching import Query as MatchQuery
 from api.metrics import QUERY_SECONDS, observe_answer
 from api.openapi import answers, body
 from api.parsing import (
@@ -164,10 +165,17 @@ _TEXT_FLAGS = {"add_special_tokens": ("prompt", "messages")} | dict.fromkeys(
 )
 
 
-async def to_query(q: PrefixMatchBody, settings: ApiSettings, tokenizers: Tokenizers) -> MatchQuery:
+async def to_query(
+    q: PrefixMatchBody,
+    settings: ApiSettings,
+    tokenizers: Tokenizers,
+    adapters: Callable[[], Collection[str]] = tuple,
+) -> MatchQuery:
     """Which chain a request is about, as the matcher takes it: the one parse every
-    route taking a prompt calls. ``prompt``/``messages`` become tokens as vLLM makes
-    them for ``model`` (off the event loop), then go the way of ``tokens``."""
+    route taking a prompt calls. ``prompt``/``messages`` become tokens as the model's
+    server makes them (off the event loop), and as the server of each other engine
+    adapter ``adapters()`` names does (engines of a mixed fleet each take their own),
+    then go the way of ``tokens``."""
     given = [name for name in PROMPT_FIELDS if getattr(q, name) is not None]
     if len(given) != 1:
         got = " and ".join(given) or "none"
@@ -176,18 +184,28 @@ async def to_query(q: PrefixMatchBody, settings: ApiSettings, tokenizers: Tokeni
         if getattr(q, flag) is not None and given[0] not in takers:
             raise ApiError(400, f"{flag} applies to {' or '.join(takers)} only, not {given[0]}")
     tokens = q.tokens
+    others: dict[str, list[int]] = {}
     if q.prompt is not None or q.messages is not None:
         tokens = await _rendered(q, tokenizers)
+        for adapter in sorted(set(adapters()) - {tokenizers.adapter(q.model)}):
+            others[adapter] = await _rendered(q, tokenizers, adapter)
     chain = prompt = None
+    rendered: dict[str, Prompt] = {}
     if tokens is not None:
-        check_size(len(tokens), "tokens", settings.max_prompt_tokens)
         features = tuple(MMFeature(f.identifier, f.offset, f.length) for f in q.mm_features)
-        prompt = Prompt(tuple(tokens), q.lora_name, q.lora_path, q.cache_salt, features)
+
+        def prompt_of(ids: list[int]) -> Prompt:
+            check_size(len(ids), "tokens", settings.max_prompt_tokens)
+            return Prompt(tuple(ids), q.lora_name, q.lora_path, q.cache_salt, features)
+
+        prompt = prompt_of(tokens)
+        rendered = {a: prompt if ids == tokens else prompt_of(ids) for a, ids in others.items()}
     else:
         chain = parse_hashes(q.block_hashes, settings.max_prompt_blocks)
     return MatchQuery(
         chain=chain,
         prompt=prompt,
+        rendered=rendered,
         model=q.model,
         engines=q.engines,
         overrides=Overrides(q.block_size, q.hash_algo, q.hash_seed),
@@ -197,8 +215,11 @@ async def to_query(q: PrefixMatchBody, settings: ApiSettings, tokenizers: Tokeni
     )
 
 
-async def _rendered(q: PrefixMatchBody, tokenizers: Tokenizers) -> list[int]:
-    """The tokens vLLM makes of the request's ``prompt``/``messages`` for ``model``."""
+async def _rendered(
+    q: PrefixMatchBody, tokenizers: Tokenizers, adapter: str | None = None
+) -> list[int]:
+    """The tokens the server of ``model`` (of engine adapter ``adapter``, if given) makes
+    of the request's ``prompt``/``messages``."""
     options = ChatOptions(
         q.add_generation_prompt,
         q.continue_final_message,
@@ -207,7 +228,7 @@ async def _rendered(q: PrefixMatchBody, tokenizers: Tokenizers) -> list[int]:
     )
     try:
         return await tokenizers.tokens(
-            q.model, prompt=q.prompt, messages=q.messages, options=options
+            q.model, prompt=q.prompt, messages=q.messages, options=options, adapter=adapter
         )
     except PromptRefused as e:
         raise ApiError(e.status, str(e)) from None
@@ -256,7 +277,9 @@ def router(ctx: ApiContext) -> APIRouter:
         if q.route is not None:  # records routed entries, as POST /routed does
             demand_token(settings.auth_token, request)
         started = time.perf_counter()
-        query = await to_query(q, settings, ctx.tokenizers)
+        query = await to_query(
+            q, settings, ctx.tokenizers, lambda: matcher.adapters(q.model, q.engines)
+        )
         result = await matcher.match(query)
         by = next(name for name in PROMPT_FIELDS if getattr(q, name) is not None)
         QUERY_SECONDS.labels(by).observe(time.perf_counter() - started)

@@ -74,23 +74,37 @@ class _Loaded:
         from transformers import AutoTokenizer
 
         self.name = name
-        self.renderer = spec.renderer
+        self.adapter = spec.adapter
         self.hf = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.backend = self.hf.backend_tokenizer
         self.template = _template_text(spec.chat_template) or _own_template(self.hf)
-        self.traits = None
+        self._traits: dict[str, Any] = {}
         if self.template is not None:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
-            tree = _compile_jinja_template(self.template).environment.parse(self.template)
+            self._tree = _compile_jinja_template(self.template).environment.parse(self.template)
             named = inspect.signature(self.hf.apply_chat_template).parameters.values()
-            params = [p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-            self.traits = self.renderer.template_traits(self.template, tree, params)
+            self._params = [
+                p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            ]
+            self.traits(self.adapter)  # the model's own: a broken template fails the load
         self.added = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
         self.split = _piece_splitter(self.backend, self.added)
         self.specials = _special_tokens_around(self.backend)
         if self.split is not None and not self._pieces_exact():
             self.split = None
+
+    def traits(self, adapter: str) -> Any:
+        """The chat template as the server of engine adapter ``adapter`` reads it (None: the
+        model has no template); each adapter's reading made once."""
+        if self.template is None:
+            return None
+        traits = self._traits.get(adapter)
+        if traits is None:
+            renderer = catalog.renderer(adapter)
+            traits = renderer.template_traits(self.template, self._tree, self._params)
+            self._traits[adapter] = traits
+        return traits
 
     def _pieces_exact(self) -> bool:
         """Whether tokenizing piece by piece equals tokenizing the whole, on a probe."""
@@ -221,13 +235,17 @@ class Tokenizers:
         prompt: str | list[int] | None = None,
         messages: list[ChatMessage] | None = None,
         options: ChatOptions = _DEFAULTS,
+        adapter: str | None = None,
     ) -> list[int]:
         """The prompt token ids the model's server hands its engine for this request, off
-        the event loop."""
+        the event loop; ``adapter``: as the server of that engine adapter makes them (None:
+        the model's configured one)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._pool,
-            lambda: self.tokens_now(model, prompt=prompt, messages=messages, options=options),
+            lambda: self.tokens_now(
+                model, prompt=prompt, messages=messages, options=options, adapter=adapter
+            ),
         )
 
     def tokens_now(
@@ -237,10 +255,11 @@ class Tokenizers:
         prompt: str | list[int] | None = None,
         messages: list[ChatMessage] | None = None,
         options: ChatOptions = _DEFAULTS,
+        adapter: str | None = None,
     ) -> list[int]:
         """:meth:`tokens` in the calling thread."""
         if prompt is not None:
-            renderer = self._renderer(model)
+            renderer = catalog.renderer(adapter) if adapter else self._renderer(model)
             given = renderer.completion_input(prompt)
             if not isinstance(given, str):
                 return list(given)
@@ -250,12 +269,14 @@ class Tokenizers:
             )
         assert messages is not None
         loaded = self._model(model, "messages")
-        if loaded.traits is None:
+        adapter = adapter or loaded.adapter
+        traits = loaded.traits(adapter)
+        if traits is None:
             raise PromptRefused(
                 "messages",
                 f"model {model!r} has no chat template: set models.{model}.chat_template",
             )
-        call = loaded.renderer.chat_call(messages, options, loaded.traits)
+        call = catalog.renderer(adapter).chat_call(messages, options, traits)
         try:
             text = loaded.hf.apply_chat_template(
                 conversation=call.conversation,
@@ -289,6 +310,11 @@ class Tokenizers:
                     if len(ids) <= cache.maxsize:
                         cache[name, piece] = ids
         return loaded.join(pieces, known, add_special_tokens)
+
+    def adapter(self, model: str | None) -> str:
+        """The engine adapter whose server renders the model's prompts by default."""
+        spec = self._specs.get(model) if model is not None else None
+        return spec.adapter if spec is not None else catalog.DEFAULT
 
     def _renderer(self, model: str | None) -> Renderer:
         """The configured model's renderer; the default adapter's for token ids given

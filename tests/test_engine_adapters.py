@@ -62,8 +62,8 @@ TRAITS = render.TemplateTraits("string", False, frozenset({"add_generation_promp
 def test_the_catalog_finds_each_adapter_package_by_name() -> None:
     assert {"vllm", "vllm_legacy"} <= set(catalog.names())
     assert [catalog.adapter(n).name for n in catalog.names()] == list(catalog.names())
-    with pytest.raises(ValueError, match=r"unknown engine adapter 'sglang'.*vllm_legacy"):
-        catalog.adapter("sglang")
+    with pytest.raises(ValueError, match=r"unknown engine adapter 'trtllm'.*vllm_legacy"):
+        catalog.adapter("trtllm")
 
 
 @pytest.fixture
@@ -110,13 +110,13 @@ def test_an_engine_names_its_adapter_and_vllm_is_the_default() -> None:
     assert legacy.engine_adapter is LEGACY
     assert legacy.rank_endpoint(1) == "tcp://h:5558"
     with pytest.raises(ValueError, match=r"adapter"):
-        parse_engine_flag("a=tcp://h:5557,adapter=sglang")
+        parse_engine_flag("a=tcp://h:5557,adapter=trtllm")
 
 
 async def test_an_unknown_adapter_is_a_422_naming_the_field() -> None:
     api = Api()
     try:
-        body = {"name": "x", "endpoint": "tcp://127.0.0.1:5557", "adapter": "sglang"}
+        body = {"name": "x", "endpoint": "tcp://127.0.0.1:5557", "adapter": "trtllm"}
         refused = await api.client.post("/engines", json=body)
         created = await api.client.post("/engines", json=body | {"adapter": "vllm_legacy"})
     finally:
@@ -357,6 +357,6 @@ def test_a_model_renders_through_its_adapter_and_one_that_renders_nothing_is_ref
     with pytest.raises(ValueError, match="adapter: the 'vllm_legacy' engine adapter does not"):
         ModelTokenizer("t", adapter="vllm_legacy")
     config = tmp_path / "kvindex.yaml"
-    config.write_text("models:\n  m:\n    tokenizer: t\n    adapter: sglang\n")
-    with pytest.raises(ConfigError, match="adapter: unknown engine adapter 'sglang'"):
+    config.write_text("models:\n  m:\n    tokenizer: t\n    adapter: trtllm\n")
+    with pytest.raises(ConfigError, match="adapter: unknown engine adapter 'trtllm'"):
         load_config(config)

@@ -110,7 +110,9 @@ def test_the_content_format_is_read_off_the_template() -> None:
             for name, template in (("loops", loops), ("aliased", aliased), ("plain", plain))
         }
     )
-    traits = {name: pool._model(name, "messages").traits for name in ("loops", "aliased", "plain")}
+    traits = {
+        name: pool._model(name, "messages").traits("vllm") for name in ("loops", "aliased", "plain")
+    }
     assert traits["loops"].content_format == traits["aliased"].content_format == "openai"
     assert traits["plain"].content_format == "string"
     assert traits["plain"].knows_developer and not traits["loops"].knows_developer

@@ -6,16 +6,19 @@ a map by rank, or a list of entries naming their ``data_parallel_rank`` in
 later versions) and ``GET /v1/models`` with the models it serves. So the
 ``http://HOST:PORT`` routers already send requests to is enough to follow an
 engine: :func:`describe` asks both and makes the
-:class:`~indexer.registry.EngineSpec`, which keeps the URL in ``url``.
+:class:`~indexer.registry.EngineSpec`, which keeps the URL in ``url``. Other
+engine types describe their publishers elsewhere (SGLang: ``/server_info``):
+the engine's adapter (the ``adapter`` field) says where, and reads the answer
+into the ranks' configs read here.
 
 - A wildcard or loopback host in an endpoint (vLLM binds ``tcp://*:5557``) is
   the URL's host: where the server is, its publisher is.
 - Rank r must publish at rank 0's ports + r (vLLM's rule, which the subscriber
   follows); a server whose entries say otherwise is refused with what differs.
 - The model is the first one served that is not a LoRA adapter.
-- The block size is not in either answer: the spec leaves it null and kvindex
-  learns it from the first ``BlockStored`` (:mod:`indexer.misdeclared`), unless
-  the operator gives it.
+- vLLM states no block size: the spec leaves it null and kvindex learns it from
+  the first ``BlockStored`` (:mod:`indexer.misdeclared`), unless the operator
+  gives it; SGLang states its page size, which is the block size.
 
 The operator may give any other field (``name``, ``hash_algo``, ``hash_seed``,
 ``block_size``, ``model``...), which wins over the description; the name
@@ -45,6 +48,7 @@ import tenacity
 from indexer.discovery.source import host_port
 from indexer.engine_flags import nullable, parse_flag_fields
 from indexer.engines import catalog
+from indexer.engines.base import EngineAdapter
 from indexer.periodic import repeat
 from indexer.registry import EngineSpec, Registry, is_loopback
 
@@ -133,15 +137,27 @@ async def describe(target: EngineUrl, timeout: float = TIMEOUT) -> EngineSpec:
     Raises :class:`Unreachable`, :class:`BadAnswer` or :class:`Unsupported`, each
     naming the URL.
     """
+    adapter = _adapter(target)
+    if adapter.sources_path is None:
+        raise Unsupported(f"url {target.url!r}: a {adapter.name} server does not describe itself")
     async with httpx.AsyncClient(timeout=timeout) as client:
-        sources = await _get(client, target.url, "/kv_event_sources")
+        sources = await _get(client, target.url, adapter.sources_path)
         models = await _get(client, target.url, "/v1/models")
     return spec_of(target, sources, models)
 
 
+def _adapter(target: EngineUrl) -> EngineAdapter:
+    return catalog.adapter(target.fields.get("adapter") or catalog.DEFAULT)
+
+
 def spec_of(target: EngineUrl, sources: Any, models: Any) -> EngineSpec:
     """The spec the server's two answers and the operator's fields make."""
-    where = _at(target.url, "/kv_event_sources")
+    adapter = _adapter(target)
+    where = _at(target.url, adapter.sources_path or "")
+    try:
+        sources = adapter.read_sources(sources)
+    except ValueError as e:
+        raise Unsupported(f"{where}: {e}") from None
     ranks = _ranks(sources, where)
     host = urlsplit(target.url).hostname or ""
     first = ranks[0]
@@ -149,7 +165,6 @@ def spec_of(target: EngineUrl, sources: Any, models: Any) -> EngineSpec:
     endpoint = _reachable(first.get("endpoint"), host, where)
     replay = first.get("replay_endpoint")
     replay = _reachable(replay, host, where) if replay else None
-    adapter = catalog.adapter(target.fields.get("adapter") or catalog.DEFAULT)
     for r, entry in enumerate(ranks[1:], 1):
         _check_publisher(entry, where)
         for key, base in (("endpoint", endpoint), ("replay_endpoint", replay)):
@@ -170,6 +185,8 @@ def spec_of(target: EngineUrl, sources: Any, models: Any) -> EngineSpec:
         "topic": first.get("topic") or "",
         "model": _served_model(models, _at(target.url, "/v1/models")),
     }
+    if isinstance(first.get("block_size"), int):  # SGLang states it; vLLM does not
+        described["block_size"] = first["block_size"]
     return _spec(target, described)
 
 

@@ -71,6 +71,22 @@ class BlockHasher(Protocol):
         """The digests in the int form the engine publishes when it sends ints."""
 
 
+class NotReproduced:
+    """The hasher of a configuration whose hashes kvindex does not compute: its engines'
+    ``tokens`` queries go through the learned token index."""
+
+    reproducible = False
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def digests(self, prompt: Prompt) -> list[bytes]:
+        raise ValueError(self.why)
+
+    def published(self, digests: list[bytes]) -> list[int]:
+        raise ValueError(self.why)
+
+
 class CompiledPart(Protocol):
     """An adapter's compiled extension: correct without it, only many times slower,
     so every role says on start when it is missing and ``/stats`` reports it."""
@@ -101,6 +117,16 @@ class EngineAdapter(Protocol):
     renderer: Renderer | None
     #: Where the engine's HTTP server states its load (:meth:`read_load`), None: nowhere.
     load_path: str | None
+
+    #: Where the engine's HTTP server describes its KV event publishers (None: nowhere).
+    sources_path: str | None
+
+    def read_sources(self, answer: Any) -> Any:
+        """The server's JSON answer at :attr:`sources_path` as each data-parallel rank's
+        events config (``endpoint``, ``replay_endpoint``, ``topic``, and ``block_size``
+        if the server states it): a map by rank, or a list of entries naming their
+        ``data_parallel_rank``; ValueError for an answer that describes no publisher."""
+        ...
 
     def read_load(self, text: str) -> dict[int, EngineLoad]:
         """Each data-parallel rank's load from the page at :attr:`load_path`; ValueError

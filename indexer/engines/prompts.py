@@ -8,8 +8,10 @@ reads is the engine's server's rule, so each adapter brings a
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import msgspec
@@ -78,3 +80,19 @@ class Renderer(Protocol):
 
     def chat_call(self, messages: list[ChatMessage], options: ChatOptions, traits: Any) -> ChatCall:
         """The conversation and kwargs the server renders ``messages`` with."""
+
+
+class ModuleRenderer:
+    """An engine's :class:`Renderer` from its render module, whose template reader lives
+    in another module imported on first use: it needs jinja2, part of the optional
+    ``tokenize`` extra, which producers and ingest do without."""
+
+    def __init__(self, render: ModuleType, template_module: str) -> None:
+        self.completion_input = render.completion_input
+        self.completion_special_tokens = render.completion_special_tokens
+        self.chat_call = render.chat_call
+        self._template_module = template_module
+
+    def template_traits(self, source: str, tree: Any, call_parameters: Collection[str]) -> Any:
+        reader = importlib.import_module(self._template_module)
+        return reader.template_traits(source, tree, call_parameters)

@@ -4,14 +4,14 @@ compiled hashing core and OpenAI front end."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from indexer.compiled import Status, combined
-from indexer.engines import vllm_metrics
+from indexer.engines import vllm_metrics, vllm_server
 from indexer.engines.base import Prompt
+from indexer.engines.prompts import ModuleRenderer
 from indexer.engines.vllm import frames, native, render, wire
 from indexer.engines.zmq_framing import ZmqFraming
 
@@ -65,22 +65,6 @@ def _untag(key: tuple[Any, ...]) -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
-class VllmRenderer:
-    """vLLM's renderer (:mod:`indexer.engines.vllm.render`); its template reader needs
-    jinja2, part of the optional ``tokenize`` extra, so it is imported on first use."""
-
-    completion_input = staticmethod(render.completion_input)
-    completion_special_tokens = staticmethod(render.completion_special_tokens)
-    chat_call = staticmethod(render.chat_call)
-
-    def template_traits(
-        self, source: str, tree: Any, call_parameters: Collection[str]
-    ) -> render.TemplateTraits:
-        from indexer.engines.vllm.template import template_traits
-
-        return template_traits(source, tree, call_parameters)
-
-
 class VllmCompiled:
     """vLLM's compiled parts, reported as one: the hashing core and the payload scanner."""
 
@@ -99,9 +83,11 @@ class VllmAdapter(ZmqFraming):
 
     name = "vllm"
     compiled = VllmCompiled()
-    renderer = VllmRenderer()
+    renderer = ModuleRenderer(render, "indexer.engines.vllm.template")
     load_path = vllm_metrics.PATH
     read_load = staticmethod(vllm_metrics.read_load)
+    sources_path = vllm_server.PATH
+    read_sources = staticmethod(vllm_server.read_sources)
 
     batch_ts = staticmethod(wire.batch_ts)
     decode = staticmethod(wire.decode_batch)

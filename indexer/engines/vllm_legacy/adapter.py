@@ -28,8 +28,8 @@ from indexer.core.events import (
     EventBatch,
     WireError,
 )
-from indexer.engines import vllm_metrics
-from indexer.engines.base import Prompt, check_batch
+from indexer.engines import vllm_metrics, vllm_server
+from indexer.engines.base import NotReproduced, Prompt, check_batch
 from indexer.engines.zmq_framing import ZmqFraming
 
 _POSITIONAL = {"array_like": True, "frozen": True, "gc": False}
@@ -101,19 +101,7 @@ def _positional(event: Event) -> _Stored | _Removed | _Cleared:
     return _Cleared()
 
 
-class _NotReproduced:
-    """These releases' hashes are not computed here: tokens go to the learned index."""
-
-    reproducible = False
-
-    def digests(self, prompt: Prompt) -> list[bytes]:
-        raise ValueError("the vllm_legacy adapter does not reproduce its engines' hashes")
-
-    def published(self, digests: list[bytes]) -> list[int]:
-        raise ValueError("the vllm_legacy adapter does not reproduce its engines' hashes")
-
-
-_NOT_REPRODUCED = _NotReproduced()
+_NOT_REPRODUCED = NotReproduced("the vllm_legacy adapter does not reproduce its engines' hashes")
 
 
 class LegacyVllmAdapter(ZmqFraming):
@@ -126,6 +114,8 @@ class LegacyVllmAdapter(ZmqFraming):
     renderer = None
     load_path = vllm_metrics.PATH  # the same gauges, named alike
     read_load = staticmethod(vllm_metrics.read_load)
+    sources_path = vllm_server.PATH
+    read_sources = staticmethod(vllm_server.read_sources)
 
     def batch_ts(self, payload: bytes) -> float:
         try:
@@ -149,7 +139,7 @@ class LegacyVllmAdapter(ZmqFraming):
 
     def hasher(
         self, algo: str, seed: str | None, block_size: int, lookahead_tokens: int = 0
-    ) -> _NotReproduced:
+    ) -> NotReproduced:
         return _NOT_REPRODUCED
 
     def stated_extras(

@@ -1,0 +1,1 @@
+"""SGLang's KV-cache events, hashes, load and OpenAI front end (the ``sglang`` adapter)."""
