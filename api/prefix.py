@@ -45,7 +45,13 @@ from api.schemas import (
 from api.settings import ApiSettings
 from indexer.core.matching import TierWeights
 from indexer.engines.base import MMFeature
-from indexer.engines.prompts import ChatOptions, PromptRefused
+from indexer.engines.prompts import (
+    ChatOptions,
+    ChatTool,
+    PromptRefused,
+    ResponsesRequest,
+    ToolChoice,
+)
 from indexer.prompts import Tokenizers
 
 _encode = msgspec.json.Encoder().encode
@@ -157,10 +163,15 @@ class GetQuery(msgspec.Struct, kw_only=True):
 
 
 #: The fields that say which prompt a request is about: exactly one is given.
-PROMPT_FIELDS = ("block_hashes", "tokens", "prompt", "messages")
-#: The fields that only a text prompt (``prompt``/``messages``) or chat takes.
-_TEXT_FLAGS = {"add_special_tokens": ("prompt", "messages")} | dict.fromkeys(
-    ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"), ("messages",)
+PROMPT_FIELDS = ("block_hashes", "tokens", "prompt", "messages", "input")
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "documents", "reasoning_effort")
+#: The fields that only a text prompt (``prompt``/``messages``), a chat or a Responses
+#: request (``input``) takes.
+_TEXT_FLAGS = (
+    {"add_special_tokens": ("prompt", "messages")}
+    | dict.fromkeys(_CHAT_ONLY, ("messages",))
+    | dict.fromkeys(("chat_template_kwargs", "tools", "tool_choice"), ("messages", "input"))
+    | dict.fromkeys(("instructions", "reasoning", "previous_response_id"), ("input",))
 )
 
 
@@ -176,7 +187,7 @@ async def to_query(q: PrefixMatchBody, settings: ApiSettings, tokenizers: Tokeni
         if getattr(q, flag) is not None and given[0] not in takers:
             raise ApiError(400, f"{flag} applies to {' or '.join(takers)} only, not {given[0]}")
     tokens = q.tokens
-    if q.prompt is not None or q.messages is not None:
+    if given[0] in ("prompt", "messages", "input"):
         tokens = await _rendered(q, tokenizers)
     chain = prompt = None
     if tokens is not None:
@@ -198,19 +209,54 @@ async def to_query(q: PrefixMatchBody, settings: ApiSettings, tokenizers: Tokeni
 
 
 async def _rendered(q: PrefixMatchBody, tokenizers: Tokenizers) -> list[int]:
-    """The tokens vLLM makes of the request's ``prompt``/``messages`` for ``model``."""
-    options = ChatOptions(
+    """The tokens vLLM makes of the request's ``prompt``, ``messages`` or ``input`` for
+    ``model``."""
+    try:
+        if q.input is not None:
+            return await tokenizers.tokens(q.model, responses=responses_request(q))
+        return await tokenizers.tokens(
+            q.model, prompt=q.prompt, messages=q.messages, options=chat_options(q)
+        )
+    except PromptRefused as e:
+        raise ApiError(e.status, str(e)) from None
+
+
+def chat_options(q: PrefixMatchBody) -> ChatOptions:
+    """A chat's flags, its tools and tool choice read as a chat request's."""
+    try:
+        tools = msgspec.convert(q.tools, list[ChatTool] | None)
+        choice = msgspec.convert(q.tool_choice, ToolChoice | None)
+    except msgspec.ValidationError as e:
+        raise ApiError(422, f"invalid tools or tool_choice: {e}") from None
+    return ChatOptions(
         q.add_generation_prompt,
         q.continue_final_message,
         q.add_special_tokens,
         q.chat_template_kwargs,
+        tools,
+        choice,
+        q.documents,
+        q.reasoning_effort,
     )
-    try:
-        return await tokenizers.tokens(
-            q.model, prompt=q.prompt, messages=q.messages, options=options
+
+
+def responses_request(q: PrefixMatchBody) -> ResponsesRequest:
+    """A Responses request's prompt fields; 400 for a history kvindex cannot see."""
+    if q.previous_response_id is not None:
+        raise ApiError(
+            400,
+            "previous_response_id: the history it names is in the engine server's response"
+            " store, which kvindex cannot read: send the previous items in input",
         )
-    except PromptRefused as e:
-        raise ApiError(e.status, str(e)) from None
+    assert q.input is not None
+    return ResponsesRequest(
+        input=q.input,
+        instructions=q.instructions,
+        tools=q.tools,
+        tool_choice=q.tool_choice,
+        reasoning_effort=q.reasoning.effort if q.reasoning is not None else None,
+        chat_template_kwargs=q.chat_template_kwargs,
+    )
 
 
 def weights_of(given: WeightsBody | None, settings: ApiSettings) -> TierWeights | None:

@@ -38,7 +38,15 @@ from typing import Any
 import msgspec
 
 from indexer.engines import catalog
-from indexer.engines.prompts import ChatMessage, ChatOptions, PromptRefused, Renderer
+from indexer.engines.prompts import (
+    ChatCall,
+    ChatMessage,
+    ChatOptions,
+    PromptRefused,
+    Renderer,
+    ResponsesRequest,
+    ToolServing,
+)
 
 EXTRA = "tokenize"
 INSTALL = f"pip install 'kvindex[{EXTRA}]'"
@@ -50,11 +58,17 @@ log = logging.getLogger("kvindex.prompts")
 
 class ModelTokenizer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``models: {NAME: {tokenizer: DIR or hub id, chat_template: FILE or template,
-    adapter: engine adapter}}``."""
+    adapter: engine adapter, ...}}``; the last three are the engine server's tool flags
+    (vLLM's ``--enable-auto-tool-choice``, ``--tool-call-parser``,
+    ``--exclude-tools-when-tool-choice-none``), which decide which ``tool_choice`` it
+    serves and whether ``"none"`` hides the tools from the template."""
 
     tokenizer: str
     chat_template: str | None = None
     adapter: str = catalog.DEFAULT
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -66,6 +80,14 @@ class ModelTokenizer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def renderer(self) -> Renderer:
         return catalog.renderer(self.adapter)
 
+    @property
+    def serving(self) -> ToolServing:
+        return ToolServing(
+            self.enable_auto_tool_choice,
+            self.tool_call_parser,
+            self.exclude_tools_when_tool_choice_none,
+        )
+
 
 class _Loaded:
     """One model's tokenizer, template traits and exact piece splitter."""
@@ -75,6 +97,7 @@ class _Loaded:
 
         self.name = name
         self.renderer = spec.renderer
+        self.serving = spec.serving
         self.hf = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.backend = self.hf.backend_tokenizer
         self.template = _template_text(spec.chat_template) or _own_template(self.hf)
@@ -221,13 +244,17 @@ class Tokenizers:
         prompt: str | list[int] | None = None,
         messages: list[ChatMessage] | None = None,
         options: ChatOptions = _DEFAULTS,
+        responses: ResponsesRequest | None = None,
     ) -> list[int]:
-        """The prompt token ids the model's server hands its engine for this request, off
-        the event loop."""
+        """The prompt token ids the model's server hands its engine for this request (a
+        completions ``prompt``, a chat's ``messages`` with ``options``, or a Responses
+        request), off the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._pool,
-            lambda: self.tokens_now(model, prompt=prompt, messages=messages, options=options),
+            lambda: self.tokens_now(
+                model, prompt=prompt, messages=messages, options=options, responses=responses
+            ),
         )
 
     def tokens_now(
@@ -237,6 +264,7 @@ class Tokenizers:
         prompt: str | list[int] | None = None,
         messages: list[ChatMessage] | None = None,
         options: ChatOptions = _DEFAULTS,
+        responses: ResponsesRequest | None = None,
     ) -> list[int]:
         """:meth:`tokens` in the calling thread."""
         if prompt is not None:
@@ -248,27 +276,35 @@ class Tokenizers:
             return self._encode(
                 loaded, given, renderer.completion_special_tokens(options.add_special_tokens)
             )
-        assert messages is not None
-        loaded = self._model(model, "messages")
+        field = "messages" if responses is None else "input"
+        loaded = self._model(model, field)
         if loaded.traits is None:
             raise PromptRefused(
-                "messages",
-                f"model {model!r} has no chat template: set models.{model}.chat_template",
+                field, f"model {model!r} has no chat template: set models.{model}.chat_template"
             )
-        call = loaded.renderer.chat_call(messages, options, loaded.traits)
+        if responses is not None:
+            call = loaded.renderer.responses_call(responses, loaded.traits, loaded.serving)
+        else:
+            assert messages is not None
+            call = loaded.renderer.chat_call(messages, options, loaded.traits, loaded.serving)
+        return self._encode(loaded, self._rendered(loaded, call, field), call.add_special_tokens)
+
+    @staticmethod
+    def _rendered(loaded: _Loaded, call: ChatCall, field: str) -> str:
+        """The chat template's text for ``call``; 400 naming ``field`` where it fails."""
         try:
             text = loaded.hf.apply_chat_template(
                 conversation=call.conversation,
-                tools=None,
+                tools=call.tools,
                 chat_template=loaded.template,
                 tokenize=False,
                 **call.kwargs,
             )
         except Exception as e:  # a template error, or transformers refusing the flags
-            raise PromptRefused("messages", f"the chat template failed: {e}") from None
+            raise PromptRefused(field, f"the chat template failed: {e}") from None
         if not isinstance(text, str):
             raise PromptRefused("chat_template_kwargs", "must leave the template rendering text")
-        return self._encode(loaded, text, call.add_special_tokens)
+        return text
 
     def _encode(self, loaded: _Loaded, text: str, add_special_tokens: bool) -> list[int]:
         """Cached pieces are read under the lock; the rest is tokenized outside it, at once."""

@@ -9,6 +9,7 @@ import random
 import msgspec
 import pytest
 
+from indexer.engines.prompts import ToolServing
 from indexer.engines.vllm.render import ChatMessage, ChatOptions, TemplateTraits, chat_call
 from indexer.prompts import ModelTokenizer, Tokenizers
 
@@ -22,7 +23,7 @@ PARTS = TemplateTraits("openai", True, frozenset({"add_generation_prompt"}))
 
 def _conversation_of(messages: list[dict], traits: TemplateTraits = STRING) -> list[dict]:
     converted = msgspec.convert(messages, list[ChatMessage])
-    return chat_call(converted, ChatOptions(), traits).conversation
+    return chat_call(converted, ChatOptions(), traits, ToolServing()).conversation
 
 
 def test_text_parts_join_with_newlines_and_empty_ones_add_no_line() -> None:
@@ -60,7 +61,7 @@ def test_roles_carry_the_fields_vllm_passes_on() -> None:
         {
             "role": "assistant",
             "content": [],
-            "tool_calls": calls,
+            "tool_calls": [{**calls[0], "function": {"name": "f", "arguments": {}}}],
             "reasoning": "r",
             "reasoning_content": "r",
         },
@@ -92,7 +93,7 @@ def test_the_request_flags_override_chat_template_kwargs_and_unknown_kwargs_are_
     traits = TemplateTraits(
         "string", False, frozenset({"add_generation_prompt", "enable_thinking"})
     )
-    call = chat_call(messages, ChatOptions(False, None, None, kwargs), traits)
+    call = chat_call(messages, ChatOptions(False, None, None, kwargs), traits, ToolServing())
     assert call.kwargs == {"add_generation_prompt": False, "enable_thinking": False}
     assert call.add_special_tokens is False
 

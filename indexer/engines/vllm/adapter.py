@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from indexer.compiled import Status, combined
 from indexer.engines import vllm_metrics
 from indexer.engines.base import Prompt
-from indexer.engines.vllm import frames, native, render, wire
+from indexer.engines.vllm import frames, native, render, responses, wire
 from indexer.engines.zmq_framing import ZmqFraming
 
 if TYPE_CHECKING:  # hashing (hashlib, pickle) loads on first use: ingest and replay need none
@@ -72,6 +72,7 @@ class VllmRenderer:
     completion_input = staticmethod(render.completion_input)
     completion_special_tokens = staticmethod(render.completion_special_tokens)
     chat_call = staticmethod(render.chat_call)
+    responses_call = staticmethod(responses.responses_call)
 
     def template_traits(
         self, source: str, tree: Any, call_parameters: Collection[str]

@@ -35,11 +35,20 @@ tokens and hashes depend on the model's processor.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import json
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from indexer.engines.prompts import ChatCall, ChatMessage, ChatOptions, PromptRefused
+from indexer.engines.prompts import (
+    ChatCall,
+    ChatMessage,
+    ChatOptions,
+    ChatTool,
+    NamedToolChoice,
+    PromptRefused,
+    ToolServing,
+)
 
 #: How a chat template reads a message's content: one string, or a list of typed parts.
 ContentFormat = Literal["string", "openai"]
@@ -85,15 +94,9 @@ def completion_special_tokens(add_special_tokens: bool | None) -> bool:
 
 
 def chat_call(
-    messages: list[ChatMessage], options: ChatOptions, traits: TemplateTraits
+    messages: list[ChatMessage], options: ChatOptions, traits: TemplateTraits, serving: ToolServing
 ) -> ChatCall:
-    """The conversation and kwargs vLLM renders ``messages`` with, or :class:`PromptRefused`."""
-    kwargs = dict(options.chat_template_kwargs or {})
-    reserved = sorted(set(RESERVED_KWARGS) & kwargs.keys())
-    if reserved:
-        raise PromptRefused(
-            "chat_template_kwargs", f"may not set {', '.join(reserved)} (the server decides them)"
-        )
+    """The conversation and kwargs vLLM renders a chat request with, or :class:`PromptRefused`."""
     generation = True if options.add_generation_prompt is None else options.add_generation_prompt
     if generation and options.continue_final_message:
         raise PromptRefused(
@@ -101,15 +104,123 @@ def chat_call(
             "cannot be true while add_generation_prompt is (it defaults to true: set it"
             " false): continue the final message or start a new assistant message, not both",
         )
-    kwargs["add_generation_prompt"] = generation
-    kwargs["continue_final_message"] = bool(options.continue_final_message)
+    flags = {
+        "add_generation_prompt": generation,
+        "continue_final_message": bool(options.continue_final_message),
+        "documents": options.documents,
+    }
+    return conversation_call(
+        messages,
+        options.chat_template_kwargs,
+        flags | thinking_flags(options.reasoning_effort, options.chat_template_kwargs),
+        chat_tool_dicts(options, serving),
+        traits,
+        bool(options.add_special_tokens),
+    )
+
+
+def thinking_flags(effort: str | None, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's reasoning effort as template kwargs: the effort itself and, unless
+    the request's kwargs set it, ``enable_thinking`` (templates that must be told to
+    think read that one)."""
+    flags: dict[str, Any] = {"reasoning_effort": effort}
+    if effort is not None and "enable_thinking" not in (kwargs or {}):
+        flags["enable_thinking"] = effort != "none"
+    return flags
+
+
+def conversation_call(
+    messages: list[ChatMessage],
+    request_kwargs: Mapping[str, Any] | None,
+    flags: Mapping[str, Any],
+    tools: list[dict[str, Any]] | None,
+    traits: TemplateTraits,
+    add_special_tokens: bool,
+) -> ChatCall:
+    """The render of ``messages`` with the request's ``chat_template_kwargs`` under the
+    request's own ``flags``, over ``tools``: what chat and Responses requests share.
+
+    Each layer overrides the one below except with None or ``"auto"`` (vLLM reads
+    those as "not set"), so a template kwarg left at one of them is dropped, and a
+    ``tools`` kwarg replaces the request's tools."""
+    kwargs = dict(request_kwargs or {})
+    reserved = sorted(set(RESERVED_KWARGS) & kwargs.keys())
+    if reserved:
+        raise PromptRefused(
+            "chat_template_kwargs", f"may not set {', '.join(reserved)} (the server decides them)"
+        )
+    kwargs = _over({"tools": tools}, _over(kwargs, flags))
+    tools = kwargs.pop("tools")
     kwargs = {k: v for k, v in kwargs.items() if k in traits.accepted_kwargs}
     conversation = [
         _conversation_entry(i, m, traits.content_format) for i, m in enumerate(messages)
     ]
     if not traits.knows_developer and any(m["role"] == "developer" for m in conversation):
         conversation = _merge_system(list(map(_developer_as_system, conversation)))
-    return ChatCall(conversation, kwargs, bool(options.add_special_tokens))
+    return ChatCall(conversation, tools, kwargs, add_special_tokens)
+
+
+def _over(below: Mapping[str, Any], above: Mapping[str, Any]) -> dict[str, Any]:
+    return {**below, **{k: v for k, v in above.items() if v is not None and v != "auto"}}
+
+
+def chat_tool_dicts(options: ChatOptions, serving: ToolServing) -> list[dict[str, Any]] | None:
+    """The tools a chat request hands its template, after vLLM's checks of ``tools``
+    and ``tool_choice`` against each other and against the server's tool flags."""
+    tools, choice = options.tools, options.tool_choice
+    if tools == []:
+        raise PromptRefused(
+            "tools",
+            "must not be an empty array: give at least one tool or leave the field out",
+        )
+    if choice is None and tools:
+        choice = "auto"  # vLLM's default with tools (and "none" without)
+    if isinstance(choice, NamedToolChoice):
+        if not choice.function.name:
+            raise PromptRefused("tool_choice.function.name", "must be a non-empty string")
+        if tools is None or choice.function.name not in {t.function.name for t in tools}:
+            raise PromptRefused(
+                "tool_choice", f"names {choice.function.name!r}, which is not one of the tools"
+            )
+    elif choice not in (None, "none") and tools is None:
+        raise PromptRefused("tool_choice", "needs tools: set tools too")
+    if serving.tool_call_parser is None and choice not in (None, "none"):
+        if choice == "auto" and not serving.enable_auto_tool_choice:
+            raise PromptRefused(
+                "tool_choice",
+                '"auto" needs the server started with --enable-auto-tool-choice and'
+                " --tool-call-parser (this model's enable_auto_tool_choice and"
+                " tool_call_parser in kvindex's config)",
+            )
+        if choice != "auto":
+            raise PromptRefused(
+                "tool_choice",
+                "other than auto or none needs the server started with --tool-call-parser"
+                " (this model's tool_call_parser in kvindex's config)",
+            )
+    if tools is None or (choice == "none" and serving.exclude_tools_when_tool_choice_none):
+        return None
+    return tool_dicts(tools)
+
+
+def tool_dicts(tools: list[ChatTool]) -> list[dict[str, Any]]:
+    """Tools as the template sees them: description and parameters always present (null
+    when not given), ``strict`` and ``defer_loading`` only when given, a tool's own
+    ``defer_loading`` copied into its function unless that sets one."""
+    dicts = []
+    for tool in tools:
+        f = tool.function
+        function = {"name": f.name, "description": f.description, "parameters": f.parameters}
+        if f.strict is not None:
+            function["strict"] = f.strict
+        defer = f.defer_loading if f.defer_loading is not None else tool.defer_loading
+        if defer is not None:
+            function["defer_loading"] = defer
+        entry: dict[str, Any] = {"type": tool.type, "function": function}
+        if tool.defer_loading is not None:
+            entry["defer_loading"] = tool.defer_loading
+        dicts.append(entry)
+    return dicts
 
 
 def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dict[str, Any]:
@@ -127,8 +238,8 @@ def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dic
     entry: dict[str, Any] = {"role": role, "content": content}
     reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
     if role == "assistant":
-        if message.tool_calls is not None:
-            entry["tool_calls"] = message.tool_calls
+        if message.tool_calls:  # an empty list is dropped
+            entry["tool_calls"] = [_tool_call(i, call) for call in message.tool_calls]
         if reasoning is not None:
             entry["reasoning"] = entry["reasoning_content"] = reasoning
     elif role == "tool" and message.tool_call_id is not None:
@@ -138,6 +249,27 @@ def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dic
     if role == "developer":
         entry["tools"] = message.tools
     return entry
+
+
+def _tool_call(i: int, call: Any) -> dict[str, Any]:
+    """An assistant's tool call with its ``arguments`` as an object, as templates read
+    them: a JSON string is parsed, and empty, malformed or non-object arguments become
+    ``{}`` (vLLM coerces them, so that a bad call in the history fails no later turn)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function":
+        raise PromptRefused(
+            f"messages[{i}].tool_calls", "must be objects of type function with a function"
+        )
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = None
+    elif not isinstance(arguments, dict) and not arguments:
+        arguments = None
+    parsed = arguments if isinstance(arguments, dict) else {}
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 #: A text part: its text, its extra fields, and whether it is a plain text part
