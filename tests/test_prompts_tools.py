@@ -30,9 +30,11 @@ from indexer.engines.base import Prompt
 from indexer.prompts import ModelTokenizer, Tokenizers
 from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
+from kvindex.client import AsyncKvindex
 
 from .apikit import FakeConsumers, engine
 from .prompts_kit import VLLM
+from .test_client import serving
 
 HERE = Path(__file__).resolve().parent / "fixtures" / "tools"
 GOLDEN = json.loads((HERE / "cases.json").read_text())
@@ -111,6 +113,13 @@ async def test_each_request_vllm_refuses_is_a_400_naming_the_field(case: dict) -
         assert "--tool-call-parser" in said and "tool_call_parser" in said
 
 
+def _stored(case: dict) -> BlockStored:
+    """What vLLM publishes for the case's full blocks: their hashes and tokens."""
+    hashes = case["block_hashes_u64"]
+    tokens = case["token_ids"][: len(hashes) * BLOCK]
+    return BlockStored(hashes, None, tokens, BLOCK, extra_keys=[None] * len(hashes))
+
+
 async def test_every_case_matches_in_full_the_blocks_vllm_published_for_it() -> None:
     """Each model's cases published on one engine serving it; each body then finds
     all of its blocks there, through ``POST /prefix-match``."""
@@ -122,15 +131,7 @@ async def test_every_case_matches_in_full_the_blocks_vllm_published_for_it() -> 
         await registry.add(engine(name, model=name, hash_algo="sha256"))
     for seq, case in enumerate(ACCEPTED, 1):
         name = _model(case)
-        full = len(case["block_hashes_u64"]) * BLOCK
-        stored = BlockStored(
-            case["block_hashes_u64"],
-            None,
-            case["token_ids"][:full],
-            BLOCK,
-            extra_keys=[None] * len(case["block_hashes_u64"]),
-        )
-        await consumers.apply(RankId(name, 0), seq, EventBatch(1.0, [stored], 0))
+        await consumers.apply(RankId(name, 0), seq, EventBatch(1.0, [_stored(case)], 0))
     async with client:
         for case in ACCEPTED:
             answer = await client.post(
@@ -139,3 +140,84 @@ async def test_every_case_matches_in_full_the_blocks_vllm_published_for_it() -> 
             assert answer.status_code == 200, (case["name"], answer.text)
             held = {e["engine"]: e["prefix_blocks"] for e in answer.json()["engines"]}
             assert held == {_model(case): len(case["block_hashes_u64"])}, case["name"]
+
+
+async def test_the_client_sends_a_chat_with_tools_and_a_responses_request() -> None:
+    """A router's client, over a real socket: an agent's chat turn and a Responses
+    turn, each as vLLM computed it, found in full on the engine holding them."""
+    store, registry = MemoryStore(), EngineRegistry()
+    consumers = FakeConsumers(store)
+    app = create_app(store, registry, consumers, SETTINGS, tokenizers=POOL)
+    chat, responses = (
+        next(c for c in ACCEPTED if c["model"] == "hermes" and c["name"] == name)
+        for name in ("tools_agent_turns", "resp_agent_items")
+    )
+    for seq, case in enumerate((chat, responses), 1):
+        await registry.add(engine(case["name"], model=_model(case), hash_algo="sha256"))
+        await consumers.apply(RankId(case["name"], 0), seq, EventBatch(1.0, [_stored(case)], 0))
+    async with serving(app) as (url, _), AsyncKvindex(url) as kv:
+        by_chat = await kv.prefix_match(model=_model(chat), **chat["request"])
+        by_input = await kv.prefix_match(model=_model(responses), **responses["request"])
+    assert [(e.engine, e.prefix_blocks) for e in by_chat.engines] == [
+        (chat["name"], len(chat["block_hashes_u64"]))
+    ]
+    assert [(e.engine, e.prefix_blocks) for e in by_input.engines] == [
+        (responses["name"], len(responses["block_hashes_u64"]))
+    ]
+
+
+HERMES = "hermes.auto"
+ASK = [{"role": "user", "content": "hi"}]
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id: "),
+        ({"input": "hi", "tools": [{"type": "web_search_preview"}]}, 400, "tools[0].type: "),
+        ({"input": "hi", "tools": [FUNCTION, {"type": "custom", "name": "g"}]}, 400, "tools[1]"),
+        ({"input": [{"type": "file_search_call", "id": "x"}]}, 400, "input[0].type: "),
+        (
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": 1}]},
+            422,
+            "input[0].arguments: must be a string",
+        ),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input_image"),
+        ({"messages": ASK, "input": "hi"}, 400, "got messages and input"),
+        ({"prompt": "hi", "tools": [FUNCTION]}, 400, "tools applies to messages or input only"),
+        ({"messages": ASK, "instructions": "x"}, 400, "instructions applies to input only"),
+        ({"input": "hi", "documents": []}, 400, "documents applies to messages only"),
+        ({"messages": ASK, "tools": [{"type": "function"}]}, 422, "invalid tools or tool_choice"),
+        ({"messages": ASK, "tools": [FUNCTION]}, 422, "invalid tools or tool_choice"),
+        ({"messages": ASK, "tool_choice": "sometimes"}, 422, "invalid tools or tool_choice"),
+    ],
+)
+async def test_what_kvindex_does_not_render_is_refused_naming_the_field(
+    body: dict, status: int, says: str
+) -> None:
+    """Bodies vLLM may take but kvindex cannot render exactly (a stored history,
+    tools vLLM converts by its own rules, items of no chat message), and fields
+    sent with a prompt they do not apply to: 4xx, never tokens vLLM did not compute."""
+    store, registry = MemoryStore(), EngineRegistry()
+    await registry.add(engine("e", model=HERMES, hash_algo="sha256"))
+    app = create_app(store, registry, FakeConsumers(store), SETTINGS, tokenizers=POOL)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://kvindex") as client:
+        answer = await client.post("/prefix-match", json={"model": HERMES, **body})
+    assert answer.status_code == status, answer.text
+    assert says in answer.json()["error"]
+
+
+async def test_a_responses_tool_list_and_a_chat_tool_list_render_alike() -> None:
+    """The same function, flat in a Responses request or nested in a chat's: one
+    serialisation, so one prompt for the same conversation."""
+    chat_tool = {"type": "function", "function": {k: v for k, v in FUNCTION.items() if k != "type"}}
+    by_chat = await _tokens(
+        {"model": "hermes", "server": "auto", "request": {"messages": ASK, "tools": [chat_tool]}}
+    )
+    by_input = await _tokens(
+        {"model": "hermes", "server": "auto", "request": {"input": "hi", "tools": [FUNCTION]}}
+    )
+    # A Responses request is tokenized with the special tokens: chatmlish adds none.
+    assert by_chat == by_input and len(by_chat) > 30

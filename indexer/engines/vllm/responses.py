@@ -67,7 +67,12 @@ def responses_call(
     kwargs = request.chat_template_kwargs
     flags |= thinking_flags(request.reasoning_effort, kwargs)
     tools = _tools(request, serving)
-    return conversation_call(messages, kwargs, flags, tools, traits, True)
+    try:
+        return conversation_call(messages, kwargs, flags, tools, traits, True)
+    except PromptRefused as e:  # named after the chat the items became
+        if not e.field.startswith("messages"):
+            raise
+        raise PromptRefused("input", f"as the chat it renders as, {e}", e.status) from None
 
 
 def _tools(request: ResponsesRequest, serving: ToolServing) -> list[dict[str, Any]] | None:
