@@ -61,8 +61,10 @@ _ANSWERS = answers(
     _200=(PrefixMatchResponse, "every matching engine rank, best score first"),
     _400=(
         ErrorBody,
-        "not exactly one of block_hashes, tokens, prompt and messages; a prompt vLLM"
-        " refuses (empty, a chat template error, incompatible flags); no tokenizer"
+        "not exactly one of block_hashes, tokens, prompt, messages and input; a prompt"
+        " vLLM refuses (empty, a chat template error, incompatible flags, a tool_choice"
+        " the model's server does not serve); a Responses history kept by the server"
+        " (previous_response_id) or a tool kvindex does not render; no tokenizer"
         " configured for `model`, or the `tokenize` extra not installed",
     ),
     _401=(ErrorBody, "`route` without the bearer token (when one is configured)"),
@@ -77,12 +79,14 @@ Give exactly one of `block_hashes` (as the engines publish them), `tokens`
 xxhash, xxhash_cbor, its seed, LoRA, cache salt and multimodal extra keys, in
 the int or bytes form it publishes; engines whose hash cannot be reproduced
 are matched through a token index learned from their events), `prompt` (a
-completions prompt) or `messages` (chat, text parts only). `prompt` and
-`messages` are tokenized for `model` exactly as vLLM 0.33's OpenAI server
-does (`add_special_tokens` defaults to true for `prompt`, false for
-`messages`; `add_generation_prompt` true, `continue_final_message` false;
-`chat_template_kwargs` as vLLM takes them), then matched as `tokens` (POST
-only: the GET form takes no prompt text). `model` and
+completions prompt), `messages` (chat, text parts only) or `input` (a
+Responses request). `prompt`, `messages` and `input` are tokenized for
+`model` exactly as vLLM 0.33's OpenAI server does (`add_special_tokens`
+defaults to true for `prompt`, false for `messages`; `add_generation_prompt`
+true, `continue_final_message` false; `tools`, `tool_choice`, `documents`,
+`reasoning_effort`, `instructions`, `reasoning` and `chat_template_kwargs`
+as vLLM takes them, with the model's configured server tool flags), then
+matched as `tokens` (POST only: the GET form takes no prompt text). `model` and
 `engines` filter (an engine that is not registered, or a model no registered
 engine serves, is a 404); `block_size`, `hash_algo`, `hash_seed` override the
 engines' declared values for `tokens`. A query parameter or body field the

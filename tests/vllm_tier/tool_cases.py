@@ -1,9 +1,9 @@
 """Golden tool-use and Responses cases, rendered by vLLM 0.33.0's own OpenAI front end.
 
-``python tests/vllm_tier/tool_cases.py [OUT]`` (in the vLLM tier's venv) reads
-``tests/fixtures/tools/requests.json`` (request bodies, the models they go
-to and the server tool flags each is served with) and writes what vLLM
-makes of each (``tests/fixtures/tools/cases.json`` by default): the prompt
+``python -m tests.vllm_tier.tool_cases [OUT]`` (from the checkout, in the vLLM
+tier's venv) reads ``tests/fixtures/tools/requests.json`` (request bodies,
+the models they go to and the server tool flags each is served with) and
+writes what vLLM makes of each (``tests/fixtures/tools/cases.json`` by default): the prompt
 token ids and their block hashes, or vLLM's own 400 and message.
 
 Each model is built as ``vllm serve`` builds its front end (CPU, a
@@ -21,31 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+from tests.vllm_tier.conftest import TINY_LLAMA
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE.parent / "fixtures" / "tools"
 TOKENIZERS = HERE.parents[2] / "shared" / "fixtures" / "vllm-0.33.0" / "tokenize"
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192
-TINY = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 4008,
-    "max_position_embeddings": MAX_MODEL_LEN,
-    "torch_dtype": "float32",
-}
 
 
 def _front_end(tokenizer: Path, model_dir: Path) -> Any:
@@ -124,7 +111,7 @@ def render_all(requests: dict[str, Any]) -> dict[str, Any]:
     kv_cache_utils.init_none_hash(sha256)
     cases = []
     with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(TINY))
+        (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
         for model, spec in requests["models"].items():
             template = (FIXTURES / spec["chat_template"]).read_text()
             model_config, renderer = _front_end(TOKENIZERS / spec["tokenizer"], Path(model_dir))
