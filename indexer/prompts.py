@@ -162,7 +162,11 @@ def _template_text(setting: str | None) -> str | None:
     if setting is None:
         return None
     path = Path(setting)
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # a long template is no file name (ENAMETOOLONG)
+        is_file = False
+    if is_file:
         return path.read_text()
     if any(c in setting for c in "{}\n"):
         return setting
