@@ -151,3 +151,12 @@ def test_random_chats_and_flags_tokenize_as_transformers_renders_them(
         continue_final_message=cont,
     )
     assert tokens == hf(text, add_special_tokens=bool(special))["input_ids"]
+
+
+def test_an_inline_template_longer_than_a_file_name_is_a_template() -> None:
+    """A template given inline in the config is no file name, however long (asking the
+    file system about 300 characters fails with ENAMETOOLONG)."""
+    long = "{# " + "x" * 300 + " #}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    pool = Tokenizers({"long": ModelTokenizer(str(FIXTURES / "chatmlish"), chat_template=long)})
+    tokens = pool.tokens_now("long", messages=[ChatMessage("user", "hello")])
+    assert tokens == pool.tokens_now("long", prompt="hello", options=ChatOptions())
