@@ -100,20 +100,30 @@ class _Loaded:
         self.serving = spec.serving
         self.hf = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.backend = self.hf.backend_tokenizer
-        self.template = _template_text(spec.chat_template) or _own_template(self.hf)
-        self.traits = None
-        if self.template is not None:
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-
-            tree = _compile_jinja_template(self.template).environment.parse(self.template)
-            named = inspect.signature(self.hf.apply_chat_template).parameters.values()
-            params = [p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-            self.traits = self.renderer.template_traits(self.template, tree, params)
+        configured = _template_text(spec.chat_template)
+        plain = configured or _own_template(self.hf, None)
+        tooled = configured or _own_template(self.hf, [])
+        self.template, self.traits = plain, self._traits(plain)
+        #: the template a request with tools renders with: a tokenizer's ``tool_use`` one
+        #: where it names templates (Hugging Face's pick, and vLLM's), else the same
+        self.tool_template = tooled
+        self.tool_traits = self.traits if tooled == plain else self._traits(tooled)
         self.added = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
         self.split = _piece_splitter(self.backend, self.added)
         self.specials = _special_tokens_around(self.backend)
         if self.split is not None and not self._pieces_exact():
             self.split = None
+
+    def _traits(self, template: str | None) -> Any:
+        """The renderer's reading of ``template`` (None: no template)."""
+        if template is None:
+            return None
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        tree = _compile_jinja_template(template).environment.parse(template)
+        named = inspect.signature(self.hf.apply_chat_template).parameters.values()
+        params = [p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        return self.renderer.template_traits(template, tree, params)
 
     def _pieces_exact(self) -> bool:
         """Whether tokenizing piece by piece equals tokenizing the whole, on a probe."""
@@ -173,10 +183,11 @@ def _template_text(setting: str | None) -> str | None:
     raise ValueError(f"chat_template {setting!r} is neither a file nor a template")
 
 
-def _own_template(hf: Any) -> str | None:
+def _own_template(hf: Any, tools: list[Any] | None) -> str | None:
+    """The tokenizer's template for a request with ``tools`` or without (None)."""
     try:
-        return hf.get_chat_template(None, tools=None)
-    except ValueError:  # the tokenizer has no chat template
+        return hf.get_chat_template(None, tools=tools)
+    except ValueError:  # the tokenizer has no chat template (of that name)
         return None
 
 
@@ -282,25 +293,34 @@ class Tokenizers:
             )
         field = "messages" if responses is None else "input"
         loaded = self._model(model, field)
-        if loaded.traits is None:
+        renderer, serving = loaded.renderer, loaded.serving
+
+        def call_with(traits: Any) -> ChatCall:
+            if responses is not None:
+                return renderer.responses_call(responses, traits, serving)
+            assert messages is not None
+            return renderer.chat_call(messages, options, traits, serving)
+
+        template, traits = loaded.template, loaded.traits
+        if traits is None:
             raise PromptRefused(
                 field, f"model {model!r} has no chat template: set models.{model}.chat_template"
             )
-        if responses is not None:
-            call = loaded.renderer.responses_call(responses, loaded.traits, loaded.serving)
-        else:
-            assert messages is not None
-            call = loaded.renderer.chat_call(messages, options, loaded.traits, loaded.serving)
-        return self._encode(loaded, self._rendered(loaded, call, field), call.add_special_tokens)
+        call = call_with(traits)
+        if call.tools is not None and loaded.tool_template != template:
+            template = loaded.tool_template
+            call = call_with(loaded.tool_traits)
+        text = self._rendered(loaded, template, call, field)
+        return self._encode(loaded, text, call.add_special_tokens)
 
     @staticmethod
-    def _rendered(loaded: _Loaded, call: ChatCall, field: str) -> str:
+    def _rendered(loaded: _Loaded, template: str | None, call: ChatCall, field: str) -> str:
         """The chat template's text for ``call``; 400 naming ``field`` where it fails."""
         try:
             text = loaded.hf.apply_chat_template(
                 conversation=call.conversation,
                 tools=call.tools,
-                chat_template=loaded.template,
+                chat_template=template,
                 tokenize=False,
                 **call.kwargs,
             )

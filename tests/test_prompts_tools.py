@@ -5,7 +5,8 @@ The golden cases (``tests/fixtures/tools/cases.json``) were rendered by
 vLLM's own OpenAI front end (``tests/vllm_tier/tool_cases.py``, in the vLLM
 tier) for two template families that show tools differently (Llama 3.1's
 JSON in the first user turn, Hermes' ``<tools>`` block in the system
-turn), each under four servers' tool flags. Every case goes through the
+turn; and the latter as a tokenizer's ``tool_use`` template beside its
+``default`` one), each under four servers' tool flags. Every case goes through the
 API's own parse of a ``/prefix-match`` body and must give vLLM's token ids
 and block hashes, or a 400 where vLLM answers 400; over HTTP, every case
 matches in full the blocks vLLM published for it.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -35,10 +37,9 @@ from kvindex.client import AsyncKvindex
 from .apikit import FakeConsumers, engine
 from .prompts_kit import VLLM
 from .test_client import serving
+from .tool_fixtures import FIXTURES, server_flags, tokenizer_dir
 
-HERE = Path(__file__).resolve().parent / "fixtures" / "tools"
-GOLDEN = json.loads((HERE / "cases.json").read_text())
-ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = json.loads((FIXTURES / "cases.json").read_text())
 BLOCK = GOLDEN["block_size"]
 CASES = GOLDEN["cases"]
 ACCEPTED = [c for c in CASES if "expected_error" not in c]
@@ -49,21 +50,22 @@ def _model(case: dict) -> str:
     return f"{case['model']}.{case['server']}"
 
 
-def _models() -> dict[str, ModelTokenizer]:
-    """One configured model per template and server flags, as an operator writes them."""
+def _models(scratch: Path) -> dict[str, ModelTokenizer]:
+    """One configured model per template and server flags, as an operator writes them
+    (the chat template as the file vLLM was given, or none: the tokenizer's own)."""
     models = {}
     for name, spec in GOLDEN["models"].items():
+        tokenizer = str(tokenizer_dir(spec, scratch / name))
+        path = spec.get("chat_template")
+        template = None if path is None else str(FIXTURES / path)
         for server, flags in GOLDEN["servers"].items():
-            flags = {k: spec["tool_call_parser"] if v == "PARSER" else v for k, v in flags.items()}
             models[f"{name}.{server}"] = ModelTokenizer(
-                str(ROOT / spec["tokenizer"]),
-                chat_template=str(HERE / spec["chat_template"]),
-                **flags,
+                tokenizer, chat_template=template, **server_flags(spec, flags)
             )
     return models
 
 
-MODELS = _models()
+MODELS = _models(Path(tempfile.mkdtemp(prefix="kvindex-tool-models-")))
 POOL = Tokenizers(MODELS)
 SETTINGS = ApiSettings(models=MODELS)
 
@@ -81,7 +83,7 @@ async def _tokens(case: dict) -> list[int]:
 
 def test_the_golden_tool_cases_are_all_here() -> None:
     assert GOLDEN["vllm_version"] == "0.33.0" and GOLDEN["hash_algo"] == "sha256"
-    assert set(GOLDEN["models"]) == {"llama3-json", "hermes"}
+    assert set(GOLDEN["models"]) == {"llama3-json", "hermes", "hermes-named"}
     assert {(c["model"], c["kind"]) for c in ACCEPTED} == {
         (m, k) for m in GOLDEN["models"] for k in ("chat", "responses")
     }

@@ -7,8 +7,8 @@ writes what vLLM makes of each (``tests/fixtures/tools/cases.json`` by default):
 token ids and their block hashes, or vLLM's own 400 and message.
 
 Each model is built as ``vllm serve`` builds its front end (CPU, a
-``config.json``-only tiny Llama, the shared fixtures' tokenizer, the
-template as ``--chat-template``): ``renderer_from_config`` and an
+``config.json``-only tiny Llama, the tokenizer and template of
+:mod:`tests.tool_fixtures`): ``renderer_from_config`` and an
 ``OnlineRenderer`` with the server's tool flags. Chat bodies are parsed by
 ``ChatCompletionRequest`` and rendered by ``render_chat``; Responses bodies
 by ``ResponsesRequest`` and ``render_responses`` (no stored history). Block
@@ -26,11 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tests.tool_fixtures import FIXTURES, chat_template, server_flags, tokenizer_dir
 from tests.vllm_tier.conftest import TINY_LLAMA
 
-HERE = Path(__file__).resolve().parent
-FIXTURES = HERE.parent / "fixtures" / "tools"
-TOKENIZERS = HERE.parents[2] / "shared" / "fixtures" / "vllm-0.33.0" / "tokenize"
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192
 
@@ -48,7 +46,7 @@ def _front_end(tokenizer: Path, model_dir: Path) -> Any:
     return model_config, renderer_from_config(config)
 
 
-def _online(model_config: Any, renderer: Any, template: str, flags: dict[str, Any]) -> Any:
+def _online(model_config: Any, renderer: Any, template: str | None, flags: dict[str, Any]) -> Any:
     from vllm.renderers.online_renderer import OnlineRenderer
 
     return OnlineRenderer(
@@ -110,23 +108,19 @@ def render_all(requests: dict[str, Any]) -> dict[str, Any]:
 
     kv_cache_utils.init_none_hash(sha256)
     cases = []
-    with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(TINY_LLAMA))
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = Path(scratch) / "model"
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
         for model, spec in requests["models"].items():
-            template = (FIXTURES / spec["chat_template"]).read_text()
-            model_config, renderer = _front_end(TOKENIZERS / spec["tokenizer"], Path(model_dir))
-            servers = {
-                name: {
-                    k: spec["tool_call_parser"] if v == "PARSER" else v for k, v in flags.items()
-                }
-                for name, flags in requests["servers"].items()
-            }
+            tokenizer = tokenizer_dir(spec, Path(scratch) / model)
+            model_config, renderer = _front_end(tokenizer, model_dir)
             for item in requests["requests"]:
-                online = _online(model_config, renderer, template, servers[item["server"]])
+                flags = server_flags(spec, requests["servers"][item["server"]])
+                online = _online(model_config, renderer, chat_template(spec), flags)
                 case = {"model": model, **item}
-                case |= asyncio.run(
-                    _render(online, item["kind"], json.loads(json.dumps(item["request"])))
-                )
+                body = json.loads(json.dumps(item["request"]))
+                case |= asyncio.run(_render(online, item["kind"], body))
                 if "token_ids" in case:
                     case |= _hashes(case["token_ids"])
                 cases.append(case)
@@ -135,10 +129,7 @@ def render_all(requests: dict[str, Any]) -> dict[str, Any]:
         "block_size": BLOCK_SIZE,
         "hash_algo": "sha256",
         "none_hash_hex": bytes(kv_cache_utils.NONE_HASH).hex(),
-        "models": {
-            name: {**spec, "tokenizer": f"shared/fixtures/vllm-0.33.0/tokenize/{spec['tokenizer']}"}
-            for name, spec in requests["models"].items()
-        },
+        "models": requests["models"],
         "servers": requests["servers"],
         "cases": cases,
     }
