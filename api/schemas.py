@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from indexer.discovery.served import DESCRIBED
-from indexer.engines.prompts import ChatMessage
+from indexer.engines.prompts import ChatMessage, ReasoningEffort
 from indexer.leases import Lease
 from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.stores.base import Residency
@@ -68,7 +68,7 @@ class PromptBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ReasoningBody(msgspec.Struct):
     """A Responses request's ``reasoning``: its ``effort`` reaches the template."""
 
-    effort: str | None = None
+    effort: ReasoningEffort | None = None
     summary: str | None = None
 
 
@@ -104,7 +104,7 @@ class PrefixMatchBody(PromptBody, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     instructions: str | None = None
     reasoning: ReasoningBody | None = None
     #: refused: the history it names is in the engine server's store, not in the body

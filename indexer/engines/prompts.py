@@ -40,6 +40,7 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     reasoning: str | None = None
     reasoning_content: str | None = None
     tools: list[dict[str, Any]] | None = None
+    task: str | None = None
 
 
 class ToolFunction(msgspec.Struct, omit_defaults=True):
@@ -73,6 +74,8 @@ class NamedToolChoice(msgspec.Struct):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+#: The reasoning efforts an OpenAI request may ask for ("max": DeepSeek V4's).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +89,7 @@ class ChatOptions:
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     documents: list[dict[str, str]] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +111,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 

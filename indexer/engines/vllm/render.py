@@ -13,11 +13,13 @@ Chat (``messages``): ``add_generation_prompt`` defaults to True,
 ``continue_final_message`` to False and ``add_special_tokens`` to False
 (the template writes its own BOS). ``continue_final_message`` is refused
 unless ``add_generation_prompt`` is false (set or defaulted true,
-transformers refuses the pair). The request's flags override the same keys
-in ``chat_template_kwargs``, and ``chat_template``/``tokenize`` there are
-refused; kwargs neither the template nor ``apply_chat_template`` names are
-dropped. Each message becomes
-a conversation entry: string content is one text part, null content none;
+transformers refuses the pair). The request's flags (and ``documents``,
+``reasoning_effort``) override the same keys in ``chat_template_kwargs``
+unless they are null; a kwarg left null or ``"auto"`` is dropped, a
+``tools`` kwarg replaces the request's tools (:mod:`.tools`), and
+``chat_template``/``tokenize`` are refused; kwargs neither the template nor
+``apply_chat_template`` names are dropped. Each message becomes a
+conversation entry: string content is one text part, null content none;
 for a template that reads content as a string the text parts are joined
 with ``"\\n"``, for one that loops over content items they stay a list of
 ``{"type": "text", "text": ...}``. A system text part whose first line
@@ -26,6 +28,8 @@ changes on every request and would defeat the prefix cache). When a
 template never names the ``developer`` role, developer messages become
 system messages and, if a system message is then not alone at the front,
 all system contents are merged with ``"\\n\\n"`` into one first message.
+An assistant's ``tool_calls`` reach the template with their ``arguments``
+parsed from JSON (an empty list of calls is dropped).
 The rendered text is then tokenized like a completion string.
 
 Only text is rendered: image, audio and other media parts are refused
@@ -44,11 +48,10 @@ from indexer.engines.prompts import (
     ChatCall,
     ChatMessage,
     ChatOptions,
-    ChatTool,
-    NamedToolChoice,
     PromptRefused,
     ToolServing,
 )
+from indexer.engines.vllm.tools import chat_tool_dicts
 
 #: How a chat template reads a message's content: one string, or a list of typed parts.
 ContentFormat = Literal["string", "openai"]
@@ -164,65 +167,6 @@ def _over(below: Mapping[str, Any], above: Mapping[str, Any]) -> dict[str, Any]:
     return {**below, **{k: v for k, v in above.items() if v is not None and v != "auto"}}
 
 
-def chat_tool_dicts(options: ChatOptions, serving: ToolServing) -> list[dict[str, Any]] | None:
-    """The tools a chat request hands its template, after vLLM's checks of ``tools``
-    and ``tool_choice`` against each other and against the server's tool flags."""
-    tools, choice = options.tools, options.tool_choice
-    if tools == []:
-        raise PromptRefused(
-            "tools",
-            "must not be an empty array: give at least one tool or leave the field out",
-        )
-    if choice is None and tools:
-        choice = "auto"  # vLLM's default with tools (and "none" without)
-    if isinstance(choice, NamedToolChoice):
-        if not choice.function.name:
-            raise PromptRefused("tool_choice.function.name", "must be a non-empty string")
-        if tools is None or choice.function.name not in {t.function.name for t in tools}:
-            raise PromptRefused(
-                "tool_choice", f"names {choice.function.name!r}, which is not one of the tools"
-            )
-    elif choice not in (None, "none") and tools is None:
-        raise PromptRefused("tool_choice", "needs tools: set tools too")
-    if serving.tool_call_parser is None and choice not in (None, "none"):
-        if choice == "auto" and not serving.enable_auto_tool_choice:
-            raise PromptRefused(
-                "tool_choice",
-                '"auto" needs the server started with --enable-auto-tool-choice and'
-                " --tool-call-parser (this model's enable_auto_tool_choice and"
-                " tool_call_parser in kvindex's config)",
-            )
-        if choice != "auto":
-            raise PromptRefused(
-                "tool_choice",
-                "other than auto or none needs the server started with --tool-call-parser"
-                " (this model's tool_call_parser in kvindex's config)",
-            )
-    if tools is None or (choice == "none" and serving.exclude_tools_when_tool_choice_none):
-        return None
-    return tool_dicts(tools)
-
-
-def tool_dicts(tools: list[ChatTool]) -> list[dict[str, Any]]:
-    """Tools as the template sees them: description and parameters always present (null
-    when not given), ``strict`` and ``defer_loading`` only when given, a tool's own
-    ``defer_loading`` copied into its function unless that sets one."""
-    dicts = []
-    for tool in tools:
-        f = tool.function
-        function = {"name": f.name, "description": f.description, "parameters": f.parameters}
-        if f.strict is not None:
-            function["strict"] = f.strict
-        defer = f.defer_loading if f.defer_loading is not None else tool.defer_loading
-        if defer is not None:
-            function["defer_loading"] = defer
-        entry: dict[str, Any] = {"type": tool.type, "function": function}
-        if tool.defer_loading is not None:
-            entry["defer_loading"] = tool.defer_loading
-        dicts.append(entry)
-    return dicts
-
-
 def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dict[str, Any]:
     role = message.role
     parts = _text_parts(i, message)
@@ -246,6 +190,8 @@ def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dic
         entry["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         entry["name"] = message.name
+    if message.task is not None:
+        entry["task"] = message.task
     if role == "developer":
         entry["tools"] = message.tools
     return entry

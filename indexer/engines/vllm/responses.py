@@ -47,12 +47,8 @@ from indexer.engines.prompts import (
     ToolFunction,
     ToolServing,
 )
-from indexer.engines.vllm.render import (
-    TemplateTraits,
-    conversation_call,
-    thinking_flags,
-    tool_dicts,
-)
+from indexer.engines.vllm.render import TemplateTraits, conversation_call, thinking_flags
+from indexer.engines.vllm.tools import tool_dicts
 
 _OPEN = ("in_progress", "incomplete")
 
