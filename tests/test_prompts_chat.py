@@ -9,7 +9,7 @@ import random
 import msgspec
 import pytest
 
-from indexer.engines.prompts import ToolServing
+from indexer.engines.prompts import PromptRefused, ToolServing
 from indexer.engines.vllm.render import ChatMessage, ChatOptions, TemplateTraits, chat_call
 from indexer.prompts import ModelTokenizer, Tokenizers
 
@@ -160,3 +160,28 @@ def test_an_inline_template_longer_than_a_file_name_is_a_template() -> None:
     pool = Tokenizers({"long": ModelTokenizer(str(FIXTURES / "chatmlish"), chat_template=long)})
     tokens = pool.tokens_now("long", messages=[ChatMessage("user", "hello")])
     assert tokens == pool.tokens_now("long", prompt="hello", options=ChatOptions())
+
+
+@pytest.mark.parametrize(
+    ("call", "refused"),
+    [
+        ({"type": "function", "function": {"name": "f", "arguments": "{}"}}, "[0].id: "),
+        ({"id": "c", "function": {"name": "f", "arguments": "{}"}}, "[0]: must be of type"),
+        ({"id": "c", "type": "custom", "custom": {"name": "f", "input": ""}}, "[0]: must be of"),
+        ({"id": "c", "type": "function", "function": {"name": "f"}}, "[0].function.arguments: "),
+        ({"id": "c", "type": "function", "function": {"arguments": "{}"}}, "[0].function.name: "),
+    ],
+)
+def test_tool_calls_vllm_refuses_are_refused_naming_the_call(call: dict, refused: str) -> None:
+    """vLLM takes only function calls with a string id, name and arguments (JSON text)."""
+    with pytest.raises(PromptRefused) as raised:
+        _conversation_of([{"role": "assistant", "tool_calls": [call]}])
+    assert f"messages[0].tool_calls{refused}" in str(raised.value)
+
+
+def test_tool_calls_reach_the_template_in_vllms_order_with_their_arguments_parsed() -> None:
+    call = {"index": 0, "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    (entry,) = _conversation_of([{"role": "assistant", "tool_calls": [{**call, "id": "c"}]}])
+    (made,) = entry["tool_calls"]
+    assert list(made) == ["id", "function", "type", "index"]
+    assert list(made["function"].items()) == [("arguments", {"a": 1}), ("name", "f")]

@@ -3,9 +3,10 @@
 
 The golden cases (``tests/fixtures/tools/cases.json``) were rendered by
 vLLM's own OpenAI front end (``tests/vllm_tier/tool_cases.py``, in the vLLM
-tier) for two template families that show tools differently (Llama 3.1's
-JSON in the first user turn, Hermes' ``<tools>`` block in the system
-turn; and the latter as a tokenizer's ``tool_use`` template beside its
+tier) for three template families that show tools differently (Llama 3.1's
+JSON in the first user turn, Hermes' ``<tools>`` block in the system turn,
+Mistral's ``[AVAILABLE_TOOLS]`` before the last user turn, from content
+parts; and Hermes' as a tokenizer's ``tool_use`` template beside its
 ``default`` one), each under four servers' tool flags. Every case goes through the
 API's own parse of a ``/prefix-match`` body and must give vLLM's token ids
 and block hashes, or a 400 where vLLM answers 400; over HTTP, every case
@@ -83,7 +84,7 @@ async def _tokens(case: dict) -> list[int]:
 
 def test_the_golden_tool_cases_are_all_here() -> None:
     assert GOLDEN["vllm_version"] == "0.33.0" and GOLDEN["hash_algo"] == "sha256"
-    assert set(GOLDEN["models"]) == {"llama3-json", "hermes", "hermes-named"}
+    assert set(GOLDEN["models"]) == {"llama3-json", "hermes", "hermes-named", "mistral-style"}
     assert {(c["model"], c["kind"]) for c in ACCEPTED} == {
         (m, k) for m in GOLDEN["models"] for k in ("chat", "responses")
     }
@@ -110,9 +111,14 @@ async def test_each_request_vllm_refuses_is_a_400_naming_the_field(case: dict) -
     named = re.search(r"\(parameter=([\w.]+)\)", vllm_said)
     if named is not None:  # the field vLLM names, or an item of it
         assert re.sub(r"\[\d+\]", "", field).startswith(named[1]), refused.value.message
-    else:  # vLLM's refusals of a tool choice its server's flags do not serve
-        assert field == "tool_choice" and "--tool-call-parser" in vllm_said
+    elif "--tool-call-parser" in vllm_said:  # a tool choice the server's flags do not serve
+        assert field == "tool_choice"
         assert "--tool-call-parser" in said and "tool_call_parser" in said
+    elif "validation error" in vllm_said:  # the request's shape: the item pydantic named
+        item = re.search(r"^0\.\w+\.([\w.]+)$", vllm_said, flags=re.M)
+        assert item is not None and field.endswith(item[1]), (field, vllm_said)
+    else:  # the template's own refusal, which both render
+        assert field in ("messages", "input") and vllm_said in said, (field, vllm_said)
 
 
 def _stored(case: dict) -> BlockStored:

@@ -183,7 +183,10 @@ def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dic
     reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
     if role == "assistant":
         if message.tool_calls:  # an empty list is dropped
-            entry["tool_calls"] = [_tool_call(i, call) for call in message.tool_calls]
+            entry["tool_calls"] = [
+                _tool_call(f"messages[{i}].tool_calls[{j}]", call)
+                for j, call in enumerate(message.tool_calls)
+            ]
         if reasoning is not None:
             entry["reasoning"] = entry["reasoning_content"] = reasoning
     elif role == "tool" and message.tool_call_id is not None:
@@ -197,25 +200,32 @@ def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dic
     return entry
 
 
-def _tool_call(i: int, call: Any) -> dict[str, Any]:
-    """An assistant's tool call with its ``arguments`` as an object, as templates read
-    them: a JSON string is parsed, and empty, malformed or non-object arguments become
-    ``{}`` (vLLM coerces them, so that a bad call in the history fails no later turn)."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or call.get("type", "function") != "function":
-        raise PromptRefused(
-            f"messages[{i}].tool_calls", "must be objects of type function with a function"
-        )
-    arguments = function.get("arguments")
-    if isinstance(arguments, str) and arguments:
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            arguments = None
-    elif not isinstance(arguments, dict) and not arguments:
-        arguments = None
-    parsed = arguments if isinstance(arguments, dict) else {}
-    return {**call, "function": {**function, "arguments": parsed}}
+def _tool_call(where: str, call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call as vLLM hands it to the template: ``id``, ``function``
+    (``arguments``, ``name``), ``type``, then any other fields, its ``arguments`` parsed
+    from their JSON string (empty, malformed or non-object arguments become ``{}``:
+    vLLM coerces them, so that a bad call in the history fails no later turn). vLLM
+    refuses a call without a string ``id``, ``name`` and ``arguments`` or of another
+    type than ``function``."""
+    function = call.get("function")
+    if not isinstance(function, dict) or call.get("type") != "function":
+        raise PromptRefused(where, "must be of type function, with a function")
+    for field, value in (("id", call.get("id")), *((f, function.get(f)) for f in _CALLED)):
+        if not isinstance(value, str):
+            name = field if field == "id" else f"function.{field}"
+            raise PromptRefused(f"{where}.{name}", "must be a string")
+    try:
+        arguments = json.loads(function["arguments"]) if function["arguments"] else {}
+    except ValueError:
+        arguments = {}
+    called = {"arguments": arguments if isinstance(arguments, dict) else {}}
+    called |= {k: v for k, v in function.items() if k != "arguments"}
+    made = {"id": call["id"], "function": called, "type": "function"}
+    return made | {k: v for k, v in call.items() if k not in made}
+
+
+#: A tool call's function fields, in vLLM's order.
+_CALLED = ("arguments", "name")
 
 
 #: A text part: its text, its extra fields, and whether it is a plain text part
