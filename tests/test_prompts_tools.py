@@ -38,7 +38,7 @@ from kvindex.client import AsyncKvindex
 from .apikit import FakeConsumers, engine
 from .prompts_kit import VLLM
 from .test_client import serving
-from .tool_fixtures import FIXTURES, server_flags, tokenizer_dir
+from .tool_fixtures import FIXTURES, TOKENIZERS, server_flags, tokenizer_dir
 
 GOLDEN = json.loads((FIXTURES / "cases.json").read_text())
 BLOCK = GOLDEN["block_size"]
@@ -229,3 +229,33 @@ async def test_a_responses_tool_list_and_a_chat_tool_list_render_alike() -> None
     )
     # A Responses request is tokenized with the special tokens: chatmlish adds none.
     assert by_chat == by_input and len(by_chat) > 30
+
+
+def _readme_bodies() -> list[dict]:
+    """The tool-using and Responses bodies the READMEs show."""
+    root = Path(__file__).resolve().parents[1]
+    texts = [(root / name).read_text() for name in ("README.md", "api/README.md")]
+    blocks = [b for t in texts for b in re.findall(r"```json\n(.*?)```", t, flags=re.S)]
+    return [json.loads(b) for b in blocks if '"tools"' in b]
+
+
+async def test_the_readmes_tool_and_responses_examples_are_answered() -> None:
+    bodies = _readme_bodies()
+    assert {"messages" in b for b in bodies} == {True, False} and len(bodies) == 4
+    hermes = GOLDEN["models"]["hermes"]
+    agent = ModelTokenizer(
+        str(TOKENIZERS / hermes["tokenizer"]),
+        chat_template=str(FIXTURES / hermes["chat_template"]),
+        enable_auto_tool_choice=True,
+        tool_call_parser="pythonic",
+    )
+    settings = ApiSettings(models={"qwen-agent": agent})
+    store, registry = MemoryStore(), EngineRegistry()
+    await registry.add(engine("e", model="qwen-agent", hash_algo="sha256"))
+    app = create_app(store, registry, FakeConsumers(store), settings)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://kvindex") as client:
+        for body in bodies:
+            answer = await client.post("/prefix-match", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["num_blocks"] > 5
