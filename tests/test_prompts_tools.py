@@ -30,6 +30,7 @@ from api.prefix import to_query
 from api.schemas import PrefixMatchBody
 from indexer.core.events import BlockStored, EventBatch, RankId
 from indexer.engines.base import Prompt
+from indexer.engines.prompts import ResponsesRequest
 from indexer.prompts import ModelTokenizer, Tokenizers
 from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
@@ -259,3 +260,14 @@ async def test_the_readmes_tool_and_responses_examples_are_answered() -> None:
             answer = await client.post("/prefix-match", json=body)
             assert answer.status_code == 200, answer.text
             assert answer.json()["num_blocks"] > 5
+
+
+def test_a_responses_request_renders_alike_every_time() -> None:
+    """Items are copied, not filled in place: a request rendered twice (as one with
+    tools is, when the tokenizer has a tool template) gives the same tokens."""
+    called = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    items = [{"role": "user", "content": "hi"}, {"role": "assistant"}, called]
+    request = ResponsesRequest(input=items, tools=[FUNCTION])
+    first = POOL.tokens_now("hermes-named.plain", responses=request)
+    assert POOL.tokens_now("hermes-named.plain", responses=request) == first
+    assert items[1] == {"role": "assistant"}

@@ -149,13 +149,13 @@ def _message(i: int, item: dict[str, Any], before: dict[str, Any] | None) -> dic
     if role == "assistant":
         text = _assistant_text(item.get("content"))
         if text is None:
-            return item
+            return dict(item)  # a copy: a later item may add to it
         if assistant is not None and assistant.get("content") is None:
             assistant["content"] = text
             return None
         return {"role": "assistant", "content": text}
     if role is not None:
-        return item
+        return dict(item)
     raise PromptRefused(f"input[{i}].type", f"{str(kind)[:40]!r} is not supported")
 
 
