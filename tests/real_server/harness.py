@@ -372,7 +372,7 @@ class Agents:
         self.functions = [
             {
                 "name": f"tool_{i}_{WORDS[i]}",
-                "description": text(self.rng, 12),
+                "description": text(self.rng, 5),
                 "parameters": {
                     "type": "object",
                     "properties": {w: {"type": "string"} for w in self.rng.sample(WORDS, 3)},
@@ -418,7 +418,7 @@ class Agents:
         for i in range(count):
             index = i % len(self.sessions)
             session = self.sessions[index]
-            question = text(self.rng, self.rng.randint(8, 30))
+            question = text(self.rng, self.rng.randint(6, 20))
             body = render(session, question)
             done.append(turns.turn(f"agent {index} turn {i}", body, max_tokens=4))
             name = self.rng.choice(self.functions)["name"]
