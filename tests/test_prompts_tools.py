@@ -67,7 +67,8 @@ def _models(scratch: Path) -> dict[str, ModelTokenizer]:
     return models
 
 
-MODELS = _models(Path(tempfile.mkdtemp(prefix="kvindex-tool-models-")))
+_SCRATCH = tempfile.TemporaryDirectory(prefix="kvindex-tool-models-")  # removed at exit
+MODELS = _models(Path(_SCRATCH.name))
 POOL = Tokenizers(MODELS)
 SETTINGS = ApiSettings(models=MODELS)
 
