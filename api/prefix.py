@@ -46,7 +46,13 @@ from api.schemas import (
 from api.settings import ApiSettings
 from indexer.core.matching import TierWeights
 from indexer.engines.base import MMFeature
-from indexer.engines.prompts import ChatOptions, PromptRefused
+from indexer.engines.prompts import (
+    ChatOptions,
+    ChatTool,
+    PromptRefused,
+    ResponsesRequest,
+    ToolChoice,
+)
 from indexer.prompts import Tokenizers
 
 _encode = msgspec.json.Encoder().encode
@@ -56,8 +62,10 @@ _ANSWERS = answers(
     _200=(PrefixMatchResponse, "every matching engine rank, best score first"),
     _400=(
         ErrorBody,
-        "not exactly one of block_hashes, tokens, prompt and messages; a prompt vLLM"
-        " refuses (empty, a chat template error, incompatible flags); no tokenizer"
+        "not exactly one of block_hashes, tokens, prompt, messages and input; a prompt"
+        " vLLM refuses (empty, a chat template error, incompatible flags, a tool_choice"
+        " the model's server does not serve); a Responses history kept by the server"
+        " (previous_response_id) or a tool kvindex does not render; no tokenizer"
         " configured for `model`, or the `tokenize` extra not installed",
     ),
     _401=(ErrorBody, "`route` without the bearer token (when one is configured)"),
@@ -72,12 +80,14 @@ Give exactly one of `block_hashes` (as the engines publish them), `tokens`
 xxhash, xxhash_cbor, its seed, LoRA, cache salt and multimodal extra keys, in
 the int or bytes form it publishes; engines whose hash cannot be reproduced
 are matched through a token index learned from their events), `prompt` (a
-completions prompt) or `messages` (chat, text parts only). `prompt` and
-`messages` are tokenized for `model` exactly as vLLM 0.33's OpenAI server
-does (`add_special_tokens` defaults to true for `prompt`, false for
-`messages`; `add_generation_prompt` true, `continue_final_message` false;
-`chat_template_kwargs` as vLLM takes them), then matched as `tokens` (POST
-only: the GET form takes no prompt text). `model` and
+completions prompt), `messages` (chat, text parts only) or `input` (a
+Responses request). `prompt`, `messages` and `input` are tokenized for
+`model` exactly as vLLM 0.33's OpenAI server does (`add_special_tokens`
+defaults to true for `prompt`, false for `messages`; `add_generation_prompt`
+true, `continue_final_message` false; `tools`, `tool_choice`, `documents`,
+`reasoning_effort`, `instructions`, `reasoning` and `chat_template_kwargs`
+as vLLM takes them, with the model's configured server tool flags), then
+matched as `tokens` (POST only: the GET form takes no prompt text). `model` and
 `engines` filter (an engine that is not registered, or a model no registered
 engine serves, is a 404); `block_size`, `hash_algo`, `hash_seed` override the
 engines' declared values for `tokens`. A query parameter or body field the
@@ -158,10 +168,15 @@ class GetQuery(msgspec.Struct, kw_only=True):
 
 
 #: The fields that say which prompt a request is about: exactly one is given.
-PROMPT_FIELDS = ("block_hashes", "tokens", "prompt", "messages")
-#: The fields that only a text prompt (``prompt``/``messages``) or chat takes.
-_TEXT_FLAGS = {"add_special_tokens": ("prompt", "messages")} | dict.fromkeys(
-    ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"), ("messages",)
+PROMPT_FIELDS = ("block_hashes", "tokens", "prompt", "messages", "input")
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "documents", "reasoning_effort")
+#: The fields that only a text prompt (``prompt``/``messages``), a chat or a Responses
+#: request (``input``) takes.
+_TEXT_FLAGS = (
+    {"add_special_tokens": ("prompt", "messages")}
+    | dict.fromkeys(_CHAT_ONLY, ("messages",))
+    | dict.fromkeys(("chat_template_kwargs", "tools", "tool_choice"), ("messages", "input"))
+    | dict.fromkeys(("instructions", "reasoning", "previous_response_id"), ("input",))
 )
 
 
@@ -185,7 +200,7 @@ async def to_query(
             raise ApiError(400, f"{flag} applies to {' or '.join(takers)} only, not {given[0]}")
     tokens = q.tokens
     others: dict[str, list[int]] = {}
-    if q.prompt is not None or q.messages is not None:
+    if given[0] in ("prompt", "messages", "input"):
         tokens = await _rendered(q, tokenizers)
         for adapter in sorted(set(adapters()) - {tokenizers.adapter(q.model)}):
             others[adapter] = await _rendered(q, tokenizers, adapter)
@@ -219,19 +234,55 @@ async def _rendered(
     q: PrefixMatchBody, tokenizers: Tokenizers, adapter: str | None = None
 ) -> list[int]:
     """The tokens the server of ``model`` (of engine adapter ``adapter``, if given) makes
-    of the request's ``prompt``/``messages``."""
-    options = ChatOptions(
+    of the request's ``prompt``, ``messages`` or ``input``."""
+    try:
+        if q.input is not None:
+            return await tokenizers.tokens(
+                q.model, responses=responses_request(q), adapter=adapter
+            )
+        return await tokenizers.tokens(
+            q.model, prompt=q.prompt, messages=q.messages, options=chat_options(q), adapter=adapter
+        )
+    except PromptRefused as e:
+        raise ApiError(e.status, str(e)) from None
+
+
+def chat_options(q: PrefixMatchBody) -> ChatOptions:
+    """A chat's flags, its tools and tool choice read as a chat request's."""
+    try:
+        tools = msgspec.convert(q.tools, list[ChatTool] | None)
+        choice = msgspec.convert(q.tool_choice, ToolChoice | None)
+    except msgspec.ValidationError as e:
+        raise ApiError(422, f"invalid tools or tool_choice: {e}") from None
+    return ChatOptions(
         q.add_generation_prompt,
         q.continue_final_message,
         q.add_special_tokens,
         q.chat_template_kwargs,
+        tools,
+        choice,
+        q.documents,
+        q.reasoning_effort,
     )
-    try:
-        return await tokenizers.tokens(
-            q.model, prompt=q.prompt, messages=q.messages, options=options, adapter=adapter
+
+
+def responses_request(q: PrefixMatchBody) -> ResponsesRequest:
+    """A Responses request's prompt fields; 400 for a history kvindex cannot see."""
+    if q.previous_response_id is not None:
+        raise ApiError(
+            400,
+            "previous_response_id: the history it names is in the engine server's response"
+            " store, which kvindex cannot read: send the previous items in input",
         )
-    except PromptRefused as e:
-        raise ApiError(e.status, str(e)) from None
+    assert q.input is not None
+    return ResponsesRequest(
+        input=q.input,
+        instructions=q.instructions,
+        tools=q.tools,
+        tool_choice=q.tool_choice,
+        reasoning_effort=q.reasoning.effort if q.reasoning is not None else None,
+        chat_template_kwargs=q.chat_template_kwargs,
+    )
 
 
 def weights_of(given: WeightsBody | None, settings: ApiSettings) -> TierWeights | None:

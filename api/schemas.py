@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from indexer.discovery.served import DESCRIBED
-from indexer.engines.prompts import ChatMessage
+from indexer.engines.prompts import ChatMessage, ReasoningEffort
 from indexer.leases import Lease
 from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.stores.base import Residency
@@ -65,15 +65,25 @@ class PromptBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hash_seed: str | None = None
 
 
+class ReasoningBody(msgspec.Struct):
+    """A Responses request's ``reasoning``: its ``effort`` reaches the template."""
+
+    effort: ReasoningEffort | None = None
+    summary: str | None = None
+
+
 class PrefixMatchBody(PromptBody, kw_only=True):
     """``POST /prefix-match``: exactly one of ``block_hashes``, ``tokens``,
-    ``prompt`` or ``messages``.
+    ``prompt``, ``messages`` or ``input``.
 
-    ``prompt`` (a completions prompt: text, or token ids taken as they are)
-    and ``messages`` (chat) are tokenized as vLLM's OpenAI server does for
-    ``model``; ``add_special_tokens``, ``add_generation_prompt``,
-    ``continue_final_message`` and ``chat_template_kwargs`` mean what they
-    mean there (the last three for ``messages`` only).
+    ``prompt`` (a completions prompt: text, or token ids taken as they are),
+    ``messages`` (chat) and ``input`` (a Responses request) are tokenized as
+    vLLM's OpenAI server does for ``model``; the other fields of those requests
+    mean what they mean there: ``add_special_tokens`` (``prompt``,
+    ``messages``), ``add_generation_prompt``, ``continue_final_message``,
+    ``documents``, ``reasoning_effort`` (``messages``), ``instructions``,
+    ``reasoning``, ``previous_response_id`` (``input``), ``tools``,
+    ``tool_choice``, ``chat_template_kwargs`` (``messages``, ``input``).
 
     ``block_size``, ``hash_algo`` and ``hash_seed`` override the engines'
     declared values when kvindex hashes ``tokens``; ``block_size`` also
@@ -83,10 +93,22 @@ class PrefixMatchBody(PromptBody, kw_only=True):
 
     prompt: str | list[Token] | None = None
     messages: list[ChatMessage] | None = None
+    #: a Responses request's input: a string (one user message) or its items
+    input: str | list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    #: chat tools (``{"type": "function", "function": {...}}``) or Responses tools
+    #: (``{"type": "function", "name": ...}``), as the request has them
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    instructions: str | None = None
+    reasoning: ReasoningBody | None = None
+    #: refused: the history it names is in the engine server's store, not in the body
+    previous_response_id: str | None = None
     model: str | None = None
     engines: list[str] | None = None
     #: per-query tier weights (the configured ones for those left out)

@@ -38,7 +38,15 @@ from typing import Any
 import msgspec
 
 from indexer.engines import catalog
-from indexer.engines.prompts import ChatMessage, ChatOptions, PromptRefused, Renderer
+from indexer.engines.prompts import (
+    ChatCall,
+    ChatMessage,
+    ChatOptions,
+    PromptRefused,
+    Renderer,
+    ResponsesRequest,
+    ToolServing,
+)
 
 EXTRA = "tokenize"
 INSTALL = f"pip install 'kvindex[{EXTRA}]'"
@@ -50,11 +58,17 @@ log = logging.getLogger("kvindex.prompts")
 
 class ModelTokenizer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``models: {NAME: {tokenizer: DIR or hub id, chat_template: FILE or template,
-    adapter: engine adapter}}``."""
+    adapter: engine adapter, ...}}``; the last three are the engine server's tool flags
+    (vLLM's ``--enable-auto-tool-choice``, ``--tool-call-parser``,
+    ``--exclude-tools-when-tool-choice-none``), which decide which ``tool_choice`` it
+    serves and whether ``"none"`` hides the tools from the template."""
 
     tokenizer: str
     chat_template: str | None = None
     adapter: str = catalog.DEFAULT
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -66,6 +80,14 @@ class ModelTokenizer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def renderer(self) -> Renderer:
         return catalog.renderer(self.adapter)
 
+    @property
+    def serving(self) -> ToolServing:
+        return ToolServing(
+            self.enable_auto_tool_choice,
+            self.tool_call_parser,
+            self.exclude_tools_when_tool_choice_none,
+        )
+
 
 class _Loaded:
     """One model's tokenizer, template traits and exact piece splitter."""
@@ -75,35 +97,37 @@ class _Loaded:
 
         self.name = name
         self.adapter = spec.adapter
+        self.serving = spec.serving
         self.hf = AutoTokenizer.from_pretrained(spec.tokenizer)
         self.backend = self.hf.backend_tokenizer
-        self.template = _template_text(spec.chat_template) or _own_template(self.hf)
-        self._traits: dict[str, Any] = {}
-        if self.template is not None:
-            from transformers.utils.chat_template_utils import _compile_jinja_template
-
-            self._tree = _compile_jinja_template(self.template).environment.parse(self.template)
-            named = inspect.signature(self.hf.apply_chat_template).parameters.values()
-            self._params = [
-                p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-            ]
-            self.traits(self.adapter)  # the model's own: a broken template fails the load
+        configured = _template_text(spec.chat_template)
+        self.template = configured or _own_template(self.hf, None)
+        #: the template a request with tools renders with: a tokenizer's ``tool_use`` one
+        #: where it names templates (Hugging Face's pick, and vLLM's), else the same
+        self.tool_template = configured or _own_template(self.hf, [])
+        named = inspect.signature(self.hf.apply_chat_template).parameters.values()
+        self._params = [p.name for p in named if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        self._traits: dict[tuple[str, str], Any] = {}
+        for template in (self.template, self.tool_template):  # a broken one fails the load
+            self.traits(self.adapter, template)
         self.added = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items()}
         self.split = _piece_splitter(self.backend, self.added)
         self.specials = _special_tokens_around(self.backend)
         if self.split is not None and not self._pieces_exact():
             self.split = None
 
-    def traits(self, adapter: str) -> Any:
-        """The chat template as the server of engine adapter ``adapter`` reads it (None: the
-        model has no template); each adapter's reading made once."""
-        if self.template is None:
+    def traits(self, adapter: str, template: str | None) -> Any:
+        """``template`` as the server of engine adapter ``adapter`` reads it (None: no
+        template); each reading made once."""
+        if template is None:
             return None
-        traits = self._traits.get(adapter)
+        traits = self._traits.get((adapter, template))
         if traits is None:
-            renderer = catalog.renderer(adapter)
-            traits = renderer.template_traits(self.template, self._tree, self._params)
-            self._traits[adapter] = traits
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            tree = _compile_jinja_template(template).environment.parse(template)
+            traits = catalog.renderer(adapter).template_traits(template, tree, self._params)
+            self._traits[adapter, template] = traits
         return traits
 
     def _pieces_exact(self) -> bool:
@@ -153,17 +177,22 @@ def _template_text(setting: str | None) -> str | None:
     if setting is None:
         return None
     path = Path(setting)
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # a long template is no file name (ENAMETOOLONG)
+        is_file = False
+    if is_file:
         return path.read_text()
     if any(c in setting for c in "{}\n"):
         return setting
     raise ValueError(f"chat_template {setting!r} is neither a file nor a template")
 
 
-def _own_template(hf: Any) -> str | None:
+def _own_template(hf: Any, tools: list[Any] | None) -> str | None:
+    """The tokenizer's template for a request with ``tools`` or without (None)."""
     try:
-        return hf.get_chat_template(None, tools=None)
-    except ValueError:  # the tokenizer has no chat template
+        return hf.get_chat_template(None, tools=tools)
+    except ValueError:  # the tokenizer has no chat template (of that name)
         return None
 
 
@@ -235,16 +264,23 @@ class Tokenizers:
         prompt: str | list[int] | None = None,
         messages: list[ChatMessage] | None = None,
         options: ChatOptions = _DEFAULTS,
+        responses: ResponsesRequest | None = None,
         adapter: str | None = None,
     ) -> list[int]:
-        """The prompt token ids the model's server hands its engine for this request, off
-        the event loop; ``adapter``: as the server of that engine adapter makes them (None:
-        the model's configured one)."""
+        """The prompt token ids the model's server hands its engine for this request (a
+        completions ``prompt``, a chat's ``messages`` with ``options``, or a Responses
+        request), off the event loop; ``adapter``: as the server of that engine adapter
+        makes them (None: the model's configured one)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._pool,
             lambda: self.tokens_now(
-                model, prompt=prompt, messages=messages, options=options, adapter=adapter
+                model,
+                prompt=prompt,
+                messages=messages,
+                options=options,
+                responses=responses,
+                adapter=adapter,
             ),
         )
 
@@ -255,6 +291,7 @@ class Tokenizers:
         prompt: str | list[int] | None = None,
         messages: list[ChatMessage] | None = None,
         options: ChatOptions = _DEFAULTS,
+        responses: ResponsesRequest | None = None,
         adapter: str | None = None,
     ) -> list[int]:
         """:meth:`tokens` in the calling thread."""
@@ -267,29 +304,46 @@ class Tokenizers:
             return self._encode(
                 loaded, given, renderer.completion_special_tokens(options.add_special_tokens)
             )
-        assert messages is not None
-        loaded = self._model(model, "messages")
+        field = "messages" if responses is None else "input"
+        loaded = self._model(model, field)
         adapter = adapter or loaded.adapter
-        traits = loaded.traits(adapter)
-        if traits is None:
+        renderer, serving = catalog.renderer(adapter), loaded.serving
+
+        def call_with(template: str | None) -> ChatCall:
+            traits = loaded.traits(adapter, template)
+            if responses is not None:
+                return renderer.responses_call(responses, traits, serving)
+            assert messages is not None
+            return renderer.chat_call(messages, options, traits, serving)
+
+        template = loaded.template
+        if template is None:
             raise PromptRefused(
-                "messages",
-                f"model {model!r} has no chat template: set models.{model}.chat_template",
+                field, f"model {model!r} has no chat template: set models.{model}.chat_template"
             )
-        call = catalog.renderer(adapter).chat_call(messages, options, traits)
+        call = call_with(template)
+        if call.tools is not None and loaded.tool_template != template:
+            template = loaded.tool_template
+            call = call_with(template)
+        text = self._rendered(loaded, template, call, field)
+        return self._encode(loaded, text, call.add_special_tokens)
+
+    @staticmethod
+    def _rendered(loaded: _Loaded, template: str | None, call: ChatCall, field: str) -> str:
+        """The chat template's text for ``call``; 400 naming ``field`` where it fails."""
         try:
             text = loaded.hf.apply_chat_template(
                 conversation=call.conversation,
-                tools=None,
-                chat_template=loaded.template,
+                tools=call.tools,
+                chat_template=template,
                 tokenize=False,
                 **call.kwargs,
             )
         except Exception as e:  # a template error, or transformers refusing the flags
-            raise PromptRefused("messages", f"the chat template failed: {e}") from None
+            raise PromptRefused(field, f"the chat template failed: {e}") from None
         if not isinstance(text, str):
             raise PromptRefused("chat_template_kwargs", "must leave the template rendering text")
-        return self._encode(loaded, text, call.add_special_tokens)
+        return text
 
     def _encode(self, loaded: _Loaded, text: str, add_special_tokens: bool) -> list[int]:
         """Cached pieces are read under the lock; the rest is tokenized outside it, at once."""

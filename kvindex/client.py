@@ -9,7 +9,8 @@ cache, then sends the request there::
         best = best_rank(match)            # kvindex's pick: prefix weighed against load
 
 The prompt goes as the router has it (``tokens``, ``block_hashes``, a
-completions ``prompt`` or chat ``messages`` with their flags); kvindex
+completions ``prompt``, chat ``messages`` or a Responses ``input``, with their
+``tools`` and flags); kvindex
 tokenizes and hashes it as the engines do. One client keeps its connections
 open across calls (make one per process, not per request). A 503 (the store
 is unreachable, or kvindex is at its connection limit) and a failure to
@@ -194,18 +195,24 @@ class _Client(abc.ABC, Generic[H, R]):
         block_hashes: Sequence[int | str] | None = None,
         prompt: str | Sequence[int] | None = None,
         messages: Iterable[dict[str, Any]] | None = None,
+        input: str | Iterable[dict[str, Any]] | None = None,
+        tools: Iterable[dict[str, Any]] | None = None,
         model: str | None = None,
         engines: Sequence[str] | None = None,
         **more: Any,
     ) -> R:
-        """``POST /prefix-match`` (awaited on :class:`AsyncKvindex`); ``more``: any
-        other field (``add_generation_prompt``, ``lora_name``, ``cache_salt`` ...),
-        as the API documents them."""
+        """``POST /prefix-match`` (awaited on :class:`AsyncKvindex`). A chat's
+        ``messages`` or a Responses request's ``input`` go with that request's
+        ``tools`` as it has them; ``more``: any other field (``tool_choice``,
+        ``instructions``, ``add_generation_prompt``, ``lora_name`` ...), as the API
+        documents them."""
         listed = {"tokens": tokens, "block_hashes": block_hashes, "engines": engines}
         fields = {k: list(v) if v is not None else None for k, v in listed.items()}
-        messages = list(messages) if messages is not None else None
+        texts = {"messages": messages, "tools": tools}
+        fields |= {k: list(v) if v is not None else None for k, v in texts.items()}
+        given = input if input is None or isinstance(input, str) else list(input)
         return self._send(
-            _body({**fields, "prompt": prompt, "messages": messages, "model": model, **more})
+            _body({**fields, "prompt": prompt, "input": given, "model": model, **more})
         )
 
     @abc.abstractmethod

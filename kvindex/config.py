@@ -33,6 +33,9 @@ Each command reads the sections it needs (:mod:`kvindex.serve`,
         tokenizer: /models/llama-3-8b     # a directory or a hub id
         chat_template: /etc/kvindex/llama3.jinja   # optional: overrides the tokenizer's
         adapter: vllm             # optional: the engine whose server's rendering applies
+        enable_auto_tool_choice: true   # optional: the server's tool flags (vllm serve's
+        tool_call_parser: hermes        # --enable-auto-tool-choice, --tool-call-parser and
+        exclude_tools_when_tool_choice_none: false   # --exclude-tools-when-tool-choice-none)
 
 A ``KVINDEX_<SECTION>__<FIELD>`` variable overrides the file's field
 (``KVINDEX_SUBSCRIBER__REPLAY_TIMEOUT=2``; :func:`load_config`), so a container

@@ -33,7 +33,7 @@ from indexer.core.matching import PrefixMatch
 from indexer.engine_flags import parse_engine_flag
 from indexer.engines import catalog
 from indexer.engines.base import MAX_HASHES_PER_EVENT, Prompt
-from indexer.engines.prompts import ChatMessage, ChatOptions
+from indexer.engines.prompts import ChatMessage, ChatOptions, ToolServing
 from indexer.engines.vllm import hashing, native, render
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.prompts import ModelTokenizer
@@ -351,8 +351,9 @@ def test_a_model_renders_through_its_adapter_and_one_that_renders_nothing_is_ref
 ) -> None:
     assert catalog.renderer("vllm") is VLLM.renderer
     assert ModelTokenizer("t").renderer is VLLM.renderer  # vllm is the default
-    assert VLLM.renderer.chat_call([ChatMessage("user", "hi")], ChatOptions(), TRAITS) == (
-        render.chat_call([ChatMessage("user", "hi")], ChatOptions(), TRAITS)
+    hi, serving = [ChatMessage("user", "hi")], ToolServing()
+    assert VLLM.renderer.chat_call(hi, ChatOptions(), TRAITS, serving) == (
+        render.chat_call(hi, ChatOptions(), TRAITS, serving)
     )
     with pytest.raises(ValueError, match="adapter: the 'vllm_legacy' engine adapter does not"):
         ModelTokenizer("t", adapter="vllm_legacy")

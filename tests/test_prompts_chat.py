@@ -9,6 +9,7 @@ import random
 import msgspec
 import pytest
 
+from indexer.engines.prompts import PromptRefused, ToolServing
 from indexer.engines.vllm.render import ChatMessage, ChatOptions, TemplateTraits, chat_call
 from indexer.prompts import ModelTokenizer, Tokenizers
 
@@ -22,7 +23,7 @@ PARTS = TemplateTraits("openai", True, frozenset({"add_generation_prompt"}))
 
 def _conversation_of(messages: list[dict], traits: TemplateTraits = STRING) -> list[dict]:
     converted = msgspec.convert(messages, list[ChatMessage])
-    return chat_call(converted, ChatOptions(), traits).conversation
+    return chat_call(converted, ChatOptions(), traits, ToolServing()).conversation
 
 
 def test_text_parts_join_with_newlines_and_empty_ones_add_no_line() -> None:
@@ -60,7 +61,7 @@ def test_roles_carry_the_fields_vllm_passes_on() -> None:
         {
             "role": "assistant",
             "content": [],
-            "tool_calls": calls,
+            "tool_calls": [{**calls[0], "function": {"name": "f", "arguments": {}}}],
             "reasoning": "r",
             "reasoning_content": "r",
         },
@@ -92,7 +93,7 @@ def test_the_request_flags_override_chat_template_kwargs_and_unknown_kwargs_are_
     traits = TemplateTraits(
         "string", False, frozenset({"add_generation_prompt", "enable_thinking"})
     )
-    call = chat_call(messages, ChatOptions(False, None, None, kwargs), traits)
+    call = chat_call(messages, ChatOptions(False, None, None, kwargs), traits, ToolServing())
     assert call.kwargs == {"add_generation_prompt": False, "enable_thinking": False}
     assert call.add_special_tokens is False
 
@@ -111,7 +112,8 @@ def test_the_content_format_is_read_off_the_template() -> None:
         }
     )
     traits = {
-        name: pool._model(name, "messages").traits("vllm") for name in ("loops", "aliased", "plain")
+        name: (loaded := pool._model(name, "messages")).traits("vllm", loaded.template)
+        for name in ("loops", "aliased", "plain")
     }
     assert traits["loops"].content_format == traits["aliased"].content_format == "openai"
     assert traits["plain"].content_format == "string"
@@ -152,3 +154,37 @@ def test_random_chats_and_flags_tokenize_as_transformers_renders_them(
         continue_final_message=cont,
     )
     assert tokens == hf(text, add_special_tokens=bool(special))["input_ids"]
+
+
+def test_an_inline_template_longer_than_a_file_name_is_a_template() -> None:
+    """A template given inline in the config is no file name, however long (asking the
+    file system about 300 characters fails with ENAMETOOLONG)."""
+    long = "{# " + "x" * 300 + " #}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    pool = Tokenizers({"long": ModelTokenizer(str(FIXTURES / "chatmlish"), chat_template=long)})
+    tokens = pool.tokens_now("long", messages=[ChatMessage("user", "hello")])
+    assert tokens == pool.tokens_now("long", prompt="hello", options=ChatOptions())
+
+
+@pytest.mark.parametrize(
+    ("call", "refused"),
+    [
+        ({"type": "function", "function": {"name": "f", "arguments": "{}"}}, "[0].id: "),
+        ({"id": "c", "function": {"name": "f", "arguments": "{}"}}, "[0]: must be of type"),
+        ({"id": "c", "type": "custom", "custom": {"name": "f", "input": ""}}, "[0]: must be of"),
+        ({"id": "c", "type": "function", "function": {"name": "f"}}, "[0].function.arguments: "),
+        ({"id": "c", "type": "function", "function": {"arguments": "{}"}}, "[0].function.name: "),
+    ],
+)
+def test_tool_calls_vllm_refuses_are_refused_naming_the_call(call: dict, refused: str) -> None:
+    """vLLM takes only function calls with a string id, name and arguments (JSON text)."""
+    with pytest.raises(PromptRefused) as raised:
+        _conversation_of([{"role": "assistant", "tool_calls": [call]}])
+    assert f"messages[0].tool_calls{refused}" in str(raised.value)
+
+
+def test_tool_calls_reach_the_template_in_vllms_order_with_their_arguments_parsed() -> None:
+    call = {"index": 0, "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    (entry,) = _conversation_of([{"role": "assistant", "tool_calls": [{**call, "id": "c"}]}])
+    (made,) = entry["tool_calls"]
+    assert list(made) == ["id", "function", "type", "index"]
+    assert list(made["function"].items()) == [("arguments", {"a": 1}), ("name", "f")]

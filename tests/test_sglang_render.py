@@ -6,9 +6,10 @@ import pytest
 from jinja2 import Environment
 
 from indexer.engines import catalog
-from indexer.engines.prompts import ChatMessage, ChatOptions, PromptRefused
+from indexer.engines.prompts import ChatMessage, ChatOptions, PromptRefused, ToolServing
 
 RENDERER = catalog.renderer("sglang")
+SERVING = ToolServing()  # vLLM's tool flags: SGLang's rendering takes none of them
 
 
 def traits(source: str):
@@ -39,7 +40,7 @@ def test_parts_join_with_a_space_and_a_final_assistant_message_becomes_the_user(
         ChatMessage(role="tool", content=[{"type": "text", "text": "c"}], tool_call_id="t1"),
         ChatMessage(role="assistant", content="d", reasoning="r", reasoning_content="rc"),
     ]
-    string = RENDERER.chat_call(messages, ChatOptions(), traits("{{ messages }}"))
+    string = RENDERER.chat_call(messages, ChatOptions(), traits("{{ messages }}"), SERVING)
     assert string.conversation == [
         {"role": "system", "content": "", "name": "ops"},
         {"role": "user", "content": "a b"},
@@ -47,7 +48,7 @@ def test_parts_join_with_a_space_and_a_final_assistant_message_becomes_the_user(
         {"role": "user", "content": "d"},
     ]
     assert string.kwargs == {"add_generation_prompt": True} and not string.add_special_tokens
-    parts = RENDERER.chat_call(messages[1:3], ChatOptions(), traits("{{ vision }}"))
+    parts = RENDERER.chat_call(messages[1:3], ChatOptions(), traits("{{ vision }}"), SERVING)
     assert parts.conversation[0]["content"] == [
         {"type": "text", "text": "a"},
         {"type": "text", "text": "b"},
@@ -60,20 +61,25 @@ def test_flags_sglang_ignores_are_ignored_and_what_it_cannot_take_is_refused() -
     fmt = traits("{{ messages }}")
     ignored = ChatOptions(add_generation_prompt=False, add_special_tokens=True,
                           chat_template_kwargs={"enable_thinking": False})  # fmt: skip
-    call = RENDERER.chat_call(messages, ignored, fmt)
+    call = RENDERER.chat_call(messages, ignored, fmt, SERVING)
     assert call.kwargs == {"enable_thinking": False, "add_generation_prompt": True}
     assert not call.add_special_tokens
     refused = [
         (ChatOptions(continue_final_message=True), "continue_final_message"),
         (ChatOptions(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
+        (ChatOptions(tools=[]), "tools"),  # SGLang's tool rendering is not restated
+        (ChatOptions(reasoning_effort="low"), "reasoning_effort"),
     ]
     for options, field in refused:
         with pytest.raises(PromptRefused) as e:
-            RENDERER.chat_call(messages, options, fmt)
+            RENDERER.chat_call(messages, options, fmt, SERVING)
         assert e.value.field == field
     image = [ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "u"}}])]
     with pytest.raises(PromptRefused, match="text parts only"):
-        RENDERER.chat_call(image, ChatOptions(), fmt)
+        RENDERER.chat_call(image, ChatOptions(), fmt, SERVING)
     assert RENDERER.completion_special_tokens(False) is True
     with pytest.raises(PromptRefused):
         RENDERER.completion_input("")
+    with pytest.raises(PromptRefused) as e:  # no Responses rendering for SGLang engines
+        RENDERER.responses_call(None, fmt, SERVING)
+    assert e.value.field == "input"

@@ -30,6 +30,9 @@ HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 TOKEN = "real-server-tier-token"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+#: The tool flags vLLM serves with, and kvindex's config says it does: "auto" tool choice
+#: (a parser the tiny tokenizer takes: it needs no special tokens)
+TOOL_FLAGS = {"enable_auto_tool_choice": True, "tool_call_parser": "pythonic"}
 
 
 #: Where kvindex's plugin publishes beside each of vLLM's event ports (its default offset);
@@ -155,7 +158,7 @@ class Serve(Process):
         # the CPU engines' /metrics answer seconds late while they compute: a report of
         # their load counts for longer than on a fleet of GPUs (test_9_load)
         config = {
-            "models": {MODEL: {"tokenizer": str(model_dir)}},
+            "models": {MODEL: {"tokenizer": str(model_dir), **TOOL_FLAGS}},
             "api": {"load": {"stale_after": 15.0}},
         }
         (workdir / "kvindex.yaml").write_text(json.dumps(config))
@@ -195,6 +198,11 @@ class VllmServer(Process):
         events = {"topic": "kv-events", **self.events_config}
         command = serve_command(Path(sys.executable), self.model_dir, self.port, "4M")
         command += kv_events(self.events, self.replay, **events)
+        command += [
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            TOOL_FLAGS["tool_call_parser"],
+        ]
         env = environment(
             VLLM_TARGET_DEVICE="cpu",
             VLLM_NO_USAGE_STATS="1",

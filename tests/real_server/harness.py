@@ -11,6 +11,7 @@ vLLM's ``prompt_tokens // block_size``.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -186,15 +187,35 @@ def settle(kv: Kvindex, name: str, tap: EventTap, quiet: float = 0.15, timeout=2
 
 
 class Vllm:
-    """A vLLM OpenAI server's completions and chat."""
+    """A vLLM OpenAI server's completions, chat and Responses, answered in the shape of
+    the first two (a Responses answer's usage and text as ``usage`` and ``choices``)."""
 
     def __init__(self, url: str) -> None:
         self.http = httpx.Client(base_url=url, timeout=60)
 
     def send(self, body: dict[str, Any], max_tokens: int = 4) -> dict[str, Any]:
+        if "input" in body:
+            return self._responses(body, max_tokens)
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         request = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, **body}
         return self.http.post(path, json=request).raise_for_status().json()
+
+    def _responses(self, body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+        request = {"model": MODEL, "max_output_tokens": max_tokens, "temperature": 0, **body}
+        answer = self.http.post("/v1/responses", json={**request, "store": False})
+        answer = answer.raise_for_status().json()
+        usage = answer["usage"]
+        texts = [
+            part.get("text", "")
+            for item in answer["output"]
+            if item.get("type") == "message"
+            for part in item["content"]
+        ]
+        details = {"cached_tokens": usage["input_tokens_details"]["cached_tokens"]}
+        return {
+            "usage": {"prompt_tokens": usage["input_tokens"], "prompt_tokens_details": details},
+            "choices": [{"text": "".join(texts)}],
+        }
 
 
 @dataclass
@@ -337,4 +358,70 @@ class Conversations:
             turn = turns.turn(f"chat {index} turn {i}", {"messages": messages}, max_tokens=8)
             self.answer(index, turn.reply)
             done.append(turn)
+        return done
+
+
+class Agents:
+    """Agent sessions sharing a system prompt and six tools: each turn asks, then the
+    session's history grows by that question, a tool call and its result (sent as a
+    chat's ``messages`` or a Responses request's ``input`` items), round robin."""
+
+    def __init__(self, seed: int, count: int) -> None:
+        self.rng = random.Random(seed)
+        self.system = text(self.rng, 50)
+        self.functions = [
+            {
+                "name": f"tool_{i}_{WORDS[i]}",
+                "description": text(self.rng, 5),
+                "parameters": {
+                    "type": "object",
+                    "properties": {w: {"type": "string"} for w in self.rng.sample(WORDS, 3)},
+                },
+            }
+            for i in range(6)
+        ]
+        #: per session: (question, tool name, JSON arguments, the tool's result) per step
+        self.sessions: list[list[tuple[str, str, str, str]]] = [[] for _ in range(count)]
+
+    def chat(self, history: list[tuple[str, str, str, str]], question: str) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = [{"role": "system", "content": self.system}]
+        for i, (asked, name, arguments, result) in enumerate(history):
+            call = {"id": f"c{i}", "type": "function"}
+            call["function"] = {"name": name, "arguments": arguments}
+            messages += [
+                {"role": "user", "content": asked},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"c{i}", "content": result},
+            ]
+        messages.append({"role": "user", "content": question})
+        tools = [{"type": "function", "function": f} for f in self.functions]
+        return {"messages": messages, "tools": tools}
+
+    def responses(self, history: list[tuple[str, str, str, str]], question: str) -> dict[str, Any]:
+        items: list[dict[str, Any]] = []
+        for i, (asked, name, arguments, result) in enumerate(history):
+            call = {"type": "function_call", "call_id": f"c{i}", "name": name}
+            items += [
+                {"role": "user", "content": asked},
+                {**call, "arguments": arguments},
+                {"type": "function_call_output", "call_id": f"c{i}", "output": result},
+            ]
+        items.append({"role": "user", "content": question})
+        tools = [{"type": "function", **f} for f in self.functions]
+        return {"instructions": self.system, "input": items, "tools": tools}
+
+    def turns(self, turns: Turns, count: int, kind: str) -> list[Turn]:
+        """``count`` turns through ``turns``, as chats (``kind`` ``chat``) or Responses
+        requests."""
+        done = []
+        render = self.chat if kind == "chat" else self.responses
+        for i in range(count):
+            index = i % len(self.sessions)
+            session = self.sessions[index]
+            question = text(self.rng, self.rng.randint(6, 20))
+            body = render(session, question)
+            done.append(turns.turn(f"agent {index} turn {i}", body, max_tokens=4))
+            name = self.rng.choice(self.functions)["name"]
+            arguments = json.dumps({"q": text(self.rng, 4)})
+            session.append((question, name, arguments, text(self.rng, 6)))
         return done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tests.real_server.harness import (
+    Agents,
     Conversations,
     Turns,
     assert_exact,
@@ -23,6 +24,19 @@ def test_completion_turns_are_exact(kv, announced_a) -> None:
 def test_chat_turns_are_exact(kv, announced_a) -> None:
     turns = Turns(kv, announced_a, "chat")
     assert_exact(Conversations(2, 4).turns(turns, TURNS))
+
+
+def test_agent_chat_turns_with_tools_are_exact(kv, announced_a) -> None:
+    """A chat with six tools (rendered by the template) and a growing tool-call history."""
+    turns = Turns(kv, announced_a, "chat with tools")
+    assert_exact(Agents(3, 3).turns(turns, 15, "chat"))
+
+
+def test_responses_turns_are_exact(kv, announced_a) -> None:
+    """The same kind of agent through ``/v1/responses``: instructions, function tools,
+    function_call and function_call_output items."""
+    turns = Turns(kv, announced_a, "responses")
+    assert_exact(Agents(4, 3).turns(turns, 15, "responses"))
 
 
 def test_the_cache_evicted_and_kvindex_followed(kv, announced_a) -> None:

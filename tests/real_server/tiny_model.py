@@ -14,9 +14,15 @@ import sys
 from pathlib import Path
 
 SPECIALS = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+#: Tools, when the request has them, in a system turn of their own (one JSON line each),
+#: and an assistant's tool calls after its text (name, then the arguments as JSON).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
+    "{{ bos_token }}{% if tools %}{{ '<|system|>\\n' }}{% for t in tools %}"
+    "{{ t | tojson + '\\n' }}{% endfor %}{{ '<|end|>\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + (m['content'] or '') }}"
+    "{% for c in m['tool_calls'] or [] %}"
+    "{{ c['function']['name'] + ' ' + c['function']['arguments'] | tojson + '\\n' }}"
+    "{% endfor %}{{ '<|end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 VOCAB_SIZE = 2048

@@ -32,7 +32,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from indexer.engines.prompts import ChatCall, ChatMessage, ChatOptions, PromptRefused
+from indexer.engines.prompts import (
+    ChatCall,
+    ChatMessage,
+    ChatOptions,
+    PromptRefused,
+    ToolServing,
+)
 
 ContentFormat = Literal["string", "openai"]
 _TEXT_TYPES = ("text", "input_text")
@@ -60,10 +66,18 @@ def completion_special_tokens(add_special_tokens: bool | None) -> bool:
     return True
 
 
+#: The chat fields SGLang's tool and reasoning paths take, which kvindex does not restate.
+_UNRESTATED = ("tools", "tool_choice", "documents", "reasoning_effort")
+
+
 def chat_call(
-    messages: list[ChatMessage], options: ChatOptions, traits: TemplateTraits
+    messages: list[ChatMessage], options: ChatOptions, traits: TemplateTraits, serving: ToolServing
 ) -> ChatCall:
-    """The conversation and kwargs SGLang renders ``messages`` with, or :class:`PromptRefused`."""
+    """The conversation and kwargs SGLang renders ``messages`` with, or :class:`PromptRefused`
+    (``serving``, vLLM's tool flags, decides nothing here: tools are refused)."""
+    for field in _UNRESTATED:
+        if getattr(options, field) is not None:
+            raise PromptRefused(field, "SGLang's rendering of it is not restated by kvindex")
     if options.continue_final_message:
         raise PromptRefused(
             "continue_final_message",
@@ -80,7 +94,7 @@ def chat_call(
     if last is not None and last["role"] == "assistant" and isinstance(last["content"], str):
         conversation[-1] = {"role": "user", "content": last["content"]}
     kwargs["add_generation_prompt"] = True
-    return ChatCall(conversation, kwargs, False)
+    return ChatCall(conversation, None, kwargs, False)
 
 
 def _entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dict[str, Any]:

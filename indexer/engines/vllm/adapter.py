@@ -12,7 +12,7 @@ from indexer.compiled import Status, combined
 from indexer.engines import vllm_metrics, vllm_server
 from indexer.engines.base import Prompt
 from indexer.engines.prompts import ModuleRenderer
-from indexer.engines.vllm import frames, native, render, wire
+from indexer.engines.vllm import frames, native, render, responses, wire
 from indexer.engines.zmq_framing import ZmqFraming
 
 if TYPE_CHECKING:  # hashing (hashlib, pickle) loads on first use: ingest and replay need none
@@ -83,7 +83,7 @@ class VllmAdapter(ZmqFraming):
 
     name = "vllm"
     compiled = VllmCompiled()
-    renderer = ModuleRenderer(render, "indexer.engines.vllm.template")
+    renderer = ModuleRenderer(render, "indexer.engines.vllm.template", responses.responses_call)
     load_path = vllm_metrics.PATH
     read_load = staticmethod(vllm_metrics.read_load)
     sources_path = vllm_server.PATH

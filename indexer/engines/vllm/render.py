@@ -13,11 +13,13 @@ Chat (``messages``): ``add_generation_prompt`` defaults to True,
 ``continue_final_message`` to False and ``add_special_tokens`` to False
 (the template writes its own BOS). ``continue_final_message`` is refused
 unless ``add_generation_prompt`` is false (set or defaulted true,
-transformers refuses the pair). The request's flags override the same keys
-in ``chat_template_kwargs``, and ``chat_template``/``tokenize`` there are
-refused; kwargs neither the template nor ``apply_chat_template`` names are
-dropped. Each message becomes
-a conversation entry: string content is one text part, null content none;
+transformers refuses the pair). The request's flags (and ``documents``,
+``reasoning_effort``) override the same keys in ``chat_template_kwargs``
+unless they are null; a kwarg left null or ``"auto"`` is dropped, a
+``tools`` kwarg replaces the request's tools (:mod:`.tools`), and
+``chat_template``/``tokenize`` are refused; kwargs neither the template nor
+``apply_chat_template`` names are dropped. Each message becomes a
+conversation entry: string content is one text part, null content none;
 for a template that reads content as a string the text parts are joined
 with ``"\\n"``, for one that loops over content items they stay a list of
 ``{"type": "text", "text": ...}``. A system text part whose first line
@@ -26,6 +28,8 @@ changes on every request and would defeat the prefix cache). When a
 template never names the ``developer`` role, developer messages become
 system messages and, if a system message is then not alone at the front,
 all system contents are merged with ``"\\n\\n"`` into one first message.
+An assistant's ``tool_calls`` reach the template with their ``arguments``
+parsed from JSON (an empty list of calls is dropped).
 The rendered text is then tokenized like a completion string.
 
 Only text is rendered: image, audio and other media parts are refused
@@ -35,11 +39,19 @@ tokens and hashes depend on the model's processor.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import json
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from indexer.engines.prompts import ChatCall, ChatMessage, ChatOptions, PromptRefused
+from indexer.engines.prompts import (
+    ChatCall,
+    ChatMessage,
+    ChatOptions,
+    PromptRefused,
+    ToolServing,
+)
+from indexer.engines.vllm.tools import chat_tool_dicts
 
 #: How a chat template reads a message's content: one string, or a list of typed parts.
 ContentFormat = Literal["string", "openai"]
@@ -85,15 +97,9 @@ def completion_special_tokens(add_special_tokens: bool | None) -> bool:
 
 
 def chat_call(
-    messages: list[ChatMessage], options: ChatOptions, traits: TemplateTraits
+    messages: list[ChatMessage], options: ChatOptions, traits: TemplateTraits, serving: ToolServing
 ) -> ChatCall:
-    """The conversation and kwargs vLLM renders ``messages`` with, or :class:`PromptRefused`."""
-    kwargs = dict(options.chat_template_kwargs or {})
-    reserved = sorted(set(RESERVED_KWARGS) & kwargs.keys())
-    if reserved:
-        raise PromptRefused(
-            "chat_template_kwargs", f"may not set {', '.join(reserved)} (the server decides them)"
-        )
+    """The conversation and kwargs vLLM renders a chat request with, or :class:`PromptRefused`."""
     generation = True if options.add_generation_prompt is None else options.add_generation_prompt
     if generation and options.continue_final_message:
         raise PromptRefused(
@@ -101,15 +107,64 @@ def chat_call(
             "cannot be true while add_generation_prompt is (it defaults to true: set it"
             " false): continue the final message or start a new assistant message, not both",
         )
-    kwargs["add_generation_prompt"] = generation
-    kwargs["continue_final_message"] = bool(options.continue_final_message)
+    flags = {
+        "add_generation_prompt": generation,
+        "continue_final_message": bool(options.continue_final_message),
+        "documents": options.documents,
+    }
+    return conversation_call(
+        messages,
+        options.chat_template_kwargs,
+        flags | thinking_flags(options.reasoning_effort, options.chat_template_kwargs),
+        chat_tool_dicts(options, serving),
+        traits,
+        bool(options.add_special_tokens),
+    )
+
+
+def thinking_flags(effort: str | None, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's reasoning effort as template kwargs: the effort itself and, unless
+    the request's kwargs set it, ``enable_thinking`` (templates that must be told to
+    think read that one)."""
+    flags: dict[str, Any] = {"reasoning_effort": effort}
+    if effort is not None and "enable_thinking" not in (kwargs or {}):
+        flags["enable_thinking"] = effort != "none"
+    return flags
+
+
+def conversation_call(
+    messages: list[ChatMessage],
+    request_kwargs: Mapping[str, Any] | None,
+    flags: Mapping[str, Any],
+    tools: list[dict[str, Any]] | None,
+    traits: TemplateTraits,
+    add_special_tokens: bool,
+) -> ChatCall:
+    """The render of ``messages`` with the request's ``chat_template_kwargs`` under the
+    request's own ``flags``, over ``tools``: what chat and Responses requests share.
+
+    Each layer overrides the one below except with None or ``"auto"`` (vLLM reads
+    those as "not set"), so a template kwarg left at one of them is dropped, and a
+    ``tools`` kwarg replaces the request's tools."""
+    kwargs = dict(request_kwargs or {})
+    reserved = sorted(set(RESERVED_KWARGS) & kwargs.keys())
+    if reserved:
+        raise PromptRefused(
+            "chat_template_kwargs", f"may not set {', '.join(reserved)} (the server decides them)"
+        )
+    kwargs = _over({"tools": tools}, _over(kwargs, flags))
+    tools = kwargs.pop("tools")
     kwargs = {k: v for k, v in kwargs.items() if k in traits.accepted_kwargs}
     conversation = [
         _conversation_entry(i, m, traits.content_format) for i, m in enumerate(messages)
     ]
     if not traits.knows_developer and any(m["role"] == "developer" for m in conversation):
         conversation = _merge_system(list(map(_developer_as_system, conversation)))
-    return ChatCall(conversation, kwargs, bool(options.add_special_tokens))
+    return ChatCall(conversation, tools, kwargs, add_special_tokens)
+
+
+def _over(below: Mapping[str, Any], above: Mapping[str, Any]) -> dict[str, Any]:
+    return {**below, **{k: v for k, v in above.items() if v is not None and v != "auto"}}
 
 
 def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dict[str, Any]:
@@ -127,17 +182,50 @@ def _conversation_entry(i: int, message: ChatMessage, fmt: ContentFormat) -> dic
     entry: dict[str, Any] = {"role": role, "content": content}
     reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
     if role == "assistant":
-        if message.tool_calls is not None:
-            entry["tool_calls"] = message.tool_calls
+        if message.tool_calls:  # an empty list is dropped
+            entry["tool_calls"] = [
+                _tool_call(f"messages[{i}].tool_calls[{j}]", call)
+                for j, call in enumerate(message.tool_calls)
+            ]
         if reasoning is not None:
             entry["reasoning"] = entry["reasoning_content"] = reasoning
     elif role == "tool" and message.tool_call_id is not None:
         entry["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         entry["name"] = message.name
+    if message.task is not None:
+        entry["task"] = message.task
     if role == "developer":
         entry["tools"] = message.tools
     return entry
+
+
+def _tool_call(where: str, call: dict[str, Any]) -> dict[str, Any]:
+    """An assistant's tool call as vLLM hands it to the template: ``id``, ``function``
+    (``arguments``, ``name``), ``type``, then any other fields, its ``arguments`` parsed
+    from their JSON string (empty, malformed or non-object arguments become ``{}``:
+    vLLM coerces them, so that a bad call in the history fails no later turn). vLLM
+    refuses a call without a string ``id``, ``name`` and ``arguments`` or of another
+    type than ``function``."""
+    function = call.get("function")
+    if not isinstance(function, dict) or call.get("type") != "function":
+        raise PromptRefused(where, "must be of type function, with a function")
+    for field, value in (("id", call.get("id")), *((f, function.get(f)) for f in _CALLED)):
+        if not isinstance(value, str):
+            name = field if field == "id" else f"function.{field}"
+            raise PromptRefused(f"{where}.{name}", "must be a string")
+    try:
+        arguments = json.loads(function["arguments"]) if function["arguments"] else {}
+    except ValueError:
+        arguments = {}
+    called = {"arguments": arguments if isinstance(arguments, dict) else {}}
+    called |= {k: v for k, v in function.items() if k != "arguments"}
+    made = {"id": call["id"], "function": called, "type": "function"}
+    return made | {k: v for k, v in call.items() if k not in made}
+
+
+#: A tool call's function fields, in vLLM's order.
+_CALLED = ("arguments", "name")
 
 
 #: A text part: its text, its extra fields, and whether it is a plain text part
