@@ -237,9 +237,7 @@ async def _rendered(
     of the request's ``prompt``, ``messages`` or ``input``."""
     try:
         if q.input is not None:
-            return await tokenizers.tokens(
-                q.model, responses=responses_request(q), adapter=adapter
-            )
+            return await tokenizers.tokens(q.model, responses=responses_request(q), adapter=adapter)
         return await tokenizers.tokens(
             q.model, prompt=q.prompt, messages=q.messages, options=chat_options(q), adapter=adapter
         )
