@@ -119,8 +119,11 @@ def free_ports(count: int = 1) -> int:
             return base
 
 
-async def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll ``condition`` every 10 ms; fail the test if it is still false after ``timeout``."""
+async def wait_until(
+    condition: Callable[[], bool], timeout: float = WAIT_WITHIN, what: str = ""
+) -> None:
+    """Poll ``condition`` every 10 ms; fail the test if it is still false after ``timeout``
+    (10 s failed under load: a publisher reconnecting alone can take ZeroMQ's 10 s backoff)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
