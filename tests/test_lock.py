@@ -7,7 +7,6 @@ be missing there, or a pin outside its range would be installed; this says which
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 
@@ -15,18 +14,15 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from scripts.unlocked import pinned
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCKS = ROOT / "locks"
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 def pins(lock: str) -> dict[str, set[str]]:
-    found: dict[str, set[str]] = {}
-    for line in (LOCKS / lock).read_text().splitlines():
-        if match := PIN.match(line):
-            found.setdefault(canonicalize_name(match[1]), set()).add(match[2])
-    return found
+    return pinned(LOCKS / lock)
 
 
 def requirements(*extras: str) -> list[Requirement]:
