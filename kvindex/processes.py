@@ -79,7 +79,9 @@ async def run_indexer(
     pool.add_observer(routed.observe)
     watch_routed(routed)
     # the engines this worker consumes are checked here, and read by every API replica
-    checks = Misdeclared(registry, on_change=RedisMisdeclared(store.client, registry).publish)
+    findings = RedisMisdeclared(store.client, registry)
+    store.on_loss(findings.republish)  # what Redis lost, the checks here will not learn again
+    checks = Misdeclared(registry, on_change=findings.publish)
     pool.add_observer(checks.observe, checks.reads_tokens)
     worker = Worker(store, registry, pool, config.indexer, worker_id)
     exporter = sampler = by_url = None

@@ -60,6 +60,27 @@ class _Item(NamedTuple):
     holes_before: int  # batches dropped on a full queue just before this one
 
 
+#: Seconds :meth:`Publisher.close` waits for ZeroMQ to release a private context.
+CONTEXT_END_WITHIN = 10.0
+
+
+def _end_context(context: zmq.Context) -> None:
+    """Destroy ``context`` without hanging the caller.
+
+    Termination waits on ZeroMQ's own threads, and on a loaded machine it was seen
+    not to return (300 s) after every socket had been closed with no linger. The
+    sockets are closed either way; past the bound only the context's threads and
+    ports may outlive the publisher, which the warning says.
+    """
+    ender = threading.Thread(
+        target=context.destroy, kwargs={"linger": 0}, daemon=True, name="kv-publisher-end"
+    )
+    ender.start()
+    ender.join(CONTEXT_END_WITHIN)
+    if ender.is_alive():
+        log.warning("publisher context not ended", extra={"within_s": CONTEXT_END_WITHIN})
+
+
 class Publisher:
     """Publish :class:`~indexer.core.events.EventBatch` es as one engine's dp rank.
 
@@ -199,7 +220,7 @@ class Publisher:
         if self._replay is not None:
             self._replay.close(linger=0)
         if self._owns_context:
-            self._context.term()
+            _end_context(self._context)
 
     def __enter__(self) -> Publisher:
         return self

@@ -108,8 +108,11 @@ async def test_claims_need_the_engine_registered_and_removal_fences_its_owner(
 
 @pytest.mark.slow
 async def test_leases_are_exclusive_renewable_and_expire(redis_cluster) -> None:
+    """Waits on conditions, not on sleeps: a lease renewed in time stays, whatever the
+    machine's load, and one left alone expires after its time to live."""
+    ttl = 3.0
     store = RedisStore(redis_config(redis_cluster.url, cluster=True))
-    a, b = Leases(store.client, "a", ttl=0.3), Leases(store.client, "b", ttl=0.3)
+    a, b = Leases(store.client, "a", ttl=ttl), Leases(store.client, "b", ttl=ttl)
     ranks = [RankId(f"e{i}", 0) for i in range(4)]
     try:
         assert await a.acquire(ranks[:2]) == ranks[:2]
@@ -119,14 +122,20 @@ async def test_leases_are_exclusive_renewable_and_expire(redis_cluster) -> None:
         assert await a.heartbeat() == ["a"]
         await a.release(ranks[0])
         assert await b.acquire(ranks[:1]) == ranks[:1]
-        await asyncio.sleep(0.2)
         assert await a.renew() == ([ranks[1]], [])
-        await asyncio.sleep(0.2)  # b's leases are 0.4 s old, a's renewed one 0.2 s
+
+        async def bs_expired() -> bool:  # a renews meanwhile, as its worker does
+            assert (await a.renew())[1] == []
+            return set(await a.free(ranks)) == {ranks[0], *ranks[2:]}
+
+        await until(bs_expired, 20 * ttl, "b's leases to expire")
         renewed, lost = await b.renew()
         assert renewed == [] and set(lost) == {ranks[0], *ranks[2:]}
-        assert set(await a.free(ranks)) == {ranks[0], *ranks[2:]}
-        await asyncio.sleep(0.35)
-        assert await live_workers(store.client) == []  # a's heartbeat expired too
+
+        async def no_heartbeat() -> bool:  # a's, sent once
+            return await live_workers(store.client) == []
+
+        await until(no_heartbeat, 20 * ttl, "a's heartbeat to expire")
     finally:
         await store.close()
 

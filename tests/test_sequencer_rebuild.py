@@ -81,3 +81,25 @@ def test_a_snapshot_during_a_rebuild_is_degraded_until_the_batches_held_are_in()
     assert shell.status.degraded and shell.status.store_loss is not None  # 42 may be in flight
     shell.turn()
     assert not shell.status.degraded and shell.status.store_loss is None
+
+
+def test_a_second_loss_during_a_rebuild_keeps_its_target() -> None:
+    """A rank claimed anew is rebuilding up to what its earlier consumer reached, and the
+    store loses data again after replay brought back only part: what the rank must reach
+    before it is exact stays that (what a consumer claiming it next inherits too), not
+    the part re-applied so far."""
+    shell = Shell()
+    shell.run(shell.seq.rebuilding(9, "redis restarted"))
+    shell.ask()
+    shell.answer(range(4))
+    shell.turn()
+    assert shell.seq.reached() == 9 and shell.seq.rebuild_after_loss == (9, "redis restarted")
+    shell.run(shell.seq.resync(2, "redis restarted again", True, None))
+    assert shell.seq.rebuild_after_loss == (9, "redis restarted again")
+    shell.ask()
+    shell.answer(range(9))
+    shell.turn()
+    assert shell.status.degraded  # 8 of 9 re-applied
+    shell.live(9)
+    shell.turn()
+    assert not shell.status.degraded and shell.seq.rebuild_after_loss is None

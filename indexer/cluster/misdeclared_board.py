@@ -11,9 +11,11 @@ as in one process.
 So a block size learned from the events (an engine registered without one)
 lives beside the registry in Redis, as long as the registration: replicas that
 start later read it here (a worker that takes the engine over learns it again,
-for its own checks, from the next store). Should Redis
-lose it, the registry is registered again from the processes' copies and the
-block size learned again from the first store the re-applied batches hold.
+for its own checks, from the next store). Should Redis lose it, each worker
+writes again what it published (:meth:`RedisMisdeclared.republish`, a loss
+listener): its own checks learned it once and do not learn it again. A replica
+keeps what it read of a registration that is unchanged, so the findings it
+answers with never lapse while they are rewritten.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import msgspec
 from indexer.misdeclared import excludes
 from indexer.periodic import repeat
 from indexer.registry import EngineSpec, Registry, UnknownEngine
+from indexer.stores.base import Loss
 from indexer.stores.redis.client import RedisClient
 
 log = logging.getLogger("kvindex.misdeclared")
@@ -50,6 +53,7 @@ class RedisMisdeclared:
         self._registry = registry
         self._key = f"{{{client.layout.meta_key}}}:misdeclared"
         self._seen: dict[str, _Entry] = {}
+        self._published: dict[str, _Entry] = {}  # by this process, to write again after a loss
         self._writes: set[asyncio.Task] = set()
         self._writing = asyncio.Lock()  # one read-merge-write at a time
 
@@ -72,15 +76,23 @@ class RedisMisdeclared:
     def publish(self, spec: EngineSpec, reasons: dict[str, str], block_size: int | None) -> None:
         """Write what the checks found in the background (an observer cannot wait), over
         what an earlier owner of the engine found of the same registration."""
-        task = asyncio.get_running_loop().create_task(
-            self._write(_Entry(spec, reasons, block_size))
-        )
+        self._published[spec.name] = entry = _Entry(spec, reasons, block_size)
+        self._start(entry)
+
+    def republish(self, loss: Loss) -> None:
+        """The store lost data (a loss listener): write again what this process found."""
+        for entry in self._published.values():
+            self._start(entry)
+
+    def _start(self, entry: _Entry) -> None:
+        task = asyncio.get_running_loop().create_task(self._write(entry))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
     async def refresh(self) -> None:
+        """Read every engine's findings; those Redis lost are kept until written again."""
         (fields,) = await self._client.execute([("HGETALL", self._key)])
-        self._seen = {name.decode(): _decode(raw) for name, raw in fields.items()}
+        self._seen = self._seen | {name.decode(): _decode(raw) for name, raw in fields.items()}
 
     async def follow(self, interval: float) -> None:
         """Refresh every ``interval`` seconds, forever (run it as a task)."""

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import msgspec
 
 from indexer.cluster.leases import live_workers
+from indexer.cluster.rebuilds import Rebuild, Rebuilds
+from indexer.core.events import RankId
 from indexer.periodic import repeat
 from indexer.registry import EngineSpec, RankStatus, Registry, blank_status
 from indexer.stores.base import Loss
@@ -65,12 +67,15 @@ class StatusBoard:
         self._forgotten = 0  # losses of data noticed: a refresh read before one is dropped
         self._loss: Loss | None = None  # the last one
         self._published: set[tuple[str, int]] = set()  # ranks a worker published since
+        self._rebuilds = Rebuilds(client)
+        self._rebuilding: dict[RankId, Rebuild] = {}  # left unfinished by their consumers
 
     async def refresh(self) -> None:
         forgotten = self._forgotten
         workers = await live_workers(self._client)
         status_key = self._client.layout.status_key
         blobs = await self._client.execute([("GET", status_key(worker)) for worker in workers])
+        rebuilding = await self._rebuilds.all()
         if forgotten != self._forgotten:
             return
         ranks: dict[tuple[str, int], Published] = {}
@@ -80,6 +85,7 @@ class StatusBoard:
                 if key not in ranks or ranks[key].token < entry.token:  # the newest owner's
                     ranks[key] = entry
         self._ranks, self._workers, self._refreshed = ranks, len(workers), time.monotonic()
+        self._rebuilding = rebuilding
         self._published.update(ranks)
 
     def forget(self, loss: Loss) -> None:
@@ -104,11 +110,15 @@ class StatusBoard:
 
     def _blank(self, spec: EngineSpec, dp_rank: int) -> RankStatus:
         """A rank no live worker publishes: not connected, and in doubt if no worker has
-        published it since the last loss of data."""
+        published it since the last loss of data, or its rebuild after one is unfinished."""
         status, loss = blank_status(spec, dp_rank), self._loss
+        rebuild = self._rebuilding.get(RankId(spec.name, dp_rank))
         if loss is not None and (spec.name, dp_rank) not in self._published and spec.events:
             status.degraded = True
             status.store_loss = f"{loss.reason}; no worker has consumed the rank since"
+        elif rebuild is not None:
+            status.degraded = True
+            status.store_loss = f"{rebuild[1]}; batches up to {rebuild[0]} to apply again"
         return status
 
     def running(self) -> bool:

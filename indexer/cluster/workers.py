@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import msgspec
 
 from indexer.cluster.leases import Leases, record
+from indexer.cluster.rebuilds import Rebuilds
 from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.status_board import Published, publish
 from indexer.core.events import RankId
@@ -125,6 +126,7 @@ class Worker:
         self._ttl = settings.lease_ttl
         self._redis = store.client
         self._leases = Leases(self._redis, self.id, self._ttl)
+        self._rebuilds = Rebuilds(self._redis)
         self._owned: dict[RankId, _Owned] = {}
         self._tasks: list[asyncio.Task] = []
         self._dropping: set[asyncio.Task] = set()
@@ -235,6 +237,8 @@ class Worker:
                 continue
             mark = await self._store.watermark(rank)
             seq = None if mark is None else mark.seq
+            stored = -1 if seq is None else seq
+            carried = await self._rebuilds.pending(rank)
             await record(self._redis, "claimed", rank, worker=self.id, token=token, seq=seq)
             try:
                 consumer = self._pool.start(spec, rank.dp_rank, self._store, fence=token)
@@ -244,7 +248,11 @@ class Worker:
                 await self._leases.release(rank)
                 continue
             self._follow_loss(rank, consumer, losses)
+            if carried is not None and carried[0] > max(consumer.reached(), stored):
+                consumer.rebuilding(*carried)  # an earlier consumer's, unfinished
             self._owned[rank] = _Owned(consumer, token, entry, sent + self._ttl / 2, losses)
+            if consumer.rebuild is not None:  # before its lease can be lost again
+                await self._rebuilds.keep({rank: consumer.rebuild})
             log.info("rank claimed", extra={**consumer.ids(), "token": token, "from_seq": seq})
 
     async def _drop(self, rank: RankId, why: str) -> None:
@@ -301,12 +309,11 @@ class Worker:
         """Publish the statuses of the ranks owned here, read after the store's anchor:
         never a rank's unflagged status over data the store lost unnoticed."""
         await self._store.ping()
-        entries = [
-            Published(rank.engine, owned.token, self._status(owned))
-            for rank, owned in list(self._owned.items())
-        ]
+        owned = list(self._owned.items())
+        entries = [Published(rank.engine, o.token, self._status(o)) for rank, o in owned]
         ttl = max(3 * self._settings.status_interval, self._ttl)
         await publish(self._redis, self.id, entries, ttl)
+        await self._rebuilds.keep({rank: o.consumer.rebuild for rank, o in owned})
 
     def _status(self, owned: _Owned) -> RankStatus:
         """A rank's status as published; flagged if claimed before the store's last loss

@@ -429,6 +429,12 @@ class RankConsumer:
         self._losses.heard()
         self._wake()
 
+    @property
+    def rebuild(self) -> tuple[int, str] | None:
+        """The rebuild after a store loss under way: the newest batch to apply again, and
+        the loss (None: none)."""
+        return self._seq.rebuild_after_loss
+
     def rebuilding(self, last: int, reason: str) -> None:
         """The rank's previous consumer here had applied up to ``last`` when the store
         lost data (a worker claiming it anew): degraded until that is applied again."""

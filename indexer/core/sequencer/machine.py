@@ -84,6 +84,13 @@ class Sequencer(Stream[B]):
             return None
         return f"{reason}; finding which batches were lost"
 
+    @property
+    def rebuild_after_loss(self) -> tuple[int, str] | None:
+        """The newest batch a rebuild after a store loss must apply again, and the loss;
+        None when no such rebuild is under way."""
+        rebuild = self._rebuild
+        return None if rebuild is None or rebuild.reason is None else (rebuild.last, rebuild.reason)
+
     def rebuilding(self, last: int, reason: str) -> list[Action]:
         """The rank's previous consumer had applied up to ``last`` when the store
         lost data (a worker claiming it anew): degraded until that is applied again."""
@@ -138,8 +145,7 @@ class Sequencer(Stream[B]):
         ``ts``; ``seq`` -1: the engine published nothing yet) as the rank's whole
         state: exact once the held batches after ``seq`` follow, and degraded
         until then (each is applied in its own store call, queries in between)."""
-        status, rebuild = self.status, self._rebuild
-        reached = max(self.reached(), -1 if rebuild is None else rebuild.last)
+        status, rebuild, reached = self.status, self._rebuild, self.reached()
         self.restoring = False
         self.mark = None if seq < 0 else Mark(seq, ts)
         seen = self._seen

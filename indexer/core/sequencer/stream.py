@@ -216,10 +216,13 @@ class Stream(Generic[B]):
         return len(self._pending)
 
     def reached(self, queued: int | None = None) -> int:
-        """The newest seq of this incarnation the rank applied or received (``queued``:
-        the newest its readers received that it has not taken yet); -1: none."""
+        """The newest seq of this incarnation the rank applied, received (``queued``:
+        the newest its readers received that it has not taken yet) or is rebuilding
+        up to after a store loss; -1: none. A rank is exact again only past it."""
         seqs = (self.mark, self._seen)
-        return max(-1 if queued is None else queued, *(-1 if m is None else m.seq for m in seqs))
+        rebuilding = -1 if self._rebuild is None else self._rebuild.last
+        newest = max(rebuilding, -1 if queued is None else queued)
+        return max(newest, *(-1 if m is None else m.seq for m in seqs))
 
     def _hole(self) -> tuple[int, int] | None:
         """The missing range before the lowest held batch, if any."""
