@@ -11,7 +11,7 @@
 Both read the same config file as ``kvindex serve``; a Redis URL (flag or
 ``redis`` section) is required. What an API replica cannot answer: ``tokens``
 queries for engines whose hashes it cannot reproduce, which need the learned
-token index of ``kvindex serve`` (see the README's operations section).
+token index of ``kvindex serve`` (docs/operations.md).
 """
 
 from __future__ import annotations

@@ -234,9 +234,9 @@ async def test_a_responses_tool_list_and_a_chat_tool_list_render_alike() -> None
 
 
 def _readme_bodies() -> list[dict]:
-    """The tool-using and Responses bodies the READMEs show."""
+    """The tool-using and Responses bodies the README and docs/prompts.md show."""
     root = Path(__file__).resolve().parents[1]
-    texts = [(root / name).read_text() for name in ("README.md", "api/README.md")]
+    texts = [(root / name).read_text() for name in ("README.md", "docs/prompts.md")]
     blocks = [b for t in texts for b in re.findall(r"```json\n(.*?)```", t, flags=re.S)]
     return [json.loads(b) for b in blocks if '"tools"' in b]
 
