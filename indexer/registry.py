@@ -100,55 +100,78 @@ REUSE_REPORTS = {
 
 
 class KVGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One KV cache group of the engine's model, as its events describe it.
+    """One KV cache group of the engine's model, as its events describe it: declared,
+    its events are checked against it (:mod:`indexer.misdeclared`)."""
 
-    ``kind`` is vLLM's ``kv_cache_spec_kind`` (``full_attention``,
-    ``sliding_window``, ``mamba``, ...); ``sliding_window`` its window in
-    tokens (sliding-window groups only); ``block_size`` null for the engine's.
-    """
-
+    #: vLLM's ``kv_cache_spec_kind``: ``full_attention``, ``sliding_window``,
+    #: ``mamba``, ...; decides how the group's hit is scored (docs/residency.md).
     kind: str
+    #: The window in tokens, for ``sliding_window`` groups only.
     sliding_window: Positive | None = None
+    #: The group's block size; null: the engine's (no other is supported).
     block_size: Positive | None = None
 
 
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One engine as declared by an operator (vLLM's ``--kv-events-config``).
+    """One engine as declared by an operator (vLLM's ``--kv-events-config``), the
+    body of ``POST /engines`` and an entry of the config file's ``engines``.
 
-    ``adapter`` names the engine's event format (:mod:`indexer.engines.catalog`);
-    it also says where each data-parallel rank publishes (vLLM: the
-    endpoint's port + r, for both the PUB and the replay socket).
-    ``block_size`` null (the default): learned from the engine's first ``BlockStored``
-    (:mod:`indexer.misdeclared`). None is assumed: vLLM's default changed (16 in 0.33,
-    64 in 0.34) and its attention backend may pick another; a wrong guess matches nothing.
+    ``block_size`` is never assumed: vLLM's default changed (16 in 0.33, 64 in 0.34)
+    and its attention backend may pick another; a wrong guess matches nothing.
     """
 
+    #: The engine's name in answers, metrics and ``/engines/{name}``.
     name: Name
-    endpoint: Endpoint | None = None  # required unless events is false
+    #: Where rank 0 publishes its KV events (``tcp://HOST:PORT``, ``ipc://PATH``);
+    #: rank r at the port + r. Required unless ``events`` is false.
+    endpoint: Endpoint | None = None
+    #: The model it serves: queries naming a ``model`` match only its engines.
     model: str = ""
+    #: Where rank 0 answers replay requests (vLLM's ``replay_endpoint``): without it a
+    #: missed batch is a gap nothing fills, and the rank stays degraded.
     replay_endpoint: Endpoint | None = None
+    #: Data-parallel ranks (``--data-parallel-size``), each publishing at port + r.
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    #: The topic the engine publishes under (``kv_events_config``'s ``topic``).
     topic: str = ""
+    #: Tokens per block; null: learned from the first ``BlockStored``. Declare it for
+    #: engines whose first events may come late, so queries match from the start.
     block_size: Positive | None = None
-    hash_algo: Literal[HASH_ALGOS] | None = "sha256"  # None: not reproducible here
+    #: ``--prefix-caching-hash-algo``; null: the hashes cannot be reproduced here, and
+    #: ``tokens`` queries go through the learned token index.
+    hash_algo: Literal[HASH_ALGOS] | None = "sha256"
+    #: The engine's ``PYTHONHASHSEED``, if set: it seeds every chain, sha256 included
+    #: (docs/vllm.md); answered only to callers with the token.
     hash_seed: str | None = None
+    #: vLLM's ``num_hash_lookahead_tokens`` (EAGLE block drop): tokens after each
+    #: block its hash covers.
     lookahead_tokens: LookaheadTokens = 0
+    #: Blocks per offload chunk of the CPU and storage tiers; null: learned from
+    #: self-describing events.
     blocks_per_chunk: Positive | None = None
-    bind: bool = False  # True: kvindex binds and the engine connects
-    #: the model's KV cache groups by group_idx (null: learned from the events)
+    #: True: kvindex binds the endpoints and the engine connects (within
+    #: ``subscriber.bind``); for engines behind a firewall that only dials out.
+    bind: bool = False
+    #: The model's KV cache groups by ``group_idx``; null: learned from the events.
+    #: Declare them for hybrid models so a wrong engine config is caught.
     kv_groups: list[KVGroup] | None = None
     #: False: the engine publishes no KV events (no endpoint); it is routed by the
-    #: entries routers record (``POST /routed``) alone, an LRU of ``gpu_blocks`` blocks
+    #: entries routers record (``POST /routed``) alone, an LRU of ``gpu_blocks`` blocks.
     events: bool = True
-    #: blocks the engine's GPU holds (its KV cache capacity): bounds its routed entries
+    #: Blocks the engine's GPU holds (its KV cache capacity): bounds its routed entries
+    #: and its GPU residency (twice this).
     gpu_blocks: Positive | None = None
+    #: The event wire (:mod:`indexer.engines.catalog`): ``vllm``, ``vllm_legacy`` for
+    #: older vLLM's positional events, ``sglang``.
     adapter: Literal[catalog.names()] = catalog.DEFAULT  # type: ignore[valid-type]
-    #: how the engine's reuse reports reach kvindex (:data:`REUSE_REPORTS`)
+    #: How the engine's reuse reports reach kvindex (:data:`REUSE_REPORTS`,
+    #: docs/residency.md): ``filtered`` with kvindex's vLLM plugin.
     reuse_reports: ReuseReports = "capped"
-    #: the engine's OpenAI server (``http://HOST:PORT``) when it was registered by it
+    #: The engine's OpenAI server (``http://HOST:PORT``) when it was registered by it;
+    #: also where its load is scraped for ``route: "best"``.
     url: str | None = None
-    #: where the engine answers snapshots of its residency (kvindex's vLLM plugin; rank r
-    #: at the port + r): asked when replay cannot fill a range (:mod:`indexer.ingest.snapshots`)
+    #: Where the engine answers snapshots of its residency (kvindex's vLLM plugin; rank r
+    #: at the port + r): asked when replay cannot fill a range (:mod:`indexer.ingest.snapshots`).
     snapshot_endpoint: Endpoint | None = None
 
     def __post_init__(self) -> None:
@@ -228,7 +251,9 @@ class BindPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     the process and is always allowed.
     """
 
+    #: The directory ipc binds may be made in; null: ipc binds are refused.
     ipc_dir: str | None = None
+    #: Non-loopback hosts tcp binds may be made on (``"*"``: any address).
     tcp_hosts: list[str] = []
 
     def check(self, spec: EngineSpec) -> None:
