@@ -25,8 +25,8 @@ from api.openapi import install_openapi
 from api.settings import ApiSettings
 from api.ui import install_ui
 from indexer import metrics
+from indexer.announcements import Leases
 from indexer.core.events import EventBatch, RankId
-from indexer.leases import Leases
 from indexer.loads import LoadBoard
 from indexer.misdeclared import Misdeclared, MisdeclaredView
 from indexer.prompts import Tokenizers

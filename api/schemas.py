@@ -18,9 +18,9 @@ from answers import EngineMatch as EngineMatch
 from answers import PrefixMatchResponse as PrefixMatchResponse
 from answers import RankRef as RankRef
 from answers import RouteCost as RouteCost
+from indexer.announcements import Lease
 from indexer.discovery.served import DESCRIBED
 from indexer.engines.prompts import ChatMessage, ReasoningEffort
-from indexer.leases import Lease
 from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.stores.base import Residency
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from indexer.announcements import LeaseRules
 from indexer.core.load import LoadRules
 from indexer.core.matching import TierWeights
 from indexer.core.routed import RoutedRules
-from indexer.leases import LeaseRules
 from indexer.prompts import ModelTokenizer
 from indexer.registry import BindPolicy
 
