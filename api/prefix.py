@@ -46,7 +46,7 @@ from api.schemas import (
 from api.settings import ApiSettings
 from indexer.core.matching import TierWeights
 from indexer.engines.base import MMFeature
-from indexer.engines.prompts import (
+from indexer.engines.rendering import (
     ChatOptions,
     ChatTool,
     PromptRefused,

@@ -20,7 +20,7 @@ from answers import RankRef as RankRef
 from answers import RouteCost as RouteCost
 from indexer.announcements import Lease
 from indexer.discovery.served import DESCRIBED
-from indexer.engines.prompts import ChatMessage, ReasoningEffort
+from indexer.engines.rendering import ChatMessage, ReasoningEffort
 from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.stores.base import Residency
 

@@ -33,7 +33,7 @@ from indexer.core.matching import PrefixMatch
 from indexer.engine_flags import parse_engine_flag
 from indexer.engines import catalog
 from indexer.engines.base import MAX_HASHES_PER_EVENT, Prompt
-from indexer.engines.prompts import ChatMessage, ChatOptions, ToolServing
+from indexer.engines.rendering import ChatMessage, ChatOptions, ToolServing
 from indexer.engines.vllm import hashing, native, render
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.prompts import ModelTokenizer

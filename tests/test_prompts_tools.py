@@ -30,7 +30,7 @@ from api.prefix import to_query
 from api.schemas import PrefixMatchBody
 from indexer.core.events import BlockStored, EventBatch, RankId
 from indexer.engines.base import Prompt
-from indexer.engines.prompts import ResponsesRequest
+from indexer.engines.rendering import ResponsesRequest
 from indexer.prompts import ModelTokenizer, Tokenizers
 from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
