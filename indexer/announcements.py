@@ -27,8 +27,8 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 
 from indexer import metrics
-from indexer.periodic import repeat
 from indexer.registry import EngineSpec, Registry, UnknownEngine
+from indexer.retrying import repeat
 
 log = logging.getLogger("kvindex.leases")
 

@@ -34,8 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from indexer.core.events import MEDIA, RankId
-from indexer.periodic import repeat
 from indexer.registry import RankStatus, is_degraded
+from indexer.retrying import repeat
 
 # A ``_created`` series per counter says when the process started counting: noise
 # beside the process start time Prometheus already has.

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import msgspec
 
 from indexer.cluster.leases import live_workers
-from indexer.periodic import repeat
 from indexer.registry import EngineSpec, RankStatus, Registry, blank_status
+from indexer.retrying import repeat
 from indexer.stores.base import Loss
 from indexer.stores.redis.client import RedisClient
 

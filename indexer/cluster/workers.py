@@ -57,8 +57,8 @@ from indexer.core.events import RankId
 from indexer.ingest.rank_consumer import RankConsumer
 from indexer.ingest.settings import Seconds
 from indexer.ingest.subscriber import RankPool
-from indexer.periodic import repeat
 from indexer.registry import EngineSpec, RankStatus
+from indexer.retrying import repeat
 from indexer.stores.redis import RedisStore
 
 log = logging.getLogger("kvindex.worker")
