@@ -14,21 +14,33 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
+from answers import EngineMatch, PrefixMatchResponse, RankRef, RouteCost
 from api.chains import ChainComputer, Overrides, Prompt, Query
 from api.context import ApiContext
-from api.errors import ApiError
-from api.routing import Routed, Router
-from api.schemas import EngineMatch, PrefixMatchResponse, RankRef
+from api.routing import Router
 from indexer.core.events import BlockHash, RankId
 from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
+from indexer.core.routed import Candidate
 from indexer.core.routed import score as routed_score
 from indexer.engines.base import BlockHasher
 from indexer.loads import LoadBoard
-from indexer.registry import EngineSpec, RankStatus, UnknownEngine, is_degraded
+from indexer.misdeclared import MisdeclaredView
+from indexer.query.errors import QueryRefused
+from indexer.registry import (
+    ConsumerView,
+    EngineSpec,
+    RankStatus,
+    Registry,
+    UnknownEngine,
+    is_degraded,
+)
+from indexer.routed import RoutedEntries
+from indexer.stores.base import Store
+from indexer.token_index import TokenIndex
 
 _name = attrgetter("name")
 _score = attrgetter("score")
@@ -43,6 +55,25 @@ _OVERRIDES = 256
 _Hasher = tuple[EngineSpec, int, BlockHasher | None]
 
 
+#: What a pick answers: the rank (None: no candidate), the candidates' routed_blocks
+#: (the pick's after its record), and the costs weighed, the pick's first.
+Picked = tuple[Candidate | None, dict[RankId, int], list[RouteCost]]
+
+
+class Picker(Protocol):
+    """What picks the rank of ``route: "best"`` and records the prompt there."""
+
+    async def route(
+        self,
+        chain: list[BlockHash],
+        ranks: Sequence[tuple[EngineSpec, int, bool]],
+        found: dict[RankId, PrefixMatch],
+        weights: TierWeights,
+        ttl: float,
+    ) -> Picked:
+        """Route ``chain`` to the cheapest of ``ranks`` (spec, dp rank, degraded)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Lookup:
     chain: list[BlockHash]
@@ -50,17 +81,31 @@ class _Lookup:
     rank: RankId | None = None  # keep only this rank's answer: its chain is its own
 
 
-class PrefixMatcher:
-    def __init__(self, ctx: ApiContext) -> None:
-        self._store = ctx.store
-        self._registry = ctx.registry
-        self._misdeclared = ctx.misdeclared
-        self._consumers = ctx.consumers
-        self._token_index = ctx.token_index
-        self._weights = ctx.settings.weights
-        self._routed = ctx.routed
-        loads = ctx.loads or LoadBoard(ctx.registry, ctx.store, ctx.settings.load)
-        self._router = Router(ctx.routed, loads, ctx.settings.routed)
+class ReadPath:
+    """Answers prefix-match queries from its parts: the store's residency, the registry
+    and the consumers' statuses, the learned token index, the routed entries and the
+    picker of ``route: "best"``. Given its parts, not an app, so every process wires
+    its own (an API replica over Redis, ``kvindex serve``, a benchmark)."""
+
+    def __init__(
+        self,
+        store: Store,
+        registry: Registry,
+        consumers: ConsumerView,
+        token_index: TokenIndex,
+        routed: RoutedEntries,
+        picker: Picker,
+        weights: TierWeights,
+        misdeclared: MisdeclaredView | None = None,
+    ) -> None:
+        self._store = store
+        self._registry = registry
+        self._misdeclared = misdeclared
+        self._consumers = consumers
+        self._token_index = token_index
+        self._weights = weights
+        self._routed = routed
+        self._router = picker
         self._zero_rows = ZeroRows()
         self._hashers: dict[Overrides, dict[str, _Hasher]] = {}
 
@@ -119,15 +164,13 @@ class PrefixMatcher:
             return query.chain
         lookups = self._token_lookups(query, [spec])
         if not lookups:
-            raise ApiError(
-                422,
+            raise QueryRefused(
                 f"engine {spec.name!r}: tokens are not hashed for it now (its block size is"
                 " not known yet, or its events contradict its declaration): see"
                 f" /engines/{spec.name}",
             )
         if any(lookup.rank is not None for lookup in lookups):
-            raise ApiError(
-                422,
+            raise QueryRefused(
                 f"engine {spec.name!r}: its block hashes cannot be computed from tokens"
                 " (no reproducible hash_algo and hash_seed): give block_hashes",
             )
@@ -157,15 +200,14 @@ class PrefixMatcher:
         flags: dict[str, tuple[bool, ...]],
         found: dict[RankId, PrefixMatch],
         weights: TierWeights,
-    ) -> Routed:
+    ) -> Picked:
         """Every rank of the selected engines is a candidate, in (engine, rank) order,
         with whether its view is degraded."""
         chains = [lookup for lookup in lookups if lookup.chain and lookup.chunk_blocks]
         if not chains:
             return None, {}, []
         if len(chains) > 1 or chains[0].rank is not None:
-            raise ApiError(
-                422,
+            raise QueryRefused(
                 'route: "best" needs one block-hash chain for every selected engine (engines'
                 " that hash alike, reproducibly): narrow `engines` or `model`",
             )
@@ -185,14 +227,16 @@ class PrefixMatcher:
             try:
                 specs = [self._registry.get(name) for name in dict.fromkeys(names)]
             except UnknownEngine as e:
-                raise ApiError(404, f"unknown engine {e.args[0]!r}") from None
+                raise QueryRefused(f"unknown engine {e.args[0]!r}", unknown=True) from None
         if model is None:
             return specs
         serving = [s for s in specs if s.model == model]
         # A model no engine serves is a typo or a stale router config, like an unknown engine;
         # a known model that the named engines do not serve is an empty answer.
         if not serving and all(s.model != model for s in self._registry.all()):
-            raise ApiError(404, f"unknown model {model!r}: no registered engine serves it")
+            raise QueryRefused(
+                f"unknown model {model!r}: no registered engine serves it", unknown=True
+            )
         return serving
 
     def block_size(self, spec: EngineSpec, override: int | None) -> int | None:
@@ -435,3 +479,22 @@ def _num_blocks(query: Query, block_size: int | None) -> int | None:
     if block_size is None or query.prompt is None:
         return None
     return len(query.prompt.tokens) // block_size
+
+
+class PrefixMatcher(ReadPath):
+    """The read path over one API context, its picks made by a
+    :class:`~api.routing.Router` of the context's routed entries and load board."""
+
+    def __init__(self, ctx: ApiContext) -> None:
+        loads = ctx.loads or LoadBoard(ctx.registry, ctx.store, ctx.settings.load)
+        picker = Router(ctx.routed, loads, ctx.settings.routed)
+        super().__init__(
+            ctx.store,
+            ctx.registry,
+            ctx.consumers,
+            ctx.token_index,
+            ctx.routed,
+            picker,
+            ctx.settings.weights,
+            ctx.misdeclared,
+        )
