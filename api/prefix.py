@@ -17,8 +17,6 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from api.auth import demand_token, optional_security
-from api.chains import Overrides, Prompt
-from api.chains import Query as MatchQuery
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.matching import PrefixMatcher
@@ -54,6 +52,8 @@ from indexer.engines.rendering import (
     ToolChoice,
 )
 from indexer.prompts import Tokenizers
+from indexer.query.chains import Overrides, Prompt
+from indexer.query.chains import Query as MatchQuery
 
 _encode = msgspec.json.Encoder().encode
 _decode_body = msgspec.json.Decoder(PrefixMatchBody).decode
