@@ -29,7 +29,7 @@ from indexer.core.events import EventBatch, RankId
 from indexer.loads import LoadBoard
 from indexer.misdeclared import Misdeclared, MisdeclaredView
 from indexer.prompts import Tokenizers
-from indexer.query.chains import learned
+from indexer.query import learned
 from indexer.registry import ConsumerView, Registry, UnknownEngine
 from indexer.routed import MemoryRouted, RoutedEntries
 from indexer.stores.base import Store

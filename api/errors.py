@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from api.metrics import STORE_ERRORS, STORE_SECONDS
-from indexer.query.errors import QueryRefused
+from indexer.query import QueryRefused
 from indexer.stores.base import Store, StoreUnavailable
 
 log = logging.getLogger("kvindex.api")

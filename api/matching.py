@@ -6,8 +6,8 @@ from __future__ import annotations
 from api.context import ApiContext
 from api.routing import Router
 from indexer.loads import LoadBoard
-from indexer.query.chains import Query as Query
-from indexer.query.matcher import ReadPath
+from indexer.query import Query as Query
+from indexer.query import ReadPath
 
 
 class PrefixMatcher(ReadPath):

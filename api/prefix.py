@@ -52,8 +52,8 @@ from indexer.engines.rendering import (
     ToolChoice,
 )
 from indexer.prompts import Tokenizers
-from indexer.query.chains import Overrides, Prompt
-from indexer.query.chains import Query as MatchQuery
+from indexer.query import Overrides, Prompt
+from indexer.query import Query as MatchQuery
 
 _encode = msgspec.json.Encoder().encode
 _decode_body = msgspec.json.Decoder(PrefixMatchBody).decode

@@ -36,7 +36,7 @@ from indexer.engines.rendering import ChatMessage, ChatOptions, ToolServing
 from indexer.engines.vllm import hashing, native, render
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.prompts import ModelTokenizer
-from indexer.query.chains import DECLARED
+from indexer.query import DECLARED
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from kvindex.config import ConfigError, load_config
