@@ -100,11 +100,9 @@ REUSE_REPORTS = {
 
 
 class KVGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One KV cache group of the engine's model, as its events describe it: declared,
-    its events are checked against it (:mod:`indexer.misdeclared`)."""
+    """One KV cache group of the engine's model; declared, its events are checked."""
 
-    #: vLLM's ``kv_cache_spec_kind``: ``full_attention``, ``sliding_window``,
-    #: ``mamba``, ...; decides how the group's hit is scored (docs/residency.md).
+    #: vLLM's ``kv_cache_spec_kind`` (``full_attention``, ``sliding_window``, ``mamba``...).
     kind: str
     #: The window in tokens, for ``sliding_window`` groups only.
     sliding_window: Positive | None = None
@@ -113,65 +111,47 @@ class KVGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One engine as declared by an operator (vLLM's ``--kv-events-config``), the
-    body of ``POST /engines`` and an entry of the config file's ``engines``.
-
+    """One engine as declared (vLLM's ``--kv-events-config``): ``POST /engines``'s body.
     ``block_size`` is never assumed: vLLM's default changed (16 in 0.33, 64 in 0.34)
-    and its attention backend may pick another; a wrong guess matches nothing.
-    """
+    and its attention backend may pick another; a wrong guess matches nothing."""
 
     #: The engine's name in answers, metrics and ``/engines/{name}``.
     name: Name
-    #: Where rank 0 publishes its KV events (``tcp://HOST:PORT``, ``ipc://PATH``);
-    #: rank r at the port + r. Required unless ``events`` is false.
+    #: Where rank 0 publishes KV events (rank r at port + r); unless ``events`` is false.
     endpoint: Endpoint | None = None
     #: The model it serves: queries naming a ``model`` match only its engines.
     model: str = ""
-    #: Where rank 0 answers replay requests (vLLM's ``replay_endpoint``): without it a
-    #: missed batch is a gap nothing fills, and the rank stays degraded.
+    #: Where rank 0 answers replay; without it a missed batch leaves the rank degraded.
     replay_endpoint: Endpoint | None = None
     #: Data-parallel ranks (``--data-parallel-size``), each publishing at port + r.
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     #: The topic the engine publishes under (``kv_events_config``'s ``topic``).
     topic: str = ""
-    #: Tokens per block; null: learned from the first ``BlockStored``. Declare it for
-    #: engines whose first events may come late, so queries match from the start.
+    #: Tokens per block; null: learned from the first ``BlockStored`` (zeros until then).
     block_size: Positive | None = None
-    #: ``--prefix-caching-hash-algo``; null: the hashes cannot be reproduced here, and
-    #: ``tokens`` queries go through the learned token index.
+    #: ``--prefix-caching-hash-algo``; null: not reproducible, matched by learned tokens.
     hash_algo: Literal[HASH_ALGOS] | None = "sha256"
-    #: The engine's ``PYTHONHASHSEED``, if set: it seeds every chain, sha256 included
-    #: (docs/vllm.md); answered only to callers with the token.
+    #: The engine's ``PYTHONHASHSEED`` if set: it seeds sha256 chains too (docs/vllm.md).
     hash_seed: str | None = None
-    #: vLLM's ``num_hash_lookahead_tokens`` (EAGLE block drop): tokens after each
-    #: block its hash covers.
+    #: vLLM's ``num_hash_lookahead_tokens``: tokens after a block its hash covers (EAGLE).
     lookahead_tokens: LookaheadTokens = 0
-    #: Blocks per offload chunk of the CPU and storage tiers; null: learned from
-    #: self-describing events.
+    #: Blocks per offload chunk of the CPU and storage tiers; null: learned from events.
     blocks_per_chunk: Positive | None = None
-    #: True: kvindex binds the endpoints and the engine connects (within
-    #: ``subscriber.bind``); for engines behind a firewall that only dials out.
+    #: True: kvindex binds (within ``subscriber.bind``), the engine connects to it.
     bind: bool = False
-    #: The model's KV cache groups by ``group_idx``; null: learned from the events.
-    #: Declare them for hybrid models so a wrong engine config is caught.
+    #: The KV cache groups by ``group_idx`` (null: learned); declared, they are checked.
     kv_groups: list[KVGroup] | None = None
-    #: False: the engine publishes no KV events (no endpoint); it is routed by the
-    #: entries routers record (``POST /routed``) alone, an LRU of ``gpu_blocks`` blocks.
+    #: False: no KV events; routed by routers' ``POST /routed`` entries alone (an LRU).
     events: bool = True
-    #: Blocks the engine's GPU holds (its KV cache capacity): bounds its routed entries
-    #: and its GPU residency (twice this).
+    #: The GPU's KV cache capacity in blocks: bounds routed entries and GPU residency.
     gpu_blocks: Positive | None = None
-    #: The event wire (:mod:`indexer.engines.catalog`): ``vllm``, ``vllm_legacy`` for
-    #: older vLLM's positional events, ``sglang``.
+    #: The event wire: ``vllm``, ``vllm_legacy`` (older positional events), ``sglang``.
     adapter: Literal[catalog.names()] = catalog.DEFAULT  # type: ignore[valid-type]
-    #: How the engine's reuse reports reach kvindex (:data:`REUSE_REPORTS`,
-    #: docs/residency.md): ``filtered`` with kvindex's vLLM plugin.
+    #: How reuse reports reach kvindex (docs/residency.md); ``filtered``: the plugin's.
     reuse_reports: ReuseReports = "capped"
-    #: The engine's OpenAI server (``http://HOST:PORT``) when it was registered by it;
-    #: also where its load is scraped for ``route: "best"``.
+    #: The engine's OpenAI server: where it was described, and its load is scraped.
     url: str | None = None
-    #: Where the engine answers snapshots of its residency (kvindex's vLLM plugin; rank r
-    #: at the port + r): asked when replay cannot fill a range (:mod:`indexer.ingest.snapshots`).
+    #: Where rank 0 answers snapshots (the vLLM plugin): asked when replay cannot help.
     snapshot_endpoint: Endpoint | None = None
 
     def __post_init__(self) -> None:
@@ -242,16 +222,12 @@ class BindRefused(ValueError):
 class BindPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where an engine with ``bind: true`` may make kvindex listen (``subscriber.bind``).
 
-    A bind is a door anyone who can register an engine opens: for an ipc
-    path ZMQ first unlinks whatever file is there, and a tcp listener on a
-    public address takes events from anyone who reaches it. So ipc binds
-    are allowed only under ``ipc_dir`` (None: refused), over no file or an
-    old socket; tcp binds only on loopback or a host in ``tcp_hosts``
-    (``"*"`` allows any, including ``tcp://*:PORT``). inproc never leaves
-    the process and is always allowed.
+    A bind is a door anyone who can register an engine opens: for an ipc path ZMQ
+    first unlinks whatever file is there, and a tcp listener on a public address takes
+    events from anyone who reaches it. inproc never leaves the process: always allowed.
     """
 
-    #: The directory ipc binds may be made in; null: ipc binds are refused.
+    #: The directory ipc binds may be made in (over no file or an old socket); null: none.
     ipc_dir: str | None = None
     #: Non-loopback hosts tcp binds may be made on (``"*"``: any address).
     tcp_hosts: list[str] = []
