@@ -2,7 +2,7 @@
 
 Both methods take the same fields (GET as comma-separated query strings,
 POST as JSON lists, for prompts too long for a URL), are parsed into one
-:class:`~api.matching.Query` and answered by the same matcher, so they
+:class:`~indexer.query.Query` and answered by the same matcher, so they
 cannot disagree.
 """
 
