@@ -16,7 +16,7 @@ class PrefixMatcher(ReadPath):
 
     def __init__(self, ctx: ApiContext) -> None:
         loads = ctx.loads or LoadBoard(ctx.registry, ctx.store, ctx.settings.load)
-        picker = Router(ctx.routed, loads, ctx.settings.routed)
+        picker = Router(ctx.routed, loads, ctx.settings.routed).route
         super().__init__(
             ctx.store,
             ctx.registry,

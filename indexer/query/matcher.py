@@ -11,10 +11,10 @@ chain, which ``route: "best"`` turns into the atomic pick-and-record.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
@@ -54,18 +54,14 @@ _Hasher = tuple[EngineSpec, int, BlockHasher | None]
 Picked = tuple[Candidate | None, dict[RankId, int], list[RouteCost]]
 
 
-class Picker(Protocol):
-    """What picks the rank of ``route: "best"`` and records the prompt there."""
-
-    async def route(
-        self,
-        chain: list[BlockHash],
-        ranks: Sequence[tuple[EngineSpec, int, bool]],
-        found: dict[RankId, PrefixMatch],
-        weights: TierWeights,
-        ttl: float,
-    ) -> Picked:
-        """Route ``chain`` to the cheapest of ``ranks`` (spec, dp rank, degraded)."""
+#: What picks the rank of ``route: "best"`` and records the prompt there: given the
+#: chain, the candidates (spec, dp rank, degraded) in the order ties go by, what the
+#: store found, the weights and the entries' TTL.
+Picker = Callable[
+    [list[BlockHash], Sequence[tuple[EngineSpec, int, bool]], dict[RankId, PrefixMatch],
+     TierWeights, float],
+    Awaitable[Picked],
+]  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +95,7 @@ class ReadPath:
         self._token_index = token_index
         self._weights = weights
         self._routed = routed
-        self._router = picker
+        self._pick = picker
         self._zero_rows = ZeroRows()
         self._hashers: dict[Overrides, dict[str, _Hasher]] = {}
 
@@ -212,7 +208,7 @@ class ReadPath:
             if spec.name in lookup.chunk_blocks
             for dp_rank, degraded in enumerate(flags[spec.name])
         ]
-        return await self._router.route(lookup.chain, ranks, found, weights, query.ttl)
+        return await self._pick(lookup.chain, ranks, found, weights, query.ttl)
 
     def _select(self, model: str | None, names: Sequence[str] | None) -> list[EngineSpec]:
         if names is None:
