@@ -10,6 +10,7 @@ fails when the committed page is stale). Run from the checkout::
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import sys
@@ -89,6 +90,7 @@ def _kind(info: mi.Type) -> str:
 
 
 def _default(value: object) -> str:
+    """A default as the file would write it; a nested section's is its own table."""
     if value is msgspec.NODEFAULT:
         return "required"
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20:
@@ -96,8 +98,8 @@ def _default(value: object) -> str:
             return f"`{value}` ({value >> 30} GiB)"
         if value % (1 << 20) == 0:
             return f"`{value}` ({value >> 20} MiB)"
-    if isinstance(value, msgspec.Struct | list | dict) or hasattr(value, "__dataclass_fields__"):
-        return "below" if not isinstance(value, list | dict) or value else f"`{value}`"
+    if isinstance(value, msgspec.Struct) or dataclasses.is_dataclass(value):
+        return "below"
     return f"`{msgspec.json.encode(value).decode()}`"
 
 
