@@ -25,6 +25,7 @@ COPY indexer ./indexer
 COPY api ./api
 COPY producer ./producer
 COPY kvindex ./kvindex
+COPY answers ./answers
 # The build fails here, not at run time, if the compiled core did not build.
 RUN pip install --no-deps --no-build-isolation . && pip check \
     && cd / && python -c "from api.operators import compiled_status as s; assert s()['compiled_core'], s()"

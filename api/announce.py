@@ -22,7 +22,7 @@ from api.errors import ApiError, ErrorBody
 from api.openapi import answers, body
 from api.operators import AUTH_REFUSAL, REFUSALS, hand_registered, register
 from api.parsing import StrictQueryRoute, decode_body
-from indexer.leases import Announcement, Granted, HandRegistered, Leases, StaleInstance
+from indexer.announcements import Announcement, Granted, HandRegistered, Leases, StaleInstance
 from indexer.registry import UnknownEngine
 
 _encode = msgspec.json.Encoder().encode

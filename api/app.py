@@ -16,7 +16,6 @@ from fastapi import FastAPI
 
 from api import announce, health, operators, prefix
 from api import routed as routed_api
-from api.chains import learned
 from api.context import ApiContext
 from api.docs import install_docs
 from api.errors import GuardedStore, install_error_handlers
@@ -25,11 +24,12 @@ from api.openapi import install_openapi
 from api.settings import ApiSettings
 from api.ui import install_ui
 from indexer import metrics
+from indexer.announcements import Leases
 from indexer.core.events import EventBatch, RankId
-from indexer.leases import Leases
 from indexer.loads import LoadBoard
 from indexer.misdeclared import Misdeclared, MisdeclaredView
 from indexer.prompts import Tokenizers
+from indexer.query import learned
 from indexer.registry import ConsumerView, Registry, UnknownEngine
 from indexer.routed import MemoryRouted, RoutedEntries
 from indexer.stores.base import Store

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from api.settings import ApiSettings
-from indexer.leases import Leases
+from indexer.announcements import Leases
 from indexer.loads import LoadBoard
 from indexer.misdeclared import MisdeclaredView
 from indexer.prompts import Tokenizers

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from api.metrics import STORE_ERRORS, STORE_SECONDS
+from indexer.query import QueryRefused
 from indexer.stores.base import Store, StoreUnavailable
 
 log = logging.getLogger("kvindex.api")
@@ -69,6 +70,13 @@ def _validation_message(exc: RequestValidationError) -> str:
 async def _api_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return error_response(exc.status, exc.message, exc.headers)
+
+
+async def _refused(_: Request, exc: Exception) -> Response:
+    """The read path's refusals: an engine or model nobody registered is not found,
+    anything else in the query cannot be processed."""
+    assert isinstance(exc, QueryRefused)
+    return error_response(404 if exc.unknown else 422, exc.message)
 
 
 async def _validation_error(_: Request, exc: Exception) -> Response:
@@ -202,6 +210,7 @@ async def _store_error(_: Request, exc: Exception) -> Response:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(QueryRefused, _refused)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(StoreUnavailable, _store_error)

@@ -56,7 +56,7 @@ def observe_answer(answer: PrefixMatchResponse) -> None:
     """Count how deep the rank a router would pick hits, per tier.
 
     An answer without ranks (no engine selected) says nothing about hits. A row
-    pre-encoded (``msgspec.Raw``, see :class:`api.matching.ZeroRows`) matches nothing.
+    pre-encoded (``msgspec.Raw``, see :class:`indexer.query.rows.ZeroRows`) matches nothing.
     """
     if not answer.engines:
         return

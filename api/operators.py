@@ -33,11 +33,11 @@ from api.schemas import (
     UrlRegistration,
     engine_view,
 )
+from indexer.announcements import HandRegistered
 from indexer.compiled import Status, combined
 from indexer.core.events import MEDIA, RankId
 from indexer.discovery import served
 from indexer.engines import catalog, intlist
-from indexer.leases import HandRegistered
 from indexer.misdeclared import MisdeclaredView
 from indexer.registry import (
     BindRefused,

@@ -2,7 +2,7 @@
 
 Both methods take the same fields (GET as comma-separated query strings,
 POST as JSON lists, for prompts too long for a URL), are parsed into one
-:class:`~api.matching.Query` and answered by the same matcher, so they
+:class:`~indexer.query.Query` and answered by the same matcher, so they
 cannot disagree.
 """
 
@@ -17,8 +17,6 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from api.auth import demand_token, optional_security
-from api.chains import Overrides, Prompt
-from api.chains import Query as MatchQuery
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
 from api.matching import PrefixMatcher
@@ -46,7 +44,7 @@ from api.schemas import (
 from api.settings import ApiSettings
 from indexer.core.matching import TierWeights
 from indexer.engines.base import MMFeature
-from indexer.engines.prompts import (
+from indexer.engines.rendering import (
     ChatOptions,
     ChatTool,
     PromptRefused,
@@ -54,6 +52,8 @@ from indexer.engines.prompts import (
     ToolChoice,
 )
 from indexer.prompts import Tokenizers
+from indexer.query import Overrides, Prompt
+from indexer.query import Query as MatchQuery
 
 _encode = msgspec.json.Encoder().encode
 _decode_body = msgspec.json.Decoder(PrefixMatchBody).decode

@@ -34,8 +34,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from indexer.core.events import MEDIA, RankId
-from indexer.periodic import repeat
 from indexer.registry import RankStatus, is_degraded
+from indexer.retrying import repeat
 
 # A ``_created`` series per counter says when the process started counting: noise
 # beside the process start time Prometheus already has.
@@ -139,15 +139,13 @@ class RankMetrics:
 
 
 class MetricsSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The ``metrics`` config section.
+    """The ``metrics`` config section: what keeps the series bounded with 1,000 ranks."""
 
-    ``rank_series``: ranks of this process that get per-rank gauge series
-    (the rest are in the per-engine gauges only). ``sample_interval``:
-    seconds between reads of each rank's resident blocks from the store; one
-    read per rank per interval whatever the number of scrapers.
-    """
-
+    #: Ranks of this process that get per-rank gauge series (the rest are in the
+    #: per-engine gauges only).
     rank_series: Annotated[int, msgspec.Meta(ge=1)] = 100
+    #: Seconds between reads of each rank's resident blocks from the store: one read
+    #: per rank per interval whatever the number of scrapers.
     sample_interval: Annotated[float, msgspec.Meta(gt=0)] = 5.0
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from indexer.engines import catalog
-from indexer.engines.prompts import (
+from indexer.engines.rendering import (
     ChatCall,
     ChatMessage,
     ChatOptions,
@@ -57,17 +57,23 @@ log = logging.getLogger("kvindex.prompts")
 
 
 class ModelTokenizer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``models: {NAME: {tokenizer: DIR or hub id, chat_template: FILE or template,
-    adapter: engine adapter, ...}}``; the last three are the engine server's tool flags
-    (vLLM's ``--enable-auto-tool-choice``, ``--tool-call-parser``,
-    ``--exclude-tools-when-tool-choice-none``), which decide which ``tool_choice`` it
-    serves and whether ``"none"`` hides the tools from the template."""
+    """One entry of ``models``: how the engine server serving the model turns a request
+    into tokens, so ``prompt``, ``messages`` and ``input`` queries get the same."""
 
+    #: A tokenizer directory or a Hugging Face hub id.
     tokenizer: str
+    #: A template file or the template itself; null: the tokenizer's.
     chat_template: str | None = None
+    #: The engine adapter whose server's rendering applies (SGLang renders chats
+    #: otherwise than vLLM).
     adapter: str = catalog.DEFAULT
+    #: The server's ``--enable-auto-tool-choice``: whether ``tool_choice: "auto"`` is served.
     enable_auto_tool_choice: bool = False
+    #: The server's ``--tool-call-parser``: needed for ``"auto"``, ``"required"`` and
+    #: named tool choices.
     tool_call_parser: str | None = None
+    #: The server's ``--exclude-tools-when-tool-choice-none``: ``tool_choice: "none"``
+    #: hides the tools from the template.
     exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:

@@ -100,55 +100,58 @@ REUSE_REPORTS = {
 
 
 class KVGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One KV cache group of the engine's model, as its events describe it.
+    """One KV cache group of the engine's model; declared, its events are checked."""
 
-    ``kind`` is vLLM's ``kv_cache_spec_kind`` (``full_attention``,
-    ``sliding_window``, ``mamba``, ...); ``sliding_window`` its window in
-    tokens (sliding-window groups only); ``block_size`` null for the engine's.
-    """
-
+    #: vLLM's ``kv_cache_spec_kind`` (``full_attention``, ``sliding_window``, ``mamba``...).
     kind: str
+    #: The window in tokens, for ``sliding_window`` groups only.
     sliding_window: Positive | None = None
+    #: The group's block size; null: the engine's (no other is supported).
     block_size: Positive | None = None
 
 
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One engine as declared by an operator (vLLM's ``--kv-events-config``).
+    """One engine as declared (vLLM's ``--kv-events-config``): ``POST /engines``'s body.
+    ``block_size`` is never assumed: vLLM's default changed (16 in 0.33, 64 in 0.34)
+    and its attention backend may pick another; a wrong guess matches nothing."""
 
-    ``adapter`` names the engine's event format (:mod:`indexer.engines.catalog`);
-    it also says where each data-parallel rank publishes (vLLM: the
-    endpoint's port + r, for both the PUB and the replay socket).
-    ``block_size`` null (the default): learned from the engine's first ``BlockStored``
-    (:mod:`indexer.misdeclared`). None is assumed: vLLM's default changed (16 in 0.33,
-    64 in 0.34) and its attention backend may pick another; a wrong guess matches nothing.
-    """
-
+    #: The engine's name in answers, metrics and ``/engines/{name}``.
     name: Name
-    endpoint: Endpoint | None = None  # required unless events is false
+    #: Where rank 0 publishes KV events (rank r at port + r); unless ``events`` is false.
+    endpoint: Endpoint | None = None
+    #: The model it serves: queries naming a ``model`` match only its engines.
     model: str = ""
+    #: Where rank 0 answers replay; without it a missed batch leaves the rank degraded.
     replay_endpoint: Endpoint | None = None
+    #: Data-parallel ranks (``--data-parallel-size``), each publishing at port + r.
     dp_ranks: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    #: The topic the engine publishes under (``kv_events_config``'s ``topic``).
     topic: str = ""
+    #: Tokens per block; null: learned from the first ``BlockStored`` (zeros until then).
     block_size: Positive | None = None
-    hash_algo: Literal[HASH_ALGOS] | None = "sha256"  # None: not reproducible here
+    #: ``--prefix-caching-hash-algo``; null: not reproducible, matched by learned tokens.
+    hash_algo: Literal[HASH_ALGOS] | None = "sha256"
+    #: The engine's ``PYTHONHASHSEED`` if set: it seeds sha256 chains too (docs/vllm.md).
     hash_seed: str | None = None
+    #: vLLM's ``num_hash_lookahead_tokens``: tokens after a block its hash covers (EAGLE).
     lookahead_tokens: LookaheadTokens = 0
+    #: Blocks per offload chunk of the CPU and storage tiers; null: learned from events.
     blocks_per_chunk: Positive | None = None
-    bind: bool = False  # True: kvindex binds and the engine connects
-    #: the model's KV cache groups by group_idx (null: learned from the events)
+    #: True: kvindex binds (within ``subscriber.bind``), the engine connects to it.
+    bind: bool = False
+    #: The KV cache groups by ``group_idx`` (null: learned); declared, they are checked.
     kv_groups: list[KVGroup] | None = None
-    #: False: the engine publishes no KV events (no endpoint); it is routed by the
-    #: entries routers record (``POST /routed``) alone, an LRU of ``gpu_blocks`` blocks
+    #: False: no KV events; routed by routers' ``POST /routed`` entries alone (an LRU).
     events: bool = True
-    #: blocks the engine's GPU holds (its KV cache capacity): bounds its routed entries
+    #: The GPU's KV cache capacity in blocks: bounds routed entries and GPU residency.
     gpu_blocks: Positive | None = None
+    #: The event wire: ``vllm``, ``vllm_legacy`` (older positional events), ``sglang``.
     adapter: Literal[catalog.names()] = catalog.DEFAULT  # type: ignore[valid-type]
-    #: how the engine's reuse reports reach kvindex (:data:`REUSE_REPORTS`)
+    #: How reuse reports reach kvindex (docs/residency.md); ``filtered``: the plugin's.
     reuse_reports: ReuseReports = "capped"
-    #: the engine's OpenAI server (``http://HOST:PORT``) when it was registered by it
+    #: The engine's OpenAI server: where it was described, and its load is scraped.
     url: str | None = None
-    #: where the engine answers snapshots of its residency (kvindex's vLLM plugin; rank r
-    #: at the port + r): asked when replay cannot fill a range (:mod:`indexer.ingest.snapshots`)
+    #: Where rank 0 answers snapshots (the vLLM plugin): asked when replay cannot help.
     snapshot_endpoint: Endpoint | None = None
 
     def __post_init__(self) -> None:
@@ -219,16 +222,14 @@ class BindRefused(ValueError):
 class BindPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where an engine with ``bind: true`` may make kvindex listen (``subscriber.bind``).
 
-    A bind is a door anyone who can register an engine opens: for an ipc
-    path ZMQ first unlinks whatever file is there, and a tcp listener on a
-    public address takes events from anyone who reaches it. So ipc binds
-    are allowed only under ``ipc_dir`` (None: refused), over no file or an
-    old socket; tcp binds only on loopback or a host in ``tcp_hosts``
-    (``"*"`` allows any, including ``tcp://*:PORT``). inproc never leaves
-    the process and is always allowed.
+    A bind is a door anyone who can register an engine opens: for an ipc path ZMQ
+    first unlinks whatever file is there, and a tcp listener on a public address takes
+    events from anyone who reaches it. inproc never leaves the process: always allowed.
     """
 
+    #: The directory ipc binds may be made in (over no file or an old socket); null: none.
     ipc_dir: str | None = None
+    #: Non-loopback hosts tcp binds may be made on (``"*"``: any address).
     tcp_hosts: list[str] = []
 
     def check(self, spec: EngineSpec) -> None:

@@ -1,7 +1,7 @@
 """The kvindex command line: each command runs one part of the library.
 
 Parsing (click) only records what was asked (:func:`parse_args`, which the
-tests use to check the README's and docker-compose's command lines); :func:`main`
+tests use to check the README's, docs/' and docker-compose's command lines); :func:`main`
 then sets up logging and runs the command.
 """
 

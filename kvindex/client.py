@@ -17,8 +17,9 @@ is unreachable, or kvindex is at its connection limit) and a failure to
 connect are retried with jittered exponential backoff; anything else is
 raised at once as :class:`KvindexError`, with kvindex's message.
 
-Imports httpx, msgspec and tenacity only, so a router need not install the
-server's dependencies.
+The answers are kvindex's own types (:mod:`answers`, one declaration the server
+encodes). Imports httpx, msgspec, tenacity and those types only, so a router need
+not install the server's dependencies.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import httpx
 import msgspec
 import tenacity
 
+from answers import EngineMatch, PrefixMatchResponse, RankRef
+
 __all__ = [
     "AsyncKvindex",
     "EngineMatch",
@@ -44,39 +47,8 @@ __all__ = [
 ]
 
 
-class EngineMatch(msgspec.Struct, frozen=True):
-    """How much of the prompt one engine rank can serve (kvindex's ``EngineMatch``).
-
-    Fields kvindex adds later are ignored, so an older client keeps working.
-    """
-
-    engine: str
-    dp_rank: int
-    model: str
-    block_size: int
-    gpu_blocks: int
-    cpu_blocks: int
-    storage_blocks: int
-    prefix_blocks: int
-    prefix_tokens: int
-    score: float
-    degraded: bool
-    gpu_blocks_full_attention: int = 0
-
-
-class RankRef(msgspec.Struct, frozen=True):
-    engine: str
-    dp_rank: int
-
-
-class PrefixMatch(msgspec.Struct, frozen=True):
-    """Every matching engine rank, best score first, as kvindex answered; with
-    ``route="best"``, the rank kvindex picked (weighing prefix against load)."""
-
-    block_size: int | None
-    num_blocks: int | None
-    engines: list[EngineMatch]
-    routed_to: RankRef | None = None
+#: kvindex's answer to ``/prefix-match``, under the name routers know it by.
+PrefixMatch = PrefixMatchResponse
 
 
 class KvindexError(Exception):

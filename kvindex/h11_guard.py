@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from api.errors import error_response
-from indexer.allocator import return_freed_memory
+from indexer.memory_trim import return_freed_memory
 
 
 class HeadBudget:

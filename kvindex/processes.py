@@ -11,7 +11,7 @@
 Both read the same config file as ``kvindex serve``; a Redis URL (flag or
 ``redis`` section) is required. What an API replica cannot answer: ``tokens``
 queries for engines whose hashes it cannot reproduce, which need the learned
-token index of ``kvindex serve`` (see the README's operations section).
+token index of ``kvindex serve`` (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from prometheus_client import start_http_server
 from api import operators
 from api.app import create_app
 from api.settings import ApiSettings
+from indexer.announcements import Leases
 from indexer.cluster.announced import RedisBook
 from indexer.cluster.mirror import Mirror
 from indexer.cluster.misdeclared_board import RedisMisdeclared
@@ -36,7 +37,6 @@ from indexer.cluster.workers import Worker
 from indexer.discovery.served import EngineUrl, UrlEngines
 from indexer.engines import catalog
 from indexer.ingest.subscriber import RankPool
-from indexer.leases import Leases
 from indexer.metrics import sample_residency, watch_routed
 from indexer.misdeclared import Misdeclared
 from indexer.registry import EngineSpec

@@ -20,9 +20,9 @@ from api import operators
 from api.app import create_app
 from api.settings import ApiSettings
 from indexer import discovery, metrics
+from indexer.announcements import Leases
 from indexer.discovery.served import EngineUrl, UrlEngines, follow_moves
 from indexer.ingest.subscriber import Subscriber
-from indexer.leases import Leases
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import MemoryRouted, RedisRouted, RoutedEntries
 from indexer.stores.base import Store

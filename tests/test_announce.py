@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from api import ApiSettings
-from indexer.leases import LeaseRules
+from indexer.announcements import LeaseRules
 
 from .announce_kit import announcement, spec
 from .apikit import LiveApi, engine

@@ -22,11 +22,11 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
+from indexer.announcements import Announcement, LeaseRules, Leases
 from indexer.core.events import GPU
 from indexer.discovery import Discovery
 from indexer.discovery.dns import DnsSource, LookupFailed
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.leases import Announcement, LeaseRules, Leases
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores.memory import MemoryStore
 from producer.publisher import Publisher

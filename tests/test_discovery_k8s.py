@@ -26,10 +26,10 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
+from indexer.announcements import Leases
 from indexer.discovery.kubernetes import Defaults, is_serving, pod_engine, pod_engines
 from indexer.discovery.sync import diff
 from indexer.discovery.watch import PodWatch
-from indexer.leases import Leases
 from indexer.registry import EngineRegistry, EngineSpec
 from kvindex.config import ConfigError, ServeConfig, load_config
 

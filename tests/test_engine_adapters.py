@@ -18,7 +18,6 @@ import zmq
 import zmq.asyncio
 
 import indexer.engines
-from api.chains import DECLARED
 from indexer.core.events import (
     CPU,
     GPU,
@@ -33,10 +32,11 @@ from indexer.core.matching import PrefixMatch
 from indexer.engine_flags import parse_engine_flag
 from indexer.engines import catalog
 from indexer.engines.base import MAX_HASHES_PER_EVENT, Prompt
-from indexer.engines.prompts import ChatMessage, ChatOptions, ToolServing
+from indexer.engines.rendering import ChatMessage, ChatOptions, ToolServing
 from indexer.engines.vllm import hashing, native, render
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.prompts import ModelTokenizer
+from indexer.query import DECLARED
 from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from kvindex.config import ConfigError, load_config

@@ -9,7 +9,7 @@ import random
 import msgspec
 import pytest
 
-from indexer.engines.prompts import PromptRefused, ToolServing
+from indexer.engines.rendering import PromptRefused, ToolServing
 from indexer.engines.vllm.render import ChatMessage, ChatOptions, TemplateTraits, chat_call
 from indexer.prompts import ModelTokenizer, Tokenizers
 

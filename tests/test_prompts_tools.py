@@ -30,7 +30,7 @@ from api.prefix import to_query
 from api.schemas import PrefixMatchBody
 from indexer.core.events import BlockStored, EventBatch, RankId
 from indexer.engines.base import Prompt
-from indexer.engines.prompts import ResponsesRequest
+from indexer.engines.rendering import ResponsesRequest
 from indexer.prompts import ModelTokenizer, Tokenizers
 from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
@@ -234,9 +234,9 @@ async def test_a_responses_tool_list_and_a_chat_tool_list_render_alike() -> None
 
 
 def _readme_bodies() -> list[dict]:
-    """The tool-using and Responses bodies the READMEs show."""
+    """The tool-using and Responses bodies the README and docs/prompts.md show."""
     root = Path(__file__).resolve().parents[1]
-    texts = [(root / name).read_text() for name in ("README.md", "api/README.md")]
+    texts = [(root / name).read_text() for name in ("README.md", "docs/prompts.md")]
     blocks = [b for t in texts for b in re.findall(r"```json\n(.*?)```", t, flags=re.S)]
     return [json.loads(b) for b in blocks if '"tools"' in b]
 

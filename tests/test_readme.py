@@ -1,4 +1,4 @@
-"""The README's examples are real: its config loads, its commands parse."""
+"""The README's and docs/' examples are real: the config loads, the commands parse."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import pytest
 from kvindex.cli import parse_args
 from kvindex.config import load_config
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+#: The README and the docs it links to, where the examples moved.
+README = "\n".join(
+    path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+)
 
 
 def blocks(lang: str) -> list[str]:

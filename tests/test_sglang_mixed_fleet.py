@@ -15,7 +15,7 @@ from api import ApiSettings
 from indexer.core.events import BlockStored, EventBatch
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
-from indexer.engines.prompts import ChatMessage
+from indexer.engines.rendering import ChatMessage
 from indexer.prompts import ModelTokenizer
 from indexer.registry import EngineSpec
 from indexer.stores.redis import RedisStore

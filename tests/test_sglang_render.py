@@ -6,7 +6,7 @@ import pytest
 from jinja2 import Environment
 
 from indexer.engines import catalog
-from indexer.engines.prompts import ChatMessage, ChatOptions, PromptRefused, ToolServing
+from indexer.engines.rendering import ChatMessage, ChatOptions, PromptRefused, ToolServing
 
 RENDERER = catalog.renderer("sglang")
 SERVING = ToolServing()  # vLLM's tool flags: SGLang's rendering takes none of them

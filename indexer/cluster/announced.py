@@ -16,7 +16,7 @@ import time
 
 import msgspec
 
-from indexer.leases import Held, Lease, lease_at
+from indexer.announcements import Held, Lease, lease_at
 from indexer.stores.redis.client import RedisClient, Script
 
 _NOW = """
@@ -60,7 +60,7 @@ _decode = msgspec.json.Decoder(Held).decode
 
 
 class RedisBook:
-    """Implements :class:`~indexer.leases.LeaseBook` over Redis.
+    """Implements :class:`~indexer.announcements.LeaseBook` over Redis.
 
     :meth:`lease` answers from the copy the last sweep read (every
     ``sweep_seconds``), with the deadline converted to this machine's clock.

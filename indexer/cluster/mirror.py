@@ -37,8 +37,8 @@ from indexer.cluster.registry import RedisRegistry
 from indexer.core.events import EventBatch, RankId
 from indexer.ingest.settings import SubscriberSettings
 from indexer.ingest.subscriber import Subscriber
-from indexer.periodic import repeat
 from indexer.registry import EngineRegistry, RankStatus, UnknownEngine, blank_status
+from indexer.retrying import repeat
 from indexer.stores.memory import MemoryStore
 
 log = logging.getLogger("kvindex.mirror")

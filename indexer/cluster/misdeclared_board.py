@@ -26,8 +26,8 @@ import logging
 import msgspec
 
 from indexer.misdeclared import excludes
-from indexer.periodic import repeat
 from indexer.registry import EngineSpec, Registry, UnknownEngine
+from indexer.retrying import repeat
 from indexer.stores.base import Loss
 from indexer.stores.redis.client import RedisClient
 

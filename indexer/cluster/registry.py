@@ -31,8 +31,8 @@ from collections.abc import Iterable
 import msgspec
 
 from indexer.cluster.scripts import DEREGISTER, REGISTER
-from indexer.periodic import repeat
 from indexer.registry import EngineExists, EngineSpec, UnknownEngine
+from indexer.retrying import repeat
 from indexer.stores.redis.client import RedisClient
 
 log = logging.getLogger("kvindex.registry")

@@ -19,8 +19,8 @@ import msgspec
 from indexer.cluster.leases import live_workers
 from indexer.cluster.rebuilds import Rebuild, Rebuilds
 from indexer.core.events import RankId
-from indexer.periodic import repeat
 from indexer.registry import EngineSpec, RankStatus, Registry, blank_status
+from indexer.retrying import repeat
 from indexer.stores.base import Loss
 from indexer.stores.redis.client import RedisClient
 

@@ -58,8 +58,8 @@ from indexer.core.events import RankId
 from indexer.ingest.rank_consumer import RankConsumer
 from indexer.ingest.settings import Seconds
 from indexer.ingest.subscriber import RankPool
-from indexer.periodic import repeat
 from indexer.registry import EngineSpec, RankStatus
+from indexer.retrying import repeat
 from indexer.stores.redis import RedisStore
 
 log = logging.getLogger("kvindex.worker")
@@ -69,19 +69,17 @@ _WATCH = 0.05
 
 
 class WorkerSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How workers share ranks: the ``indexer`` section of the config file.
+    """How workers share ranks: the ``indexer`` section of the config file."""
 
-    - ``lease_ttl``: seconds a rank's lease outlives its last renewal. A dead
-      worker's ranks wait this long for a new owner; renewals every quarter
-      of it; a worker that could not renew for half of it stops the rank.
-    - ``status_interval``: seconds between publications of rank statuses
-      (what API replicas show), and between API replicas' reads of them.
-    - ``registry_poll``: seconds between API replicas' looks at the engine
-      registry (workers look at every lease round).
-    """
-
+    #: Seconds a rank's lease outlives its last renewal. A dead worker's ranks wait
+    #: this long for a new owner; renewals every quarter of it; a worker that could not
+    #: renew for half of it stops the rank. Lower it only on quiet machines.
     lease_ttl: Seconds = 6.0
+    #: Seconds between publications of rank statuses (what API replicas show), and
+    #: between API replicas' reads of them.
     status_interval: Seconds = 1.0
+    #: Seconds between API replicas' looks at the engine registry (workers look at
+    #: every lease round).
     registry_poll: Seconds = 0.5
 
 

@@ -39,11 +39,18 @@ class LoadRules:
     report counting for ``stale_after`` seconds, and a pick to a rank with no fresh
     report counting for ``pending_seconds``."""
 
+    #: False: the pick is the best score alone, load ignored.
     enabled: bool = True
-    per_request: float = 2.0  # bench item 16's best of 1, 2, 4 and 16
+    #: Blocks of prefill one request queued on a rank is worth (bench item 16's best of
+    #: 1, 2, 4 and 16): raise it to spread bursts sooner.
+    per_request: float = 2.0
+    #: How much more an uncached block costs on a full cache (where it evicts one).
     pressure: float = 0.5
+    #: Seconds between scrapes of each engine's ``/metrics``.
     scrape_interval: float = 0.25
+    #: Seconds a load report counts for; an older one counts for nothing.
     stale_after: float = 2.0
+    #: Seconds a pick counts as pending on a rank without a fresh report.
     pending_seconds: float = 2.0
 
     def __post_init__(self) -> None:

@@ -15,12 +15,17 @@ from indexer.core.events import CPU, LOWER_TIERS, STORAGE, BlockHash
 
 @dataclass(frozen=True, slots=True)
 class TierWeights:
-    """Score per prefix block by the tier it would be served from (``routed``: a block
-    a router has just sent to the rank, that its events have not confirmed yet)."""
+    """Score per prefix block by the tier it would be served from: what a block there
+    saves the engine, relative to a GPU hit. A query's ``weights`` override them."""
 
+    #: A block the engine reuses from GPU.
     gpu: float = 1.0
+    #: A block loaded from the CPU tier: cheaper than computing it, dearer than GPU.
     cpu: float = 0.8
+    #: A block loaded from the storage tier.
     storage: float = 0.5
+    #: A block a router has just sent to the rank that its events have not confirmed
+    #: yet: lower it when routers record picks they may not send.
     routed: float = 0.8
 
 

@@ -47,9 +47,14 @@ class RoutedRules:
     at most by default, so one mistaken (or hostile) record steers answers for no
     longer than that."""
 
+    #: An entry's TTL when the request gives none: long enough for the engine's events.
     default_ttl_ms: int = 10_000
+    #: The shortest TTL a request may give.
     min_ttl_ms: int = 10
+    #: The longest TTL a request may give: how long one mistaken record may steer
+    #: answers. Raise it for event-less engines whose cache keeps prompts longer.
     max_ttl_ms: int = 600_000
+    #: Entries kept per rank; past it the entries whose deadline comes first go.
     max_per_rank: int = 100_000
 
     def __post_init__(self) -> None:

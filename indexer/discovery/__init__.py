@@ -4,7 +4,7 @@ Each ``--discover`` URL (or ``discover:`` entry of the config file) is one
 source, run as a task beside the subscriber: ``dns://``
 (:mod:`indexer.discovery.dns`) or ``k8s://`` (:mod:`indexer.discovery.watch`).
 Sources register and deregister through the leased upsert engines announce
-themselves by (:class:`~indexer.leases.Leases`, :mod:`indexer.discovery.sync`),
+themselves by (:class:`~indexer.announcements.Leases`, :mod:`indexer.discovery.sync`),
 so a discovered engine is consumed, shown and removed like any other.
 """
 
@@ -14,9 +14,9 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from indexer.announcements import Leases
 from indexer.discovery.dns import DnsSource
 from indexer.discovery.watch import PodWatch
-from indexer.leases import Leases
 
 Source = DnsSource | PodWatch
 SCHEMES = {"dns": DnsSource, "k8s": PodWatch}

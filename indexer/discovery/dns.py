@@ -22,9 +22,9 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
+from indexer.announcements import Leases
 from indexer.discovery import source
 from indexer.discovery.sync import Sync
-from indexer.leases import Leases
 from indexer.registry import EngineSpec
 
 log = logging.getLogger("kvindex.discovery")

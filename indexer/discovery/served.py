@@ -49,8 +49,8 @@ from indexer.discovery.source import host_port
 from indexer.engine_flags import nullable, parse_flag_fields
 from indexer.engines import catalog
 from indexer.engines.base import EngineAdapter
-from indexer.periodic import repeat
 from indexer.registry import EngineSpec, Registry, is_loopback
+from indexer.retrying import repeat
 
 log = logging.getLogger("kvindex.discovery")
 

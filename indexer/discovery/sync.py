@@ -2,7 +2,7 @@
 
 A source (DNS answers, Kubernetes pods) says which engines exist now; the
 :class:`Sync` announces them through the same leased upsert as engines that
-register themselves (:class:`~indexer.leases.Leases`): a new engine is
+register themselves (:class:`~indexer.announcements.Leases`): a new engine is
 registered, one whose settings changed is re-registered (a pod with a new IP
 is a new engine process, so its old residency must go), and every engine it
 holds is renewed on each view. One that is no longer seen is deregistered
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from indexer.leases import Announcement, HandRegistered, Leases, StaleInstance
+from indexer.announcements import Announcement, HandRegistered, Leases, StaleInstance
 from indexer.registry import EngineSpec, UnknownEngine
 
 log = logging.getLogger("kvindex.discovery")

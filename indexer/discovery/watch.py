@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 
+from indexer.announcements import Leases
 from indexer.discovery import source
 from indexer.discovery.kubernetes import DEFAULT_PORT, Defaults, pod_engines
 from indexer.discovery.sync import Sync
-from indexer.leases import Leases
 
 log = logging.getLogger("kvindex.discovery")
 

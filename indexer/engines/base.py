@@ -6,7 +6,7 @@ so everything an engine type decides lives in its package under
 how a payload becomes engine-neutral :mod:`indexer.core.events`, where each
 data-parallel rank listens, and how a prompt's tokens become the block hashes
 its events carry, and how an OpenAI request becomes the text its tokenizer reads
-(:mod:`indexer.engines.prompts`). :mod:`indexer.engines.catalog` finds the adapters
+(:mod:`indexer.engines.rendering`). :mod:`indexer.engines.catalog` finds the adapters
 by name.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from indexer.compiled import Status
 from indexer.core.events import EventBatch, WireError, normalise_medium
 from indexer.core.load import EngineLoad
-from indexer.engines.prompts import Renderer
+from indexer.engines.rendering import Renderer
 
 #: Events larger than this many hashes are rejected rather than applied.
 MAX_HASHES_PER_EVENT = 1 << 20

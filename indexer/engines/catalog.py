@@ -16,7 +16,7 @@ import pkgutil
 import indexer.engines
 from indexer.compiled import Status
 from indexer.engines.base import CompiledPart, EngineAdapter
-from indexer.engines.prompts import Renderer
+from indexer.engines.rendering import Renderer
 
 DEFAULT = "vllm"
 

@@ -50,8 +50,8 @@ from indexer.ingest.replay_client import ReplayClient
 from indexer.ingest.report import Report, status_now
 from indexer.ingest.settings import Shared
 from indexer.ingest.snapshots import Outcome, SnapshotFetch
-from indexer.periodic import until_done
 from indexer.registry import EngineSpec, Gap, RankStatus, blank_status
+from indexer.retrying import until_done
 from indexer.stores.base import (
     Fenced,
     Store,

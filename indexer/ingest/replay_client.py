@@ -21,14 +21,14 @@ import zmq.asyncio
 from indexer.core.events import WireError
 from indexer.engines.base import EngineAdapter
 from indexer.ingest.intake import BAD, END, HELD, REPLAY, Item
-from indexer.ingest.settings import SubscriberSettings
+from indexer.ingest.settings import REPLAY_HWM, SubscriberSettings
 from indexer.ingest.sockets import messages, open_socket, socket_limit
 
 
 class ReplayClient:
     """The DEALER of the next request: opened only when one is sent, and kept
     while the engine answers. A whole replay buffer may arrive at once: the
-    reader stops reading when the intake is full, and ``replay_hwm`` bounds
+    reader stops reading when the intake is full, and ``REPLAY_HWM`` bounds
     what ZeroMQ queues meanwhile (the ROUTER drops the rest: the missing
     seqs are asked again).
 
@@ -60,7 +60,7 @@ class ReplayClient:
         if self._dealer is not None:
             return
         self.generation += 1
-        dealer = open_socket(self._context, self._settings, zmq.DEALER, self._settings.replay_hwm)
+        dealer = open_socket(self._context, self._settings, zmq.DEALER, REPLAY_HWM)
         # One connection per request: a broken one times the request out, and a
         # reconnection could continue a message it cut short (libzmq aborts on that).
         dealer.setsockopt(zmq.RECONNECT_IVL, -1)

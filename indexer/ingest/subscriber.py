@@ -22,7 +22,7 @@ import zmq.asyncio
 from indexer import metrics
 from indexer.core.events import EventBatch, RankId
 from indexer.ingest.rank_consumer import RankConsumer
-from indexer.ingest.settings import Observer, Shared, SubscriberSettings
+from indexer.ingest.settings import APPLY_SLICE, Observer, Shared, SubscriberSettings
 from indexer.ingest.slices import Slices
 from indexer.registry import Change, EngineRegistry, EngineSpec, RankStatus, blank_status
 from indexer.stores.base import Loss, Store
@@ -122,7 +122,7 @@ class RankPool:
             self._token,
             self._notify,
             self._reads_tokens,
-            Slices(self.settings.apply_slice),
+            Slices(APPLY_SLICE),
         )
         metrics.watch(self)
 

@@ -194,7 +194,6 @@ class Rules:
     probe_backoff_max: float
     max_pending: int
     pending_bytes: int
-    max_missing: int
     has_snapshot: bool = False  # the engine answers snapshots (set with has_replay)
 
 

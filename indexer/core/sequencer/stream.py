@@ -30,6 +30,10 @@ from indexer.core.sequencer.actions import (
     Rules,
 )
 
+#: Unfilled ranges kept per rank for operators (``missing``): the newest, enough to
+#: see a pattern, few enough that a flapping engine costs nothing.
+MAX_MISSING = 100
+
 
 @dataclass(slots=True)
 class _Request:
@@ -267,7 +271,7 @@ class Stream(Generic[B]):
             gap.missed = True
             status.gaps_unfilled += 1
         status.missing.append(self._missing(first, last))
-        del status.missing[: -self._rules.max_missing]
+        del status.missing[:-MAX_MISSING]
         status.degraded = True
         clear = last - first + 1 > self._rules.gap_clear_threshold
         self._out.append(GaveUp(first, last, why, clear, newly))

@@ -16,7 +16,7 @@ import functools
 from typing import Any
 
 from indexer.engines.base import NotReproduced, Prompt
-from indexer.engines.prompts import ModuleRenderer
+from indexer.engines.rendering import ModuleRenderer
 from indexer.engines.sglang import hashing, metrics, render, server, wire
 from indexer.engines.zmq_framing import ZmqFraming
 

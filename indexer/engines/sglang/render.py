@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from indexer.engines.prompts import (
+from indexer.engines.rendering import (
     ChatCall,
     ChatMessage,
     ChatOptions,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from indexer.compiled import Status, combined
 from indexer.engines import vllm_metrics, vllm_server
 from indexer.engines.base import Prompt
-from indexer.engines.prompts import ModuleRenderer
+from indexer.engines.rendering import ModuleRenderer
 from indexer.engines.vllm import frames, native, render, responses, wire
 from indexer.engines.zmq_framing import ZmqFraming
 

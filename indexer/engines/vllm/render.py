@@ -44,7 +44,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from indexer.engines.prompts import (
+from indexer.engines.rendering import (
     ChatCall,
     ChatMessage,
     ChatOptions,

@@ -38,7 +38,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.engines.prompts import (
+from indexer.engines.rendering import (
     ChatCall,
     ChatMessage,
     ChatTool,

@@ -6,7 +6,7 @@ which tools the template sees, and in what shape, decides the tokens:
 - ``tool_choice`` defaults to ``"auto"`` when there are tools (``"none"``
   otherwise). vLLM refuses ``tools: []``, a choice other than ``"none"``
   without tools, and a named function not among them; and, by its server's
-  tool flags (:class:`~indexer.engines.prompts.ToolServing`), ``"auto"``
+  tool flags (:class:`~indexer.engines.rendering.ToolServing`), ``"auto"``
   without ``--enable-auto-tool-choice`` and a ``--tool-call-parser``, and
   ``"required"`` or a named function without a parser.
 - The template sees no tools when there are none, or when the choice is
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from indexer.engines.prompts import (
+from indexer.engines.rendering import (
     ChatOptions,
     ChatTool,
     NamedToolChoice,

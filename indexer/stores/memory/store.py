@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from indexer.allocator import return_freed_memory
 from indexer.core.events import MEDIA, BlockHash, RankId
 from indexer.core.matching import PrefixMatch
 from indexer.core.residency import Op
+from indexer.memory_trim import return_freed_memory
 from indexer.stores.base import ApplyResult, Fenced, Loss, Residency, Watermark
 from indexer.stores.memory import compiled
 from indexer.stores.memory.hybrids import Hybrids

@@ -8,39 +8,40 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
-    """Where the index lives and how to talk to it.
+    """Where the index lives and how to talk to it: the ``redis`` section.
 
-    ``url``: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
-    ``unix:///path.sock?db=0&password=...``. ``prefix``: of every key, so
-    several indexes can share a Redis. ``cluster``: the URL names one node of
-    a Redis Cluster. ``max_connections``: commands in flight at once (per
-    node on a cluster); more wait. ``socket_timeout``/``connect_timeout`` in
-    seconds. ``retries``: reconnect attempts per command, with exponential
-    backoff, before :class:`~indexer.errors.StoreUnavailable` is raised
-    (callers retry further): a pooled connection that Redis closed (a
-    restart) is replaced on first use, so one restart costs no failed
-    command. Timeouts are not retried: a hung Redis would only make every
-    caller wait ``retries`` times longer. ``health_check_interval``: seconds
-    a pooled connection may sit idle before it is PINGed ahead of its next
-    command. ``sweep_interval``: seconds between garbage sweeps run by a
-    store that applies batches (None: never). ``identity_check``: seconds
-    between a store's looks for lost data, from its first watermark read or
-    write, or :meth:`~indexer.stores.redis.RedisStore.watch` (None: only when
-    a write, a prefix match or a ping finds it). The server must not evict
-    keys (``maxmemory-policy noeviction``) and should persist (AOF) for the
-    index to survive a Redis restart; without it, a restart is recovered only
-    as far as the engines' replay buffers reach.
+    A pooled connection that Redis closed (a restart) is replaced on first use, so
+    one restart costs no failed command; timeouts are not retried, as a hung Redis
+    would only make every caller wait longer. The server must not evict keys
+    (``maxmemory-policy noeviction``) and should persist (AOF) for the index to
+    survive a Redis restart; without it, a restart is recovered only as far as the
+    engines' replay buffers reach.
     """
 
+    #: ``redis://[user:password@]host:port/db``, ``rediss://`` (TLS) or
+    #: ``unix:///path.sock?db=0&password=...``.
     url: str = "redis://127.0.0.1:6379/0"
+    #: Of every key, so several indexes can share a Redis.
     prefix: str = "kvindex"
+    #: The URL names one node of a Redis Cluster.
     cluster: bool = False
+    #: Commands in flight at once (per node on a cluster); more wait.
     max_connections: int = 32
+    #: Seconds a command may take before the store counts as unreachable (503).
     socket_timeout: float = 5.0
+    #: Seconds a connection may take to open.
     connect_timeout: float = 2.0
+    #: Reconnect attempts per command, with exponential backoff, before
+    #: :class:`~indexer.errors.StoreUnavailable` is raised (callers retry further).
     retries: int = 2
+    #: Seconds a pooled connection may sit idle before it is PINGed ahead of its next
+    #: command.
     health_check_interval: float = 10.0
+    #: Seconds between garbage sweeps run by a store that applies batches (null: never).
     sweep_interval: float | None = 300.0
+    #: Seconds between a store's looks for lost data, from its first watermark read or
+    #: write (null: only when a write, a prefix match or a ping finds it): how soon a
+    #: Redis restart without persistence is noticed.
     identity_check: float | None = 1.0
 
     def __post_init__(self) -> None:

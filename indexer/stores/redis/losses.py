@@ -54,7 +54,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from indexer.periodic import repeat
+from indexer.retrying import repeat
 from indexer.stores.base import Loss, StoreLost
 from indexer.stores.redis.client import RedisClient, cancel_task
 from indexer.stores.redis.scripts import ESTABLISH_IDENTITY, MARK_BUCKET, SWAP_IDENTITY

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from api.errors import ApiError
 from indexer.core.events import BlockHash
 from indexer.core.matching import TierWeights
 from indexer.engines.base import BlockHasher, Prompt
+from indexer.query.errors import QueryRefused
 from indexer.registry import EngineSpec
 
 __all__ = ["DECLARED", "ChainComputer", "Overrides", "Prompt", "Query", "learned"]
@@ -76,7 +76,7 @@ class ChainComputer:
         try:
             return hashing.digests(self._prompt)
         except ValueError as e:  # e.g. a LoRA name without its path
-            raise ApiError(422, str(e)) from None
+            raise QueryRefused(str(e)) from None
 
 
 @dataclass(frozen=True, slots=True)

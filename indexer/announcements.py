@@ -27,8 +27,8 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 
 from indexer import metrics
-from indexer.periodic import repeat
 from indexer.registry import EngineSpec, Registry, UnknownEngine
+from indexer.retrying import repeat
 
 log = logging.getLogger("kvindex.leases")
 
@@ -44,9 +44,14 @@ class LeaseRules(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     residency is offered to routers.
     """
 
+    #: The shortest lease granted: keeps a misconfigured engine from being registered
+    #: again many times a second.
     min_lease_seconds: float = 1.0
+    #: The longest lease granted: how long a dead engine's residency may be offered.
     max_lease_seconds: float = 300.0
+    #: The lease of an announcement that asks for none.
     default_lease_seconds: float = 30.0
+    #: Seconds between looks for lapsed leases.
     sweep_seconds: float = 0.5
 
     def __post_init__(self) -> None:
