@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                         "'per_block-2={\"per_block\": 2}' (repeatable)")  # fmt: skip
     parser.add_argument("--only", nargs="+", help="only these policies (names as in the table)")
     parser.add_argument("--logs", type=Path, default=LOGS)
+    parser.add_argument("--out", type=Path, help="routing.md and its plot here (default: --logs)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the servers go in finally
     report = Report("quick" if args.quick else "full")
@@ -284,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     (args.logs / "routing.json").write_text(json.dumps(details, indent=1, default=str))
     if args.json:
         args.json.write_text(json.dumps(details["rows"], indent=1))
-    report.plots.extend(plots.routing(details, args.logs))
+    out = args.out or args.logs
+    out.mkdir(parents=True, exist_ok=True)
+    report.plots.extend(plots.routing(details, out))
+    command = "python -m bench.routing " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "routing.md").write_text(figures_mod.document(details, command))
     print("\n".join(details["table"]))
     print("\n".join(details["check_table"]))
     print(report.markdown())

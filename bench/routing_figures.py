@@ -5,11 +5,12 @@ min and max over runs, as a Markdown table.
 
 from __future__ import annotations
 
+import ast
 from collections import defaultdict
 from statistics import mean
 
 from bench.measure import quantile
-from bench.routing_fleet import COUNTERS
+from bench.routing_fleet import COUNTERS, TIMED_ENGINE
 from bench.routing_workload import Sample
 
 HITS, QUERIES, DONE = COUNTERS
@@ -117,3 +118,26 @@ def check_table(checks: list[dict]) -> list[str]:
             f"{sum(e['steps'] for e in engines)} | {avg['cpu_cores']:.2f} |"
         )
     return lines
+
+
+def document(details: dict, command: str) -> str:
+    """The report (``routing.md``): the workloads, the table, the ladder plot, the
+    self-check, and the timed engine's step model as its module states it."""
+    model = TIMED_ENGINE / "timed_engine/step_model.py"
+    step_model = ast.get_docstring(ast.parse(model.read_text())) or ""
+    workloads = "\n".join(f"- `{name}`: {about}" for name, about in details["workloads"].items())
+    return "\n\n".join([
+        "# Routing on timed engines (bench item 16)",
+        f"`{command}`: {details['engines']} timed engines (`vllm serve` of the tiny model, "
+        f"{details['cache']} KV cache each, time scale {details['scale']:g}), rates "
+        f"{', '.join(f'{r:g}' for r in details['rates'])} requests/s; "
+        f"{details['wall_s'] / 60:.0f} minutes.",
+        "Workloads (requests at one request a second before the ladder's scaling):\n\n"
+        + workloads,
+        "Mean (min-max) over runs; hit rate from the engines' own counters, latencies from "
+        "the client (ms), output tokens a second over the run:\n\n" + "\n".join(details["table"]),
+        "![the load ladder](routing_ladder.png)",
+        "The timed engines' self-check (means over engines):\n\n"
+        + "\n".join(details["check_table"]),
+        f"## The step model (`{model.relative_to(TIMED_ENGINE.parents[1])}`)\n\n{step_model}",
+    ]) + "\n"  # fmt: skip

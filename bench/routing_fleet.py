@@ -134,8 +134,10 @@ class Engine:
     """One ``vllm serve`` of the tiny model; its ports stay the same across restarts, so
     it is the same engine to every router."""
 
-    def __init__(self, workdir: Path, name: str, model: Path, python: Path, cache: str) -> None:
-        self.name, self.model, self.python, self.cache = name, model, python, cache
+    def __init__(
+        self, workdir: Path, name: str, model: Path, python: Path, cache: str, core: int
+    ) -> None:
+        self.name, self.model, self.python, self.cache, self.core = name, model, python, cache, core
         self.process = Process(workdir, name)
         self.stats = workdir / f"{name}.steps.json"
         self.port, self.events, self.replay = free_port(), free_port(), free_port()
@@ -156,6 +158,8 @@ class Engine:
             VLLM_PLUGINS="timed_engine",  # not kvindex's: the engines are registered by hand
             PYTHONHASHSEED="0",  # block hashes kvindex reproduces with hash_seed "0"
             TIMED_ENGINE_SCALE=str(SCALE),
+            # vLLM binds every engine's forward to core 0 by default: spread them
+            VLLM_CPU_OMP_THREADS_BIND=str(self.core),
             TIMED_ENGINE_STATS=str(self.stats),
         )
         self.stats.unlink(missing_ok=True)
@@ -199,7 +203,10 @@ class Fleet:
         install_timed_engine(python)
         model = timed_model_dir(workdir, python)
         self.model = model
-        self.engines = [Engine(workdir, f"e{i}", model, python, cache) for i in range(count)]
+        cores = os.cpu_count() or 1
+        self.engines = [
+            Engine(workdir, f"e{i}", model, python, cache, i % cores) for i in range(count)
+        ]
 
     def start(self) -> None:
         progress(f"starting {len(self.engines)} vllm serve (logs in {self.workdir})")
