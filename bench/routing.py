@@ -61,16 +61,18 @@ PEERS = (
     ("vllm-router kv_aware", VllmRouter, "kv_aware"),
     ("smg cache_aware", Smg, "cache_aware"),
 )
-#: requests a run (trace, shared-prefix per engine, chats) and the ladder, quick and full
-QUICK = {"engines": 4, "trace": 60, "chats": (48, 8), "rates": (1.5, 3.0, 4.5), "runs": 1}
-FULL = {"engines": 8, "trace": 160, "chats": (128, 16), "rates": (3.0, 6.0, 9.0), "runs": 3}
+#: the load ladder, requests a second per engine: up to where round robin saturates
+LADDER = (0.5, 1.0, 1.5)
+#: requests a run (trace, shared-prefix questions a user, chats and burst), quick and full
+QUICK = {"engines": 4, "trace": 60, "questions": 1, "chats": (48, 8), "runs": 1}
+FULL = {"engines": 8, "trace": 160, "questions": 2, "chats": (128, 16), "runs": 3}
 
 
 def workloads(size: dict, trace: Path) -> dict[str, Workload]:
     """The three workloads at one request a second."""
     return {
         "trace": routing_trace.sample(trace, size["trace"]),
-        "shared-prefix": routing_workload.shared_prefix(size["engines"]),
+        "shared-prefix": routing_workload.shared_prefix(size["engines"], size["questions"]),
         "chats": routing_workload.chats(*size["chats"]),
     }
 
@@ -178,7 +180,8 @@ def run(report: Report, quick: bool, trace: Path = routing_trace.TRACE,
     """The item: every workload, rate, run and policy; figures into ``report``."""
     variants = variants or VARIANTS
     size = QUICK if quick else FULL
-    rates, runs = rates or size["rates"], runs or size["runs"]
+    rates = rates or tuple(r * size["engines"] for r in LADDER)
+    runs = runs or size["runs"]
     logs.mkdir(parents=True, exist_ok=True)
     loads = workloads(size, trace)
     names = names or list(loads)

@@ -44,7 +44,6 @@ PREFIX_WORDS = 200  # llm-d's 6,000-token prefix, a tenth
 QUESTION_WORDS = 40  # and its 1,200-token question
 GROUP_USERS = 5
 GROUPS_PER_ENGINE = 4
-QUESTIONS = 2
 PREFIX_TOKENS = 24
 
 
@@ -147,14 +146,14 @@ def chats(count: int, burst: int, seed: int = 16) -> Workload:
     return Workload("chats", tuple(sorted(out + agents, key=lambda r: r.at)), about)
 
 
-def shared_prefix(engines: int, seed: int = 36) -> Workload:
+def shared_prefix(engines: int, questions: int = 2, seed: int = 36) -> Workload:
     """llm-d's shared-prefix shape scaled to ``engines``: :data:`GROUPS_PER_ENGINE` groups an
-    engine, :data:`GROUP_USERS` users a group, :data:`QUESTIONS` questions a user, in a random
+    engine, :data:`GROUP_USERS` users a group, ``questions`` questions a user, in a random
     order at Poisson times."""
     rng = random.Random(seed)
     groups = GROUPS_PER_ENGINE * engines
     prefixes = [f"Group {g} system prompt. " + text(rng, PREFIX_WORDS) for g in range(groups)]
-    keys = [(g, u, q) for g in range(groups) for u in range(GROUP_USERS) for q in range(QUESTIONS)]
+    keys = [(g, u, q) for g in range(groups) for u in range(GROUP_USERS) for q in range(questions)]
     rng.shuffle(keys)
     times = arrivals(rng, len(keys))
     requests = tuple(
@@ -163,7 +162,7 @@ def shared_prefix(engines: int, seed: int = 36) -> Workload:
                 PREFIX_TOKENS)
         for (g, u, q), at in zip(keys, times, strict=True)
     )  # fmt: skip
-    about = {"groups": groups, "users_per_group": GROUP_USERS, "questions_per_user": QUESTIONS}
+    about = {"groups": groups, "users_per_group": GROUP_USERS, "questions_per_user": questions}
     return Workload("shared-prefix", requests, about)
 
 
