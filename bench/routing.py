@@ -48,6 +48,7 @@ from bench.routing_workload import Workload, at_rate
 
 SECTION = "16"
 LOGS = Path("/tmp/routing-bench")
+RUNS = "runs.jsonl"  # in the logs: the setting, then each run's row and self-check
 CACHE = "3M"  # 96 blocks of 32 tokens per engine
 #: kvindex's ``api.load`` per variant; the first is the one the goals are about
 VARIANTS: dict[str, dict] = {
@@ -64,7 +65,7 @@ PEERS = (
 #: the load ladder, requests a second per engine: up to where round robin saturates
 LADDER = (0.5, 1.0, 1.5)
 #: requests a run (trace, shared-prefix questions a user, chats and burst), quick and full
-QUICK = {"engines": 4, "trace": 60, "questions": 1, "chats": (48, 8), "runs": 1}
+QUICK = {"engines": 4, "trace": 48, "questions": 1, "chats": (40, 8), "runs": 1}
 FULL = {"engines": 8, "trace": 160, "questions": 2, "chats": (128, 16), "runs": 3}
 
 
@@ -150,6 +151,8 @@ class Bench:
         check = result.pop("self_check")
         self.rows.append(key | result)
         self.checks.append(key | {"engines": check})
+        with (self.logs / RUNS).open("a") as runs:  # kept as it goes: a stopped run keeps them
+            runs.write(json.dumps({"row": self.rows[-1], "check": self.checks[-1]}) + "\n")
         progress(
             f"{policy}: hit rate {result['hit_rate']:.3f}, TTFT p50/p90/p99 "
             f"{result['ttft_p50_ms']:.0f}/{result['ttft_p90_ms']:.0f}/"
@@ -191,6 +194,7 @@ def run(report: Report, quick: bool, trace: Path = routing_trace.TRACE,
     }  # fmt: skip
     started = time.monotonic()
     bench = Bench(size["engines"], logs)
+    (logs / RUNS).write_text(json.dumps({"setting": details}) + "\n")
     try:
         bench.fleet.start()
         measures = bench.policies(variants, only)
@@ -199,16 +203,35 @@ def run(report: Report, quick: bool, trace: Path = routing_trace.TRACE,
                 bench.run(policy, measure, loads[name], rate, number)
     finally:
         bench.fleet.stop()
-    details |= {
-        "rows": bench.rows,
-        "self_check": bench.checks,
-        "table": figures_mod.table(bench.rows),
-        "check_table": figures_mod.check_table(bench.checks),
-        "wall_s": time.monotonic() - started,
-    }
+    details = completed(details, bench.rows, bench.checks, time.monotonic() - started)
     report.add(*figures(bench.rows, next(iter(variants))))
     report.notes.append(_note(details))
     return details
+
+
+def completed(setting: dict, rows: list[dict], checks: list[dict], wall: float) -> dict:
+    return setting | {
+        "rows": rows,
+        "self_check": checks,
+        "table": figures_mod.table(rows),
+        "check_table": figures_mod.check_table(checks),
+        "wall_s": wall,
+    }
+
+
+def recorded(files: list[Path]) -> dict:
+    """The details of the runs recorded in ``files`` (logs' ``runs.jsonl``, each a setting
+    then its runs), the first file's setting; wall time: the runs' own."""
+    setting, rows, checks = None, [], []
+    for path in files:
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            setting = setting or entry.get("setting")
+            if "row" in entry:
+                rows.append(entry["row"])
+                checks.append(entry["check"])
+    assert setting is not None, f"no setting in {files}"
+    return completed(setting, rows, checks, sum(r.get("wall_s", 0) for r in rows))
 
 
 #: (key, label, unit, the best peer's is the max (True) or the min, goal)
@@ -276,16 +299,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", help="only these policies (names as in the table)")
     parser.add_argument("--logs", type=Path, default=LOGS)
     parser.add_argument("--out", type=Path, help="routing.md and its plot here (default: --logs)")
+    parser.add_argument("--recorded", type=Path, nargs="+", metavar="RUNS",
+                        help="measure nothing: the report of runs recorded in these "
+                        f"{RUNS} (one file a round of runs)")  # fmt: skip
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the servers go in finally
     report = Report("quick" if args.quick else "full")
     variants = VARIANTS | dict(args.variant)
     only = set(args.only) if args.only else None
     rates = tuple(args.rates) if args.rates else None
-    with contextlib.redirect_stdout(sys.stderr):
-        details = run(report, args.quick, args.trace, variants, only, args.logs, rates,
-                      args.runs, args.workload)  # fmt: skip
-    (args.logs / "routing.json").write_text(json.dumps(details, indent=1, default=str))
+    if args.recorded:
+        details = recorded(args.recorded)
+        report.add(*figures(details["rows"], next(iter(variants))))
+    else:
+        with contextlib.redirect_stdout(sys.stderr):
+            details = run(report, args.quick, args.trace, variants, only, args.logs, rates,
+                          args.runs, args.workload)  # fmt: skip
+        (args.logs / "routing.json").write_text(json.dumps(details, indent=1, default=str))
     if args.json:
         args.json.write_text(json.dumps(details["rows"], indent=1))
     out = args.out or args.logs
