@@ -33,9 +33,11 @@ from .apikit import Api, engine
 
 BLOCK = 16
 PREFIX = list(range(1000, 1000 + 16 * BLOCK))  # 16 blocks every request shares
-FAST = LoadRules(per_request=4.0, scrape_interval=0.05, stale_after=0.5)
+FAST = LoadRules(per_block=1.0, per_request=4.0, scrape_interval=0.05, stale_after=0.5)
 #: one scrape at the start that stays fresh: every pick of a test stays pending
-SLOW = LoadRules(per_request=4.0, scrape_interval=30, stale_after=60, pending_seconds=60)
+SLOW = LoadRules(
+    per_block=1.0, per_request=4.0, scrape_interval=30, stale_after=60, pending_seconds=60
+)
 
 
 def page(running: float, waiting: float = 0, usage: float = 0.0, blocks: int = 0) -> str:

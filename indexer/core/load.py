@@ -47,8 +47,8 @@ class LoadRules:
     report counting for ``pending_seconds``."""
 
     enabled: bool = True
-    per_block: float = 1.0  # a block queued ahead delays the prompt as one of its own
-    per_request: float = 0.5  # bench item 16's load ladder (docs/bench/routing.md)
+    per_block: float = 0.5  # bench item 16's sweep on timed engines (docs/bench/routing.md)
+    per_request: float = 2.0
     pressure: float = 0.5
     scrape_interval: float = 0.25
     stale_after: float = 2.0
