@@ -135,9 +135,8 @@ def routing(details: dict, out: Path) -> list[str]:
         ax.set_ylabel("TTFT p90 (ms)")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
-    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=6, fontsize=8)
+    ax.legend(fontsize=7)
     fig.suptitle(f"Routing on {details['engines']} timed vLLM engines: the load ladder")
-    fig.subplots_adjust(bottom=0.22)
     return [_save(fig, out, "routing_ladder.png")]
 
 

@@ -80,24 +80,31 @@ def aggregate(rows: list[dict]) -> dict[tuple[str, float, str], dict]:
             groups[(r["workload"], r["rate"], r["policy"])].append(r)
     return {
         key: {k: (mean(v), min(v), max(v)) for k, *_ in SHOWN for v in [[r[k] for r in runs]]}
-        | {"runs": len(runs)}
+        | {"runs": len(runs), "per_engine": per_engine(runs)}
         for key, runs in groups.items()
     }
+
+
+def per_engine(runs: list[dict]) -> list[float]:
+    """Requests each engine served, the mean over runs (engines in their order)."""
+    engines = runs[0]["requests_per_engine"]
+    return [mean(r["requests_per_engine"][e] for r in runs) for e in engines]
 
 
 def table(rows: list[dict]) -> list[str]:
     """Mean (min-max over runs) per workload, rate and policy."""
     head = " | ".join(column for _, column, _ in SHOWN)
-    lines = [f"| workload | rate (req/s) | policy | runs | {head} |",
-             "| --- | ---: | --- | ---: |" + " ---: |" * len(SHOWN)]  # fmt: skip
+    lines = [f"| workload | rate (req/s) | policy | runs | {head} | requests per engine |",
+             "| --- | ---: | --- | ---: |" + " ---: |" * len(SHOWN) + " --- |"]  # fmt: skip
     for (workload, rate, policy), figures in aggregate(rows).items():
         cells = []
         for key, _, shown in SHOWN:
             avg, low, high = figures[key]
             spread = f" ({shown.format(low)}-{shown.format(high)})" if figures["runs"] > 1 else ""
             cells.append(shown.format(avg) + spread)
+        served = " ".join(f"{n:.0f}" for n in figures["per_engine"])
         lines.append(f"| {workload} | {rate:g} | {policy} | {figures['runs']} | "
-                     + " | ".join(cells) + " |")  # fmt: skip
+                     + " | ".join(cells) + f" | {served} |")  # fmt: skip
     return lines
 
 
@@ -125,7 +132,10 @@ def document(details: dict, command: str) -> str:
     self-check, and the timed engine's step model as its module states it."""
     model = TIMED_ENGINE / "timed_engine/step_model.py"
     step_model = ast.get_docstring(ast.parse(model.read_text())) or ""
-    workloads = "\n".join(f"- `{name}`: {about}" for name, about in details["workloads"].items())
+    workloads = "\n".join(
+        f"- `{name}`: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in about.items())
+        for name, about in details["workloads"].items()
+    )
     return "\n\n".join([
         "# Routing on timed engines (bench item 16)",
         f"`{command}`: {details['engines']} timed engines (`vllm serve` of the tiny model, "
