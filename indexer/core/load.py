@@ -50,8 +50,11 @@ class LoadRules:
     per_block: float = 0.5  # bench item 16's sweep on timed engines (docs/bench/routing.md)
     per_request: float = 2.0
     pressure: float = 0.5
-    scrape_interval: float = 0.25
-    stale_after: float = 2.0
+    # a scrape reads tens of kilobytes a page: at 4 a second per engine it delayed the
+    # answers of a loaded process by hundreds of ms (bench item 16); the picks since the
+    # last report count as pending meanwhile
+    scrape_interval: float = 1.0
+    stale_after: float = 3.0
     pending_seconds: float = 2.0
 
     def __post_init__(self) -> None:
