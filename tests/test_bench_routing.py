@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import routing_trace
+from bench.routing_figures import SHOWN, verdict
 from bench.routing_fleet import TIMED_ENGINE
 from bench.routing_workload import at_rate, chats, shared_prefix
 
@@ -78,3 +79,20 @@ def test_the_step_model_is_the_formula_it_writes_out() -> None:
     prefill = model.FIXED_S + 1000 * model.PER_TOKEN_S + 999 * model.PER_CONTEXT_TOKEN_S
     assert model.step_seconds(list(range(1000))) == pytest.approx(prefill)
     assert 0.035 < prefill < 0.045  # about 38 ms, as the docstring says
+
+
+def test_the_verdict_holds_kvindex_to_the_issues_bar() -> None:
+    def row(policy: str, run: int, hit: float, p90: float, p99: float) -> dict:
+        figures = dict.fromkeys((k for k, *_ in SHOWN), 0.0) | {"hit_rate": hit, "ttft_p90_ms": p90}
+        return {"workload": "w", "rate": 2.0, "policy": policy, "run": run,
+                "requests_per_engine": {"e0": 1}} | figures | {"ttft_p99_ms": p99}  # fmt: skip
+
+    def verdict_of(rows: list[dict]) -> str:
+        return verdict(rows)[2]  # the table's one row
+
+    peer = [row("smg cache_aware", 1, 0.5, 900, 1500), row("smg cache_aware", 2, 0.5, 700, 1500)]
+    wins = [row("kvindex", 1, 0.6, 650, 1400), row("kvindex", 2, 0.6, 690, 1500)]
+    assert verdict_of(peer + wins).endswith("| hits, p90, p99 |")
+    # a better mean p90 whose worst run is not better than the peer's best run misses it
+    close = [row("kvindex", 1, 0.6, 500, 1400), row("kvindex", 2, 0.6, 750, 1500)]
+    assert verdict_of(peer + close).endswith("| hits, p99 |")
