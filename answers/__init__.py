@@ -58,7 +58,8 @@ class RankRef(msgspec.Struct):
 class RouteCost(msgspec.Struct):
     """What ``route: "best"`` weighed for one candidate rank (the cost formula is in the
     prefix-match docs): its score, the requests ahead of the prompt there (``running``
-    and ``waiting`` as the engine last reported them, ``pending`` routed since),
+    and ``waiting`` as the engine last reported them, ``pending`` routed since), the
+    prefill blocks those waiting and pending left to compute (``queued_blocks``),
     ``fullness`` of its KV cache, and ``load_age_ms`` of the report (null: no fresh
     report, so only ``pending`` counts)."""
 
@@ -67,6 +68,7 @@ class RouteCost(msgspec.Struct):
     cost: float
     score: float
     requests_ahead: float
+    queued_blocks: float
     pending: int
     running: float | None
     waiting: float | None

@@ -115,16 +115,18 @@ routed to it (`ttl_ms`, else the configured TTL) in the same atomic step, and
 names it in `routed_to`; like `POST /routed` it then needs the bearer token
 when one is configured. The pick is the rank of least cost, weighing its
 prefix against its load (configured in the `api.load` section:
-`per_request`, `pressure`; `enabled: false` picks by score alone):
+`per_block`, `per_request`, `pressure`; `enabled: false` picks by score alone):
 
     cost = max(0, num_blocks - score) * (1 + pressure * fullness)
-           + per_request * (running + waiting + pending)
+           + per_block * queued_blocks + per_request * (running + waiting + pending)
 
 `running` and `waiting` are the requests the engine's server last reported
 (vLLM's `/metrics`, scraped from the engine's `url` every `scrape_interval`
 seconds; a report older than `stale_after` seconds counts for nothing),
 `pending` the requests this process routed to the rank since that report (or
-within `pending_seconds` when there is none), and `fullness` (0..1) the larger
+within `pending_seconds` when there is none), `queued_blocks` the blocks this
+process's last `waiting + pending` picks of the rank left to compute (the
+prefill work ahead), and `fullness` (0..1) the larger
 of the engine's `kv_cache_usage_perc` and kvindex's resident GPU blocks over
 the cache's capacity: a miss on a full cache evicts what others may want. An
 engine without a fresh report thus counts only its pending picks, and with no

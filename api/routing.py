@@ -60,7 +60,7 @@ class Router:
         costs = self._costs(candidates, reports, runs, weights, len(chain), pick)
         if pick is not None:
             rank = RankId(pick.engine, pick.dp_rank)
-            self._loads.picked(rank)
+            self._loads.picked(rank, max(0.0, len(chain) - costs[0].score))
             if pick.match.gpu_blocks < len(chain):
                 runs = {**runs, rank: len(chain)}
         return pick, runs, costs
@@ -95,6 +95,7 @@ class Router:
             round(cost(s, num_blocks, where), 6),
             round(s, 6),
             where.requests_ahead,
+            round(where.queued_blocks, 6),
             where.pending,
             None if report is None else report.load.running,
             None if report is None else report.load.waiting,

@@ -1,4 +1,4 @@
-"""The report's plots as PNGs (matplotlib, headless): item 8's curves, item 16's policies
+"""The report's plots as PNGs (matplotlib, headless): item 8's curves, item 16's load ladder
 and issue 16's rows.
 
 Each plot is drawn from what ``report.json`` holds (``python -m bench.plots
@@ -110,27 +110,34 @@ def rows(figures: list[dict], out: Path) -> list[str]:
 
 
 def routing(details: dict, out: Path) -> list[str]:
-    """Item 16: each policy's fleet hit rate and TTFT p99 side by side, kvindex's in green
-    (a failed policy has no bar)."""
-    policies = {n: r for n, r in details["policies"].items() if "failed" not in r}
-    if not policies:
+    """Item 16's load ladder: TTFT p90 (mean over runs, min-max as error bars) against the
+    arrival rate, one panel per workload and one line per policy, kvindex's in green."""
+    rows = [r for r in details["rows"] if "failed" not in r]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    if not workloads:
         return []
-    names = list(policies)
-    colors = ["tab:green" if n.startswith("kvindex") else "tab:gray" for n in names]
-    fig, (hits, p99) = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.8), dpi=110)
-    for ax, key, title, shown in ((hits, "hit_rate", "fleet prefix-cache hit rate", "{:.3f}"),
-                                  (p99, "ttft_p99_ms", "TTFT p99 (ms)", "{:,.0f}")):  # fmt: skip
-        values = [policies[n][key] for n in names]
-        ax.barh(names, values, color=colors)
-        ax.set_title(title)
-        ax.invert_yaxis()
-        ax.grid(True, axis="x", alpha=0.3)
-        for y, v in enumerate(values):
-            ax.annotate(shown.format(v), (v, y), xytext=(4, 0), textcoords="offset points",
-                        va="center", fontsize=8)  # fmt: skip
-    p99.set_yticks([])
-    fig.suptitle(f"Routing on a real fleet ({details['workload']['engines']} CPU vLLM servers)")
-    return [_save(fig, out, "routing_policies.png")]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.4), dpi=110)
+    for ax, workload in zip(axes if len(workloads) > 1 else [axes], workloads, strict=True):
+        mine = [r for r in rows if r["workload"] == workload]
+        for policy in dict.fromkeys(r["policy"] for r in mine):
+            rates = sorted({r["rate"] for r in mine if r["policy"] == policy})
+            runs = [[r["ttft_p90_ms"] for r in mine if r["policy"] == policy and r["rate"] == x]
+                    for x in rates]  # fmt: skip
+            means = [sum(v) / len(v) for v in runs]
+            spread = [[m - min(v) for m, v in zip(means, runs, strict=True)],
+                      [max(v) - m for m, v in zip(means, runs, strict=True)]]  # fmt: skip
+            style = {"color": "tab:green"} if policy == "kvindex" else {}
+            if policy == "kvindex prefix-only":
+                style = {"color": "tab:olive", "linestyle": "--"}
+            ax.errorbar(rates, means, yerr=spread, marker="o", capsize=3, label=policy, **style)
+        ax.set_title(workload)
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_ylabel("TTFT p90 (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(f"Routing on {details['engines']} timed vLLM engines: the load ladder")
+    return [_save(fig, out, "routing_ladder.png")]
 
 
 def main(argv: list[str]) -> int:

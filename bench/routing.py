@@ -1,26 +1,30 @@
-"""Item 16: routing on a real fleet. The same workload (:mod:`bench.routing_workload`) through
-each routing policy in front of 3 (``--quick``) or 4 real CPU ``vllm serve`` with small KV
-caches, so where a request lands decides whether its prefix is still cached.
+"""Item 16: routing on a fleet that keeps GPU time. The same requests at the same times
+(:mod:`bench.routing_workload`, :mod:`bench.routing_trace`) through each routing policy in
+front of 4 (``--quick``) or 8 timed engines (``bench/timed_engine``: a real CPU ``vllm
+serve`` whose forward pass sleeps for the step time of Llama 3.1 8B on an H100, times
+:data:`~bench.routing_fleet.SCALE`) with small KV caches, so where a request lands decides
+whether its prefix is still cached and how long it queues.
 
-Policies, each from cold caches (every engine's prefix cache reset, a fresh router process):
-vllm-router 0.1.17 ``round_robin``, ``cache_aware`` and ``kv_aware`` (it follows the engines'
-KV events itself), smg 1.13.0 ``cache_aware``, and kvindex: a fresh ``kvindex serve``
-following the engines' events, behind a thin proxy that asks ``POST /prefix-match`` with
-``route: "best"`` and streams the request to the engine it names. :data:`VARIANTS` are
-kvindex's ``api.load`` sections, one a line (the load-aware pick, the prefix-only
-ablation); ``--variant`` adds more from the command line.
+Policies, each run from cold caches (every engine's prefix cache reset, a fresh router
+process): vllm-router 0.1.17 ``round_robin``, ``cache_aware`` and ``kv_aware`` (it follows
+the engines' KV events itself), smg 1.13.0 ``cache_aware``, and kvindex: a fresh ``kvindex
+serve`` following the engines' events, behind a thin proxy that asks ``POST /prefix-match``
+with ``route: "best"`` and streams the request to the engine it names. :data:`VARIANTS` are
+kvindex's ``api.load`` sections (the load-aware pick, the prefix-only ablation);
+``--variant`` adds more.
 
-Per policy, from each engine's own ``/metrics`` (the one account every policy is judged
-by): the fleet's prefix-cache hit rate (hit tokens / queried tokens, deltas over the run)
-and load imbalance (the busiest engine's finished requests over the mean); from the client:
-TTFT p50 and p99 (sending to the first streamed content chunk, the router's own time
-included). kvindex's rows carry the ratio to the best peer of the same run.
+Workloads: Mooncake's conversation trace (whole sessions sampled, time compressed; ``--trace``
+takes any file in its format), llm-d's shared-prefix shape scaled to the fleet, and chats
+with an agent burst; each at every rate of the load ladder (``--rates``), ``--runs`` times.
+Quick: the ladder on the trace, the other two at its middle rate, one run each.
 
-``--restarts N`` then runs one kvindex variant N times in one kvindex process, every vLLM
-server restarted (same ports, same engine names) between runs, and reports each run with
-what kvindex said about the engines before it: state carried over a restart shows there.
+Per run, from each engine's own ``/metrics`` (the one account every policy is judged by):
+the fleet's prefix-cache hit rate (hit tokens / queried tokens) and requests per engine;
+from the client: TTFT and end-to-end latency percentiles, output tokens a second; from the
+timed engines: the self-check (modelled vs measured step time, CPU per engine).
 
-Run alone: ``python -m bench.routing [--quick]`` (logs under /tmp/routing-bench/).
+Run alone: ``python -m bench.routing [--quick] [--trace PATH] [--json OUT]`` (logs under
+/tmp/routing-bench/).
 """
 
 from __future__ import annotations
@@ -34,107 +38,83 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import plots
-from bench import routing_workload as workload_mod
-from bench.measure import quantile
+from bench import plots, routing_trace, routing_workload
+from bench import routing_figures as figures_mod
 from bench.report import Figure, Goal, Report
-from bench.routing_fleet import (
-    COUNTERS,
-    Fleet,
-    Kvindex,
-    Server,
-    Smg,
-    VllmRouter,
-    progress,
-    routers_venv,
-)
+from bench.routing_fleet import SCALE, Fleet, Kvindex, Server, Smg, VllmRouter, progress
+from bench.routing_fleet import routers_venv as routers
 from bench.routing_proxy import Proxy
+from bench.routing_workload import Workload, at_rate
 
 SECTION = "16"
 LOGS = Path("/tmp/routing-bench")
+RUNS = "runs.jsonl"  # in the logs: the setting, then each run's row and self-check
 CACHE = "3M"  # 96 blocks of 32 tokens per engine
 #: kvindex's ``api.load`` per variant; the first is the one the goals are about
 VARIANTS: dict[str, dict] = {
     "kvindex": {"enabled": True},
     "kvindex prefix-only": {"enabled": False},
 }
-#: the variant ``--restarts`` runs (a user saw its hit rate fall run after run)
-RESTARTED = "kvindex prefix-only"
 #: the peers: (policy name, router, router policy)
 PEERS = (
-    ("vllm-router round_robin", VllmRouter, "round_robin"),
+    ("round_robin", VllmRouter, "round_robin"),
     ("vllm-router cache_aware", VllmRouter, "cache_aware"),
     ("vllm-router kv_aware", VllmRouter, "kv_aware"),
     ("smg cache_aware", Smg, "cache_aware"),
 )
-HITS, QUERIES, DONE = COUNTERS
+#: the load ladder, requests a second per engine: up to where round robin saturates
+LADDER = (0.5, 1.0, 1.5)
+#: requests a run (trace, shared-prefix questions a user, chats and burst), quick and full
+QUICK = {"engines": 4, "trace": 48, "questions": 1, "chats": (40, 8), "runs": 1}
+FULL = {"engines": 8, "trace": 160, "questions": 2, "chats": (128, 16), "runs": 3}
 
 
-def summary(before: dict, after: dict, samples: list, wall: float) -> dict:
-    """One policy's figures from the engines' counters and the client's samples."""
-    delta = {e: {k: after[e][k] - before[e][k] for k in after[e]} for e in after}
-    hits = sum(d[HITS] for d in delta.values())
-    queries = sum(d[QUERIES] for d in delta.values())
-    served = {e: int(d[DONE]) for e, d in delta.items()}
-    mean = sum(served.values()) / len(served)
-    ttfts = [s.ttft * 1000 for s in samples if s.ttft is not None and not s.error]
-    prompt = sum(s.prompt_tokens for s in samples)
+def workloads(size: dict, trace: Path) -> dict[str, Workload]:
+    """The three workloads at one request a second."""
     return {
-        "hit_rate": hits / queries if queries else 0.0,
-        "ttft_p50_ms": quantile(ttfts, 0.5),
-        "ttft_p99_ms": quantile(ttfts, 0.99),
-        "imbalance": max(served.values()) / mean if mean else float("nan"),
-        "requests_per_engine": served,
-        "requests": len(samples),
-        "errors": [f"{s.key}: {s.error}" for s in samples if s.error][:10],
-        "no_content": sum(1 for s in samples if s.ttft is None and not s.error),
-        "client_cached_share": sum(s.cached_tokens for s in samples) / prompt if prompt else 0,
-        "wall_s": wall,
-        "samples": [(s.key, s.ttft and round(s.ttft * 1000), s.cached_tokens) for s in samples],
+        "trace": routing_trace.sample(trace, size["trace"]),
+        "shared-prefix": routing_workload.shared_prefix(size["engines"], size["questions"]),
+        "chats": routing_workload.chats(*size["chats"]),
     }
 
 
 class Bench:
-    """The fleet and the workload, with the runs measured so far."""
+    """The fleet, the routers' venv, and the rows measured so far."""
 
-    def __init__(self, quick: bool, logs: Path) -> None:
+    def __init__(self, engines: int, logs: Path) -> None:
         self.logs = logs
-        self.concurrency = 3 if quick else 4
-        chats, burst = (96, 10) if quick else (160, 16)
-        self.workload = workload_mod.build(chats, burst)
-        self.fleet = Fleet(logs, 3 if quick else 4, CACHE)
-        self.venv: Path | None = None
-        self.rows: dict[str, dict] = {}
+        self.fleet = Fleet(logs, engines, CACHE)
+        self.venv = routers()
+        self.rows: list[dict] = []
+        self.checks: list[dict] = []
 
-    def measure(self, router: Server, launch: Callable[[], None]) -> dict:
-        """One pass of the workload through ``router`` (launched after the reset), its figures."""
-        before = self.fleet.counters()
+    def measure(self, router: Server, launch: Callable[[], None], workload: Workload) -> dict:
+        """One pass of ``workload`` through ``router`` (launched after the reset)."""
+        before, steps = self.fleet.counters(), self.fleet.steps()
         launch()
         started = time.monotonic()
-        url = f"{router.url}/v1/chat/completions"
-        samples = workload_mod.run(url, self.workload, self.concurrency)
+        samples = routing_workload.run(f"{router.url}/v1/chat/completions", workload)
         wall = time.monotonic() - started
-        time.sleep(0.5)  # the last requests' counters
-        return summary(before, self.fleet.counters(), samples, wall)
+        time.sleep(1.5)  # the last counters, and a step account written after the last step
+        row = figures_mod.row(before, self.fleet.counters(), samples, wall)
+        return row | {"self_check": figures_mod.self_check(steps, self.fleet.steps(), wall)}
 
-    def peer(self, kind: type, policy: str) -> dict:
+    def peer(self, kind: type, policy: str, workload: Workload) -> dict:
         self.fleet.reset()
         router = kind(self.logs, self.venv, policy, self.fleet.engines)
         try:
-            return self.measure(router, router.launch)
+            return self.measure(router, router.launch, workload)
         finally:
             router.stop()
 
-    def kvindex(self, name: str, load: dict | None) -> dict:
+    def kvindex(self, name: str, load: dict, workload: Workload) -> dict:
         self.fleet.reset()
         slug = name.replace(" ", "-")
         index = Kvindex(self.logs, slug, self.fleet, load)
         proxy = Proxy(self.logs, f"proxy-{slug}", index, self.fleet)
         try:
-            row = self.measure(proxy, lambda: self.launch(index, proxy))
-            row["proxy"] = proxy.stats()
-            row["kvindex_view"] = self.view(index)
-            return row
+            row = self.measure(proxy, lambda: self.launch(index, proxy), workload)
+            return row | {"proxy": proxy.stats()}
         finally:
             proxy.stop()
             index.stop()
@@ -148,150 +128,150 @@ class Bench:
         index.prefix_match([{"role": "user", "content": "hello"}])  # its tokenizer is loaded
         proxy.launch()
 
-    def view(self, index: Kvindex) -> dict:
-        """What kvindex holds per engine for the workload's last chat prompt (its GPU prefix
-        there, in blocks) and its account of each engine."""
-        last = list(self.workload.chats[-1].messages)
-        answer = index.prefix_match(last)
-        return {
-            "prefix_match_last_chat": answer,
-            "engines": {n: index.engine(n) for n in index.names},
-        }
-
-    def policy(self, name: str, run: Callable[[], dict]) -> None:
-        progress(f"policy {name} ...")
-        try:
-            self.rows[name] = run()
-        except Exception as e:  # one failing router must not cost the others their rows
-            progress(f"policy {name} FAILED: {type(e).__name__}: {e}")
-            self.rows[name] = {"failed": f"{type(e).__name__}: {e}"}
-            return
-        row = self.rows[name]
-        progress(
-            f"policy {name}: hit rate {row['hit_rate']:.3f}, TTFT p50 {row['ttft_p50_ms']:.0f} ms"
-            f" p99 {row['ttft_p99_ms']:.0f} ms, imbalance {row['imbalance']:.2f}"
-            f" ({row['wall_s']:.0f} s)"
-        )
-
-    def run_all(self, variants: dict[str, dict], only: set[str] | None) -> None:
-        self.venv = routers_venv()
+    def policies(self, variants: dict[str, dict], only: set[str] | None) -> dict[str, Callable]:
+        """Each policy's run of a workload."""
+        out: dict[str, Callable[[Workload], dict]] = {}
         for name, kind, policy in PEERS:
-            if only is None or name in only:
-                self.policy(name, lambda k=kind, p=policy: self.peer(k, p))
+            out[name] = lambda w, k=kind, p=policy: self.peer(k, p, w)
         for name, load in variants.items():
-            if only is None or name in only:
-                self.policy(name, lambda n=name, lo=load: self.kvindex(n, lo))
+            out[name] = lambda w, n=name, lo=load: self.kvindex(n, lo, w)
+        return {n: f for n, f in out.items() if only is None or n in only}
 
-    def restarts(self, name: str, load: dict | None, runs: int) -> list[dict]:
-        """``runs`` passes through one kvindex process, every engine restarted between."""
-        self.fleet.reset()
-        slug = f"{name.replace(' ', '-')}-restarts"
-        index = Kvindex(self.logs, slug, self.fleet, load)
-        proxy = Proxy(self.logs, f"proxy-{slug}", index, self.fleet)
-        out = []
+    def run(self, policy: str, measure: Callable[[Workload], dict], workload: Workload,
+            rate: float, run: int) -> None:  # fmt: skip
+        """One policy's run at ``rate``: a row, and its self-check."""
+        key = {"policy": policy, "run": run, "rate": rate, "workload": workload.name}
+        progress(f"{workload.name} at {rate:g} req/s, run {run}: {policy} ...")
         try:
-            index.launch()
-            proxy.launch()
-            for run in range(runs):
-                if run:
-                    progress(f"restarts: restarting every vllm serve before run {run + 1}")
-                    self.fleet.restart()
-                seen = self.view(index)
-                row = self.measure(proxy, lambda: None)
-                row |= {"proxy": proxy.stats(), "kvindex_before": seen}
-                progress(f"restarts run {run + 1}: hit rate {row['hit_rate']:.3f},"
-                         f" imbalance {row['imbalance']:.2f}")  # fmt: skip
-                out.append(row)
-        finally:
-            proxy.stop()
-            index.stop()
-        return out
-
-
-def table(rows: dict[str, dict]) -> list[str]:
-    lines = [
-        "| policy | hit rate | TTFT p50 (ms) | TTFT p99 (ms) | imbalance | requests per engine |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for name, row in rows.items():
-        if "failed" in row:
-            lines.append(f"| {name} | failed: {row['failed']} | | | | |")
-            continue
-        lines.append(
-            f"| {name} | {row['hit_rate']:.3f} | {row['ttft_p50_ms']:.0f} | "
-            f"{row['ttft_p99_ms']:.0f} | {row['imbalance']:.2f} | "
-            f"{' '.join(str(v) for v in row['requests_per_engine'].values())} |"
+            result = measure(at_rate(workload, rate))
+        except Exception as e:  # one failing router must not cost the others their rows
+            progress(f"{policy} FAILED: {type(e).__name__}: {e}")
+            self.rows.append(key | {"failed": f"{type(e).__name__}: {e}"})
+            return
+        check = result.pop("self_check")
+        self.rows.append(key | result)
+        self.checks.append(key | {"engines": check})
+        with (self.logs / RUNS).open("a") as runs:  # kept as it goes: a stopped run keeps them
+            runs.write(json.dumps({"row": self.rows[-1], "check": self.checks[-1]}) + "\n")
+        progress(
+            f"{policy}: hit rate {result['hit_rate']:.3f}, TTFT p50/p90/p99 "
+            f"{result['ttft_p50_ms']:.0f}/{result['ttft_p90_ms']:.0f}/"
+            f"{result['ttft_p99_ms']:.0f} ms, {result['output_tokens_per_s']:.0f} tok/s, "
+            f"per engine {list(result['requests_per_engine'].values())}"
+            + (f", {len(result['errors'])} errors" if result["errors"] else "")
         )
-    return lines
 
 
-FIGURES = (  # (key, label, unit, the best peer's is the max (True) or the min, goal)
-    ("hit_rate", "prefix-cache hit rate", "", True, Goal(1.0)),
-    ("ttft_p50_ms", "TTFT p50", "ms", False, None),
-    ("ttft_p99_ms", "TTFT p99", "ms", False, Goal(1.0, at_least=False)),
-    ("imbalance", "load imbalance (max / mean requests)", "x", False, None),
-)
+def plan(
+    quick: bool, rates: tuple[float, ...], runs: int, names: list[str]
+) -> list[tuple[str, float, int]]:
+    """(workload, rate, run) in the order they run: runs outermost, so a slow moment of the
+    shared machine hits one run of everything rather than every run of one thing."""
+    middle = rates[len(rates) // 2]
+    steps = []
+    for run in range(1, runs + 1):
+        for name in names:
+            ladder = rates if not quick or name == "trace" else (middle,)
+            steps += [(name, rate, run) for rate in ladder]
+    return steps
 
 
-def figures(rows: dict[str, dict], goals_for: str) -> list[Figure]:
-    """One figure per policy and measure; kvindex's rows against the best peer's."""
-    done = {n: r for n, r in rows.items() if "failed" not in r}
-    peers = {n: r for n, r in done.items() if not n.startswith("kvindex")}
-    out = []
-    for name, row in done.items():
-        for key, label, unit, higher, goal in FIGURES:
-            figure = Figure(SECTION, f"routing on a real fleet, {name}: {label}", row[key], unit)
-            if name.startswith("kvindex") and peers:
-                pick = max if higher else min
-                best = pick(peers, key=lambda n, k=key: peers[n][k])
-                figure = Figure(
-                    SECTION, figure.name, row[key], unit, f"best peer ({best})",
-                    peers[best][key], goal if name == goals_for else None,
-                )  # fmt: skip
-            out.append(figure)
-    return out
-
-
-def run(report: Report, quick: bool, variants: dict | None = None, restarts: int = 0,
-        only: set[str] | None = None, logs: Path = LOGS) -> dict:  # fmt: skip
-    """The item: every policy, then the restart runs when asked; figures into ``report``."""
+def run(report: Report, quick: bool, trace: Path = routing_trace.TRACE,
+        variants: dict | None = None, only: set[str] | None = None, logs: Path = LOGS,
+        rates: tuple[float, ...] | None = None, runs: int | None = None,
+        names: list[str] | None = None) -> dict:  # fmt: skip
+    """The item: every workload, rate, run and policy; figures into ``report``."""
     variants = variants or VARIANTS
+    size = QUICK if quick else FULL
+    rates = rates or tuple(r * size["engines"] for r in LADDER)
+    runs = runs or size["runs"]
     logs.mkdir(parents=True, exist_ok=True)
-    bench = Bench(quick, logs)
-    details: dict = {"workload": {"chats": len(bench.workload.chats),
-                                  "burst": len(bench.workload.burst),
-                                  "concurrency": bench.concurrency, "cache": CACHE,
-                                  "engines": len(bench.fleet.engines)}}  # fmt: skip
+    loads = workloads(size, trace)
+    names = names or list(loads)
+    details: dict = {
+        "engines": size["engines"], "cache": CACHE, "scale": SCALE, "rates": rates,
+        "workloads": {n: loads[n].about | {"requests": len(loads[n])} for n in names},
+    }  # fmt: skip
     started = time.monotonic()
+    bench = Bench(size["engines"], logs)
+    (logs / RUNS).write_text(json.dumps({"setting": details}) + "\n")
     try:
         bench.fleet.start()
-        bench.run_all(variants, only)
-        if restarts:
-            name = RESTARTED if RESTARTED in variants else next(iter(variants))
-            details["restarts"] = {
-                "variant": name,
-                "runs": bench.restarts(name, variants[name], restarts),
-            }
+        measures = bench.policies(variants, only)
+        for name, rate, number in plan(quick, rates, runs, names):
+            for policy, measure in measures.items():
+                bench.run(policy, measure, loads[name], rate, number)
     finally:
         bench.fleet.stop()
-    again = details.get("restarts", {"runs": ()})
-    rows = bench.rows | {
-        f"{again['variant']}, one kvindex, run {i + 1} (engines restarted before runs 2+)": r
-        for i, r in enumerate(again["runs"])
-    }
-    details |= {"policies": bench.rows, "table": table(rows), "wall_s": time.monotonic() - started}
+    details = completed(details, bench.rows, bench.checks, time.monotonic() - started)
     report.add(*figures(bench.rows, next(iter(variants))))
     report.notes.append(_note(details))
     return details
 
 
+def completed(setting: dict, rows: list[dict], checks: list[dict], wall: float) -> dict:
+    return setting | {
+        "rows": rows,
+        "self_check": checks,
+        "table": figures_mod.table(rows),
+        "check_table": figures_mod.check_table(checks),
+        "wall_s": wall,
+    }
+
+
+def recorded(files: list[Path]) -> dict:
+    """The details of the runs recorded in ``files`` (logs' ``runs.jsonl``, each a setting
+    then its runs), the first file's setting; wall time: the runs' own."""
+    setting, rows, checks = None, [], []
+    for path in files:
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            setting = setting or entry.get("setting")
+            if "row" in entry:
+                rows.append(entry["row"])
+                checks.append(entry["check"])
+    assert setting is not None, f"no setting in {files}"
+    return completed(setting, rows, checks, sum(r.get("wall_s", 0) for r in rows))
+
+
+#: (key, label, unit, the best peer's is the max (True) or the min, goal)
+FIGURES = (
+    ("hit_rate", "prefix-cache hit rate", "", True, Goal(1.0)),
+    ("ttft_p90_ms", "TTFT p90", "ms", False, Goal(1.0, at_least=False)),
+    ("ttft_p99_ms", "TTFT p99", "ms", False, Goal(1.0, at_least=False)),
+)
+
+
+def figures(rows: list[dict], goals_for: str) -> list[Figure]:
+    """Per workload and rate, the mean over runs of each kvindex variant's figures against
+    the best peer's."""
+    means = figures_mod.aggregate(rows)
+    out = []
+    for (workload, rate, policy), row in means.items():
+        if not policy.startswith("kvindex"):
+            continue
+        peers = {p: r for (w, r_, p), r in means.items()
+                 if w == workload and r_ == rate and not p.startswith("kvindex")}  # fmt: skip
+        for key, label, unit, higher, goal in FIGURES:
+            name = f"routing, {workload} at {rate:g} req/s, {policy}: {label}"
+            if not peers:
+                out.append(Figure(SECTION, name, row[key][0], unit))
+                continue
+            best = (max if higher else min)(peers, key=lambda p, k=key: peers[p][k][0])
+            kept = goal if policy == goals_for else None
+            out.append(Figure(SECTION, name, row[key][0], unit, f"best peer ({best})",
+                              peers[best][key][0], kept))  # fmt: skip
+    return out
+
+
 def _note(details: dict) -> str:
-    w = details["workload"]
     return (
-        f"Item 16: {w['engines']} CPU vllm serve ({w['cache']} KV cache each), {w['chats']} chat "
-        f"requests at concurrency {w['concurrency']} plus a burst of {w['burst']} agents; hit "
-        "rate and requests per engine from each engine's /metrics, TTFT from the client. Table:\n\n"
+        f"Item 16: {details['engines']} timed engines (vllm serve, {details['cache']} KV cache "
+        f"each, time scale {details['scale']:g}); hit rate and requests per engine from each "
+        "engine's /metrics, latencies from the client. Mean (min-max) over runs:\n\n"
         + "\n".join(details["table"])
+        + "\n\nThe timed engines' self-check:\n\n"
+        + "\n".join(details["check_table"])
     )
 
 
@@ -305,24 +285,46 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         "python -m bench.routing", description=__doc__, formatter_class=raw
     )
-    parser.add_argument("--quick", action="store_true", help="3 engines, 96 chat requests")
+    parser.add_argument("--quick", action="store_true", help="4 engines, one run, short runs")
+    parser.add_argument("--trace", type=Path, default=routing_trace.TRACE,
+                        help="a trace in Mooncake's format (default: the shared one)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="write one row per policy and run here")
+    parser.add_argument("--workload", action="append", choices=("trace", "shared-prefix", "chats"),
+                        help="only these workloads (repeatable)")  # fmt: skip
+    parser.add_argument("--rates", type=float, nargs="+", help="the ladder (requests a second)")
+    parser.add_argument("--runs", type=int, help="runs of each policy at each rate")
     parser.add_argument("--variant", action="append", type=_variant, default=[],
                         metavar="NAME=JSON", help="another kvindex api.load, e.g. "
-                        "'per_request-8={\"per_request\": 8}' (repeatable)")  # fmt: skip
-    parser.add_argument("--restarts", type=int, default=0, metavar="N",
-                        help="then N runs in one kvindex, engines restarted between")  # fmt: skip
+                        "'per_block-2={\"per_block\": 2}' (repeatable)")  # fmt: skip
     parser.add_argument("--only", nargs="+", help="only these policies (names as in the table)")
     parser.add_argument("--logs", type=Path, default=LOGS)
+    parser.add_argument("--out", type=Path, help="routing.md and its plot here (default: --logs)")
+    parser.add_argument("--recorded", type=Path, nargs="+", metavar="RUNS",
+                        help="measure nothing: the report of runs recorded in these "
+                        f"{RUNS} (one file a round of runs)")  # fmt: skip
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the servers go in finally
     report = Report("quick" if args.quick else "full")
     variants = VARIANTS | dict(args.variant)
     only = set(args.only) if args.only else None
-    with contextlib.redirect_stdout(sys.stderr):
-        details = run(report, args.quick, variants, args.restarts, only, args.logs)
-    (args.logs / "routing.json").write_text(json.dumps(details, indent=1, default=str))
-    report.plots.extend(plots.routing(details, args.logs))
+    rates = tuple(args.rates) if args.rates else None
+    if args.recorded:
+        details = recorded(args.recorded)
+        report.add(*figures(details["rows"], next(iter(variants))))
+    else:
+        with contextlib.redirect_stdout(sys.stderr):
+            details = run(report, args.quick, args.trace, variants, only, args.logs, rates,
+                          args.runs, args.workload)  # fmt: skip
+        (args.logs / "routing.json").write_text(json.dumps(details, indent=1, default=str))
+    if args.json:
+        args.json.write_text(json.dumps(details["rows"], indent=1))
+    out = args.out or args.logs
+    out.mkdir(parents=True, exist_ok=True)
+    report.plots.extend(plots.routing(details, out))
+    command = "python -m bench.routing " + " ".join(argv if argv is not None else sys.argv[1:])
+    (out / "routing.md").write_text(figures_mod.document(details, command))
     print("\n".join(details["table"]))
+    print("\n".join(details["check_table"]))
     print(report.markdown())
     return 0
 

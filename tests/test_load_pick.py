@@ -6,13 +6,23 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from api import ApiSettings
 from indexer.core.events import BlockStored, EventBatch, RankId
-from indexer.core.load import NEUTRAL, EngineLoad, LoadRules, Placement, cost, fullness, placement
+from indexer.core.load import (
+    NEUTRAL,
+    EngineLoad,
+    LoadRules,
+    Placement,
+    cost,
+    fullness,
+    placement,
+    waiting_picks,
+)
 from indexer.core.matching import PrefixMatch
 from indexer.core.routed import Candidate, best
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
@@ -23,9 +33,11 @@ from .apikit import Api, engine
 
 BLOCK = 16
 PREFIX = list(range(1000, 1000 + 16 * BLOCK))  # 16 blocks every request shares
-FAST = LoadRules(per_request=4.0, scrape_interval=0.05, stale_after=0.5)
+FAST = LoadRules(per_block=1.0, per_request=4.0, scrape_interval=0.05, stale_after=0.5)
 #: one scrape at the start that stays fresh: every pick of a test stays pending
-SLOW = LoadRules(per_request=4.0, scrape_interval=30, stale_after=60, pending_seconds=60)
+SLOW = LoadRules(
+    per_block=1.0, per_request=4.0, scrape_interval=30, stale_after=60, pending_seconds=60
+)
 
 
 def page(running: float, waiting: float = 0, usage: float = 0.0, blocks: int = 0) -> str:
@@ -86,6 +98,10 @@ def fresh(i: int) -> list[int]:
     return [60_000 + 17 * BLOCK * i + j for j in range(17 * BLOCK)]  # shares nothing
 
 
+def short(i: int) -> list[int]:
+    return [70_000 + BLOCK * i + j for j in range(BLOCK)]  # one block, shares nothing
+
+
 async def fleet(metrics: Metrics, load: LoadRules, held_by: str | None = "e0") -> Api:
     """Three engines with a url each; ``held_by`` holds the shared prefix on GPU."""
     api = Api(ApiSettings(load=load))
@@ -131,10 +147,14 @@ async def test_load_shifts_a_burst_away_from_a_busy_rank(metrics: Metrics) -> No
         assert costs["e0"]["requests_ahead"] == 10 and costs["e0"]["running"] == 8
         assert costs["e0"]["cost"] == 1 + 4.0 * 10  # one block to compute, ten ahead
         assert costs["e1"]["cost"] == 17 and first["route_costs"][0]["engine"] == "e1"
-        burst = [first["routed_to"]["engine"], *await picks(api, [tokens(i) for i in range(1, 9)])]
+        second = {c["engine"]: c for c in (await pick(api, tokens(1)))["route_costs"]}
+        # e1's first pick waits there with its 17 blocks to compute; its prompt is routed
+        assert (second["e1"]["pending"], second["e1"]["queued_blocks"]) == (1, 17)
+        assert second["e1"]["cost"] > second["e2"]["cost"] == 17
+        burst = [first["routed_to"]["engine"], *await picks(api, [tokens(i) for i in range(2, 4)])]
         assert "e0" not in burst and {"e1", "e2"} <= set(burst), burst
         # the same burst by the prefix alone piles onto e0
-        alone = await picks(prefix_only, [tokens(i) for i in range(9)])
+        alone = await picks(prefix_only, [tokens(i) for i in range(4)])
         assert set(alone) == {"e0"}, alone
     finally:
         await api.close()
@@ -175,11 +195,32 @@ async def test_new_prefixes_spread_in_a_deterministic_order(metrics: Metrics) ->
     assert orders[0] == orders[1] == ["e0", "e1", "e2", "e0", "e1"], orders
 
 
+async def test_the_queue_weighs_the_work_it_holds_not_its_requests(metrics: Metrics) -> None:
+    """One long miss waiting on e0 outweighs a few one-block misses on the others: short
+    prompts keep off e0 by work, where a count of requests sends one there."""
+    shorts = [short(i) for i in range(6)]
+    by_work = await fleet(metrics, SLOW, held_by=None)
+    counting = LoadRules(per_block=0, per_request=1.0, scrape_interval=30, stale_after=60)
+    by_count = await fleet(metrics, replace(counting, pending_seconds=60), held_by=None)
+    try:
+        for api in (by_work, by_count):
+            await scraped(api)
+            assert (await pick(api, fresh(0)))["routed_to"]["engine"] == "e0"
+        work = await picks(by_work, shorts)
+        assert "e0" not in work and {"e1", "e2"} == set(work), work
+        assert "e0" in await picks(by_count, shorts)
+    finally:
+        await by_work.close()
+        await by_count.close()
+
+
 def test_cost_and_best_follow_the_rules_written_in_the_docs() -> None:
-    rules = LoadRules(per_request=4.0, pressure=0.5)
-    full = placement(rules, EngineLoad(running=2, waiting=1, kv_usage=0.5), pending=1)
-    assert (full.requests_ahead, full.pending, full.fullness) == (4, 1, 0.5)
-    assert cost(score=6, num_blocks=10, where=full) == 4 * 1.25 + 4.0 * 4
+    rules = LoadRules(per_block=1.0, per_request=4.0, pressure=0.5)
+    full = placement(rules, EngineLoad(running=2, waiting=1, kv_usage=0.5), pending=1, queued=7)
+    assert (full.requests_ahead, full.pending, full.fullness, full.queued_blocks) == (4, 1, 0.5, 7)
+    assert cost(score=6, num_blocks=10, where=full) == 4 * 1.25 + 4.0 * 4 + 7
+    assert waiting_picks(EngineLoad(running=5, waiting=2), pending=1) == 3  # running: started
+    assert waiting_picks(None, pending=2) == 2
     assert placement(rules, None, pending=0) == Placement()  # nothing known: the prefix
     assert placement(LoadRules(enabled=False), EngineLoad(running=9), 3) == Placement()
     assert fullness(EngineLoad(kv_usage=0.1, capacity=100), resident=80) == 0.8

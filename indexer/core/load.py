@@ -6,7 +6,8 @@ ties first: queues grow there and its cache churns. So ``route: "best"``
 weighs a rank's prefix against the work already waiting on it, in one unit, the
 blocks of prefill a request must wait for:
 
-    cost = uncached * (1 + pressure * fullness) + per_request * requests_ahead
+    cost = uncached * (1 + pressure * fullness)
+         + per_block * queued_blocks + per_request * requests_ahead
 
 - ``uncached``: the prompt's blocks minus its score (the tier-weighted blocks the
   rank holds or was routed), so a rank holding the whole prompt on GPU costs 0;
@@ -14,12 +15,18 @@ blocks of prefill a request must wait for:
   ``kv_cache_usage_perc`` and the resident blocks over its capacity). Each new
   block placed on a full cache evicts one someone may want back, so a miss there
   costs more than on a rank with room;
+- ``queued_blocks``: the prefill work queued ahead of the prompt there, in blocks:
+  the uncached blocks this process routed to the rank with its last picks, as many
+  of them as the engine reports waiting plus the ones routed since that report (the
+  engine cannot count them yet). The engine says how many requests wait, the picks
+  how much each must compute: a queue of two long misses weighs more than one of
+  ten cache hits, which a count of requests cannot tell;
 - ``requests_ahead``: the requests the engine reports running and waiting, plus
-  the ones routed to it since that report (the engine cannot count them yet).
+  the pending ones: each stretches every step the prompt's prefill shares with it.
 
-The cheapest rank wins; a rank holding a popular prefix wins until its queue is
-worth more than the prefill of the prompt elsewhere, which is when a second copy
-pays. A rank whose report is stale or missing counts only the picks routed to it
+The cheapest rank wins; a rank holding a popular prefix wins until the work queued
+there is worth more than the prefill of the prompt elsewhere, which is when a second
+copy pays. A rank whose report is stale or missing counts only the picks routed to it
 recently and no fullness: with no load known anywhere the pick is the prefix's.
 Ties go to the higher score, then to the rank holding fewer routed entries,
 then to the first candidate (engine name, then dp rank).
@@ -41,21 +48,26 @@ class LoadRules:
 
     #: False: the pick is the best score alone, load ignored.
     enabled: bool = True
-    #: Blocks of prefill one request queued on a rank is worth (bench item 16's best of
-    #: 1, 2, 4 and 16): raise it to spread bursts sooner.
+    #: Blocks of prefill each block queued ahead on a rank is worth (bench item 16's sweep
+    #: on timed engines, docs/bench/routing.md): raise it to spread long misses sooner.
+    per_block: float = 0.5
+    #: Blocks of prefill one request queued on a rank is worth: raise it to spread
+    #: bursts sooner.
     per_request: float = 2.0
     #: How much more an uncached block costs on a full cache (where it evicts one).
     pressure: float = 0.5
-    #: Seconds between scrapes of each engine's ``/metrics``.
-    scrape_interval: float = 0.25
+    #: Seconds between scrapes of each engine's ``/metrics``. A scrape reads tens of
+    #: kilobytes a page: at 4 a second per engine it delayed a loaded process's answers
+    #: by hundreds of ms (bench item 16); picks since the last report count as pending.
+    scrape_interval: float = 1.0
     #: Seconds a load report counts for; an older one counts for nothing.
-    stale_after: float = 2.0
+    stale_after: float = 3.0
     #: Seconds a pick counts as pending on a rank without a fresh report.
     pending_seconds: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.per_request < 0 or self.pressure < 0:
-            raise ValueError("load: per_request and pressure must be at least 0")
+        if min(self.per_block, self.per_request, self.pressure) < 0:
+            raise ValueError("load: per_block, per_request and pressure must be at least 0")
         if not 0 < self.scrape_interval < self.stale_after or self.pending_seconds <= 0:
             raise ValueError(
                 "load: need 0 < scrape_interval < stale_after and pending_seconds above 0, got"
@@ -77,12 +89,13 @@ class EngineLoad:
 @dataclass(frozen=True, slots=True)
 class Placement:
     """What a pick of one rank costs beside its prefix: each uncached block counts
-    ``miss_factor``, and the requests ahead ``load_cost`` blocks. Neutral (1, 0): the
+    ``miss_factor``, and the work ahead ``load_cost`` blocks. Neutral (1, 0): the
     prefix alone decides."""
 
     miss_factor: float = 1.0
     load_cost: float = 0.0
-    requests_ahead: float = 0.0  # what load_cost is of: reported, plus pending
+    requests_ahead: float = 0.0  # what load_cost is of: reported, plus pending,
+    queued_blocks: float = 0.0  # and the prefill blocks of those waiting
     pending: int = 0
     fullness: float = 0.0
 
@@ -103,17 +116,29 @@ def fullness(report: EngineLoad | None, resident: int | None) -> float:
 
 
 def placement(
-    rules: LoadRules, report: EngineLoad | None, pending: int, resident: int | None = None
+    rules: LoadRules,
+    report: EngineLoad | None,
+    pending: int,
+    resident: int | None = None,
+    queued: float = 0.0,
 ) -> Placement:
-    """A rank's placement from its fresh ``report`` (None: stale or missing) and the
-    ``pending`` picks routed to it that the report does not count."""
+    """A rank's placement from its fresh ``report`` (None: stale or missing), the
+    ``pending`` picks routed to it that the report does not count, and the ``queued``
+    prefill blocks of the requests waiting there (:func:`waiting_picks` says how many)."""
     if not rules.enabled:
         return NEUTRAL
     ahead = float(pending)
     if report is not None:
         ahead += report.running + report.waiting
     full = fullness(report, resident)
-    return Placement(1.0 + rules.pressure * full, rules.per_request * ahead, ahead, pending, full)
+    load = rules.per_request * ahead + rules.per_block * queued
+    return Placement(1.0 + rules.pressure * full, load, ahead, queued, pending, full)
+
+
+def waiting_picks(report: EngineLoad | None, pending: int) -> int:
+    """How many of a rank's last picks are still waiting for their prefill: the ones the
+    engine reports waiting, and the pending ones."""
+    return pending + (0 if report is None else round(report.waiting))
 
 
 def cost(score: float, num_blocks: int, where: Placement) -> float:
