@@ -183,7 +183,7 @@ def test_compose_refuses_to_run_without_a_token() -> None:
 
 def test_the_image_holds_what_the_package_installs() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for package in ("indexer", "api", "producer"):
+    for package in ("indexer", "api", "producer", "answers"):
         assert f"COPY {package} ./{package}" in dockerfile
     # the lock's exact versions and hashes, then kvindex on them, nothing resolved anew
     assert "RUN pip install --require-hashes --no-deps -r locks/service.txt" in dockerfile
