@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -24,7 +24,6 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from indexer.cluster.misdeclared_board import RedisMisdeclared
 from indexer.cluster.rebuilds import Rebuilds
 from indexer.cluster.registry import RedisRegistry
 from indexer.cluster.scripts import REGISTER
@@ -275,13 +274,12 @@ async def test_a_rebuild_outlives_its_consumer(scaled_out) -> None:
     """A worker stops while it rebuilds a rank after a loss (its lease lost on a loaded
     machine): the next owner resumes from the store's older watermark, and the rank
     stays degraded, saying why, until it has applied again what the first had to."""
-    top = await scaled_out()
-    batches = trace_batches(TRACE)
-    half = len(batches) // 2
+    top, batches = await scaled_out(), trace_batches(TRACE)
+    half, rebuilds = len(batches) // 2, Rebuilds(top.store.client)
     await top.publish(batches[:half])
     await top.worker.stop()
     target = half + 5  # the stopped consumer's: it had reached further than the store
-    await Rebuilds(top.store.client).keep({RANK: (target, "the store lost data")})
+    await rebuilds.keep({RANK: (target, "the store lost data")})
     registry = RedisRegistry(top.store.client)
     top.worker = Worker(top.store, registry, RankPool(), WorkerSettings(lease_ttl=1.0), "w2")
     await top.worker.start()
@@ -294,44 +292,9 @@ async def test_a_rebuild_outlives_its_consumer(scaled_out) -> None:
     assert top.status().store_loss is None
 
     async def forgotten() -> bool:  # at the next status publication
-        return await answered(Rebuilds(top.store.client).pending(RANK)) is None
+        return await answered(rebuilds.pending(RANK)) is None
 
     await until(forgotten, 10, "the ended rebuild to be deleted")
-
-
-async def test_findings_redis_lost_are_written_again_and_kept_meanwhile(
-    volatile_redis: RedisServer,
-) -> None:
-    """A block size a worker learned from an engine's events (registered without one)
-    is learned once; Redis restarting empty loses it. The worker writes it again once
-    its store notices; a replica that had read it keeps it meanwhile, and one that
-    starts after reads it again."""
-    config = redis_config(volatile_redis.url)
-    worker_store, replica_store = RedisStore(config), RedisStore(config)
-    try:
-        registry = RedisRegistry(worker_store.client)
-        spec = await registry.add(EngineSpec("e", "tcp://127.0.0.1:1", block_size=None))
-        worker_store.watch()
-        found = RedisMisdeclared(worker_store.client, registry)
-        worker_store.on_loss(found.republish)
-        found.publish(spec, {}, 16)
-        replica = RedisMisdeclared(replica_store.client, registry)
-
-        def reads(board: RedisMisdeclared) -> Callable[[], Awaitable[bool]]:
-            async def sixteen() -> bool:
-                await answered(board.refresh())
-                return board.block_size(spec.name) == 16
-
-            return sixteen
-
-        await until(reads(replica), 10, "the replica to read the block size")
-        await asyncio.to_thread(volatile_redis.restart)
-        await wait_until(lambda: worker_store.last_loss() is not None, what="the loss noticed")
-        assert await reads(replica)()  # kept, whatever Redis holds now
-        await until(reads(RedisMisdeclared(replica_store.client, registry)), 10, "rewritten")
-    finally:
-        await worker_store.close()
-        await replica_store.close()
 
 
 async def held_gpu_hash(store: RedisStore, batches) -> int:

@@ -40,7 +40,7 @@ from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
 from producer.workload import Workload
 
-from .conftest import EXIT_WITHIN, free_ports, trace_path
+from .conftest import EXIT_WITHIN, WAIT_WITHIN, free_ports, trace_path
 from .test_e2e import WORKLOAD, SimRank, answers, until
 from .test_store_conformance import RANK, check_trace_state, redis_config, server_for
 
@@ -266,7 +266,7 @@ class Topology:
                 counts[owner.get(rank)] += 1
             return set(counts) <= workers and (share is None or set(counts.values()) == {share})
 
-        await until(done, 15, f"ranks owned by {sorted(workers)}")
+        await until(done, WAIT_WITHIN, f"ranks owned by {sorted(workers)}")
 
     async def caught_up(self) -> None:
         """Until every engine's last published batch is the rank's Redis watermark."""
@@ -278,7 +278,7 @@ class Topology:
                 for m, e in zip(marks, self.engines, strict=True)
             )
 
-        await until(done, 30, "every published batch to be applied")
+        await until(done, WAIT_WITHIN, "every published batch to be applied")
 
     async def close(self) -> None:
         for process in [*self.workers.values(), *(p for p, _ in self.apis)]:
@@ -346,7 +346,7 @@ async def test_workers_hand_over_without_loss_and_replicas_agree(redis_cluster, 
         for k, engine in enumerate(top.engines):  # half through each replica
             client = top.apis[k % 2][1]
             body = engine_spec(engine.layout, k, engine.config, "sim")
-            await until(lambda c=client: ready(c), 20, "the API replica")
+            await until(lambda c=client: ready(c), WAIT_WITHIN, "the API replica")
             response = await client.post("/engines", json=body)
             assert response.status_code == 201, response.text
         traffic = asyncio.create_task(publishing(top.engines, stop))
@@ -374,7 +374,7 @@ async def test_workers_hand_over_without_loss_and_replicas_agree(redis_cluster, 
             truth = {(e.name, 0): e.truth(tokens) for e in top.engines}
             for _, client in top.apis:
                 assert await answers(client, tokens) == truth, f"prompt of {len(tokens)} tokens"
-        await until(lambda: replicas_show_owners(top), 10, "statuses of the new owners")
+        await until(lambda: replicas_show_owners(top), WAIT_WITHIN, "statuses of the new owners")
         for process in [*top.workers.values(), *(p for p, _ in top.apis)]:
             process.stop()
         assert await live_workers(top.store.client) == []  # they left, not just expired

@@ -52,14 +52,7 @@ from indexer.ingest.settings import Shared
 from indexer.ingest.snapshots import Outcome, SnapshotFetch
 from indexer.registry import EngineSpec, Gap, RankStatus, blank_status
 from indexer.retrying import until_done
-from indexer.stores.base import (
-    Fenced,
-    Store,
-    StoreLost,
-    Watermark,
-    apply_events,
-    apply_snapshot,
-)
+from indexer.stores.base import Fenced, Store, StoreLost, Watermark, apply_events, apply_snapshot
 
 log = logging.getLogger("kvindex.subscriber")
 
@@ -210,8 +203,8 @@ class RankConsumer:
         return status_now(self.status, self._seq, self._queued(), self._losses.in_doubt())
 
     def reached(self) -> int:
-        """The newest seq this rank applied or received (-1: none): what it must apply
-        again after a store loss before it is exact (or a consumer claiming it anew)."""
+        """The newest seq this rank applied, received or is rebuilding up to (-1: none):
+        what it, or a consumer claiming it anew, must apply after a store loss to be exact."""
         return self._seq.reached(queued[0] if (queued := self._queued()) else None)
 
     def ids(self, **extra: Any) -> dict[str, Any]:
@@ -431,13 +424,12 @@ class RankConsumer:
 
     @property
     def rebuild(self) -> tuple[int, str] | None:
-        """The rebuild after a store loss under way: the newest batch to apply again, and
-        the loss (None: none)."""
+        """The rebuild after a store loss under way (the seq to reach, the loss), or None."""
         return self._seq.rebuild_after_loss
 
     def rebuilding(self, last: int, reason: str) -> None:
-        """The rank's previous consumer here had applied up to ``last`` when the store
-        lost data (a worker claiming it anew): degraded until that is applied again."""
+        """An earlier consumer had reached ``last`` when the store lost data (a worker
+        claiming the rank anew): degraded until that is applied again."""
         self._perform_now(self._seq.rebuilding(last, reason))
 
     async def _follow_store(self) -> None:
