@@ -119,6 +119,7 @@ def routing(details: dict, out: Path) -> list[str]:
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.4), dpi=110)
     for ax, workload in zip(axes if len(workloads) > 1 else [axes], workloads, strict=True):
         mine = [r for r in rows if r["workload"] == workload]
+        peers = iter(["tab:blue", "tab:orange", "tab:purple", "tab:red", "tab:brown", "tab:gray"])
         for policy in dict.fromkeys(r["policy"] for r in mine):
             rates = sorted({r["rate"] for r in mine if r["policy"] == policy})
             runs = [[r["ttft_p90_ms"] for r in mine if r["policy"] == policy and r["rate"] == x]
@@ -126,9 +127,11 @@ def routing(details: dict, out: Path) -> list[str]:
             means = [sum(v) / len(v) for v in runs]
             spread = [[m - min(v) for m, v in zip(means, runs, strict=True)],
                       [max(v) - m for m, v in zip(means, runs, strict=True)]]  # fmt: skip
-            style = {"color": "tab:green"} if policy == "kvindex" else {}
+            style = {"color": "tab:green"}  # kvindex's pick
             if policy == "kvindex prefix-only":
                 style = {"color": "tab:olive", "linestyle": "--"}
+            elif not policy.startswith("kvindex"):
+                style = {"color": next(peers, "black")}
             ax.errorbar(rates, means, yerr=spread, marker="o", capsize=3, label=policy, **style)
         ax.set_title(workload)
         ax.set_xlabel("arrival rate (requests/s)")

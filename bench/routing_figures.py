@@ -140,6 +140,21 @@ def verdict(rows: list[dict], mine: str = "kvindex") -> list[str]:
     return lines
 
 
+def ask_table(rows: list[dict]) -> list[str]:
+    """How long kvindex took to answer the proxy's ``route: "best"`` (the proxy's clock: in
+    every kvindex TTFT), per workload, rate and variant: mean over runs of p50 and p99."""
+    asks: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if "proxy" in r:
+            asks[(r["workload"], r["rate"], r["policy"])].append(r["proxy"])
+    lines = ["| workload | rate | policy | answer p50 (ms) | answer p99 (ms) |",
+             "| --- | ---: | --- | ---: | ---: |"]  # fmt: skip
+    for (workload, rate, policy), runs in asks.items():
+        p50, p99 = (mean(run[k] for run in runs) for k in ("ask_p50_ms", "ask_p99_ms"))
+        lines.append(f"| {workload} | {rate:g} | {policy} | {p50:.0f} | {p99:.0f} |")
+    return lines
+
+
 def check_table(checks: list[dict]) -> list[str]:
     """The timed engines' self-check, one line per run and engine (means over engines)."""
     lines = ["| workload | rate | policy | run | modelled step (ms) | measured step (ms) | "
@@ -181,6 +196,8 @@ def document(details: dict, command: str) -> str:
         "Against the issue's bar (kvindex load-aware; met: the bars it clears):\n\n"
         + "\n".join(verdict(details["rows"])),
         "![the load ladder](routing_ladder.png)",
+        "kvindex's answers to the proxy (part of its TTFT; mean over runs):\n\n"
+        + "\n".join(ask_table(details["rows"])),
         "The timed engines' self-check (means over engines):\n\n"
         + "\n".join(details["check_table"]),
         f"## The step model (`{model.relative_to(TIMED_ENGINE.parents[1])}`)\n\n{step_model}",

@@ -139,7 +139,8 @@ class LoadBoard:
         try:
             answer = await client.get(f"{spec.url}{adapter.load_path}")
             answer.raise_for_status()
-            loads = adapter.read_load(answer.text)
+            # parsed off the event loop: a page is tens of kilobytes, and the loop answers picks
+            loads = await asyncio.to_thread(adapter.read_load, answer.text)
         except (httpx.HTTPError, ValueError) as e:
             LOAD_SCRAPES.labels("failed").inc()
             log.debug("load scrape failed", extra={"engine": spec.name, "error": str(e)})
