@@ -22,6 +22,13 @@ _ENGINE, _LOAD = SimConfig(), WorkloadConfig()
 
 sim_flags = apply(
     option("--engines", type=int, default=4, show_default=True, help="engines to run"),
+    option(
+        "--sglang",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="of --engines, the last N publish SGLang's KV events and page hashes (GPU only)",
+    ),
     option("--base-port", type=Port(), default=5557, show_default=True, help="first PUB port"),
     option(
         "--dp-ranks",

@@ -24,6 +24,13 @@ one not fully on GPU, CPU before STORAGE, never the prompt's last token;
 instant: a step prefills admitted prompts whole (loaded blocks are cached
 on GPU like computed ones) and decodes ``decode_tokens_per_step`` tokens of
 every running request.
+
+With ``adapter`` ``"sglang"`` the engine publishes what an SGLang engine would
+(its wire and its page hashes, a page being a block) over the same GPU pool,
+so a demo or a test fleet holds both engine types. It keeps no lower tiers
+(SGLang's host and storage tiers are not simulated), and its eviction is the
+pool's least recently freed block, where SGLang's radix cache evicts its least
+recently used leaf: its ground truth is its own pool, which its events state.
 """
 
 from __future__ import annotations
@@ -37,11 +44,9 @@ from dataclasses import dataclass
 
 from indexer.core.events import BlockRemoved, BlockStored, EventBatch
 from indexer.engines import catalog
-from indexer.engines.base import BlockHasher, Prompt
+from indexer.engines.base import BlockHasher, EngineAdapter, Prompt
 from producer.tracker import Event, GroupSpec, OffloadEvent, OffloadKey, RequestView, Tracker
 
-#: The engine simulated is vLLM, so its block hashes are those of vLLM's adapter.
-VLLM = catalog.adapter("vllm")
 #: The single KV-cache group of the simulated model and its attention kind.
 GROUP_IDX = 0
 KIND = "full_attention"
@@ -54,7 +59,8 @@ class SimConfig:
     ``cpu_chunks`` 0 disables offloading, ``storage_chunks`` 0 the STORAGE
     tier. With ``hash_algo`` xxhash and no ``hash_seed`` the engine seeds
     its chain with random bytes, as vLLM does without PYTHONHASHSEED: its
-    hashes cannot be reproduced outside the process.
+    hashes cannot be reproduced outside the process. ``adapter``: the engine
+    type whose wire and hashes it speaks (``"vllm"`` or ``"sglang"``).
     """
 
     block_size: int = 16
@@ -69,16 +75,25 @@ class SimConfig:
     max_running: int = 8
     decode_tokens_per_step: int = 16
     recent: int = 8
+    adapter: str = "vllm"
 
     def __post_init__(self) -> None:
         if self.storage_chunks and not self.cpu_chunks:
             raise ValueError("the STORAGE tier sits behind the CPU tier: set cpu_chunks too")
+        if self.adapter not in ("vllm", "sglang"):
+            raise ValueError(f"simulated engines are vllm or sglang, not {self.adapter!r}")
+        if self.adapter == "sglang" and (self.cpu_chunks or self.hash_seed is not None):
+            raise ValueError("a simulated SGLang engine keeps no lower tiers and has no seed")
+
+    def engine_adapter(self) -> EngineAdapter:
+        return catalog.adapter(self.adapter)
 
     def hash_spec(self) -> BlockHasher:
-        hasher = VLLM.hasher(self.hash_algo, self.hash_seed, self.block_size)
+        adapter = self.engine_adapter()
+        hasher = adapter.hasher(self.hash_algo, self.hash_seed, self.block_size)
         if hasher.reproducible:
             return hasher
-        return VLLM.hasher(self.hash_algo, os.urandom(16).hex(), self.block_size)
+        return adapter.hasher(self.hash_algo, os.urandom(16).hex(), self.block_size)
 
 
 @dataclass(slots=True)

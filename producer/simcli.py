@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
@@ -83,6 +83,7 @@ def engine_spec(
         "model": model,
         "dp_ranks": layout.dp_ranks,
         "block_size": config.block_size,
+        "adapter": config.adapter,
         "hash_algo": config.hash_algo,
         "hash_seed": config.hash_seed,
         "blocks_per_chunk": config.blocks_per_chunk,
@@ -115,14 +116,21 @@ class _Rank:
             self.publisher.publish(batch)
 
 
+def sglang_config(config: SimConfig) -> SimConfig:
+    """``config`` for an SGLang engine: unseeded SHA-256 page hashes, GPU only."""
+    return replace(
+        config, adapter="sglang", cpu_chunks=0, storage_chunks=0, hash_algo="sha256", hash_seed=None
+    )
+
+
 def _start(
-    layout: Layout, config: SimConfig, workload: WorkloadConfig, events: bool = True
+    layout: Layout, configs: list[SimConfig], workload: WorkloadConfig, events: bool = True
 ) -> list[_Rank]:
     """Every rank bound (unless without ``events``) and ready; if one cannot bind, none
     stays open."""
     ranks: list[_Rank] = []
     try:
-        for engine in range(layout.engines):
+        for engine, config in enumerate(configs):
             for dp_rank in range(layout.dp_ranks):
                 publisher = None
                 if events:
@@ -131,6 +139,7 @@ def _start(
                         layout.replay_endpoint(engine),
                         data_parallel_rank=dp_rank,
                         bind=True,
+                        adapter=config.engine_adapter(),
                     )
                 stream = Workload(workload, stream=len(ranks))
                 engine_rank = SimEngine(config, dp_rank)
@@ -140,6 +149,12 @@ def _start(
         _close(ranks)
         raise
     return ranks
+
+
+def _configs(layout: Layout, config: SimConfig, sglang: int) -> list[SimConfig]:
+    """Each engine's config: ``config``, the last ``sglang`` of them SGLang's."""
+    vllm = layout.engines - min(sglang, layout.engines)
+    return [config if e < vllm else sglang_config(config) for e in range(layout.engines)]
 
 
 def _close(ranks: list[_Rank]) -> None:
@@ -167,11 +182,14 @@ def run(
     events: bool = True,
     announce: Callable[[list[dict]], ExitStack] | None = None,
     model: str = "sim",
+    sglang: int = 0,
 ) -> None:
     """Run every rank one step per ``tick`` seconds until interrupted; ``announce``
-    registers the engines' specs once they publish, until the run ends."""
-    ranks = _start(layout, config, workload, events)
-    specs = [engine_spec(layout, e, config, model, events) for e in range(layout.engines)]
+    registers the engines' specs once they publish, until the run ends. The last
+    ``sglang`` engines are SGLang's (:func:`sglang_config`)."""
+    configs = _configs(layout, config, sglang)
+    ranks = _start(layout, configs, workload, events)
+    specs = [engine_spec(layout, e, c, model, events) for e, c in enumerate(configs)]
     announced = announce(specs) if announce is not None else ExitStack()
     try:  # from here on, an interrupt (Ctrl-C, SIGTERM) stops cleanly
         for r in ranks:
@@ -255,9 +273,8 @@ def main(args: argparse.Namespace) -> int:
         hash_seed=args.hash_seed,
     )
     if args.print_specs:
-        for engine in range(layout.engines):
-            spec = engine_spec(layout, engine, config, args.model, not args.no_events)
-            print(json.dumps(spec))
+        for engine, each in enumerate(_configs(layout, config, args.sglang)):
+            print(json.dumps(engine_spec(layout, engine, each, args.model, not args.no_events)))
         return 0
     workload = WorkloadConfig(
         seed=args.seed,
@@ -280,6 +297,7 @@ def main(args: argparse.Namespace) -> int:
             events=not args.no_events,
             announce=_announcer(args) if args.announce else None,
             model=args.model,
+            sglang=args.sglang,
         )
     except AnnounceFailed as e:
         sys.exit(f"kvindex sim: --announce {args.announce}: {e}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's first command (`make demo` sets up the venv, then runs this):
-# kvindex serve with the embedded store, 4 simulated engines that register
+# kvindex serve with the embedded store, 4 simulated engines (one of them SGLang) that register
 # themselves (POST /engines/announce, renewed by lease), a router's view of them through real curl queries, the fleet as
 # `kvindex status` prints it, then live progress until Ctrl-C.
 # Ports: DEMO_HTTP_PORT (8080), DEMO_ZMQ_PORT (5557..).
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 BIN="$(realpath "${VENV:-.venv}")/bin"
 API="http://127.0.0.1:${DEMO_HTTP_PORT:-8080}"
 CHUNK=4  # blocks per CPU offload chunk
-SIM=(--engines 4 --base-port "${DEMO_ZMQ_PORT:-5557}" --gpu-blocks 256 --cpu-chunks 256
+SIM=(--engines 4 --sglang 1 --base-port "${DEMO_ZMQ_PORT:-5557}" --gpu-blocks 256 --cpu-chunks 256
      --blocks-per-chunk "$CHUNK" --storage-chunks 1024 --max-context 1024)
 VIEW=("$BIN/python" "$PWD/scripts/demo_view.py")
 
@@ -74,7 +74,7 @@ pids+=($!)
 wait_for "kvindex serve" 20 curl -sf "$API/readyz"
 echo "ready (its log: $work/serve.log)"
 
-say "4 simulated engines publishing vLLM KV events, announcing themselves to kvindex"
+say "4 simulated engines, 3 publishing vLLM's KV events and sim-3 SGLang's, announcing themselves"
 echo "\$ $BIN/kvindex sim ${SIM[*]} --announce $API --lease 15 &"
 "$BIN/kvindex" sim "${SIM[@]}" --announce "$API" --lease 15 --samples "$work/served.json" \
     >"$work/sim.log" 2>"$work/sim-progress.log" &
@@ -94,6 +94,8 @@ ask "The next turn of the conversation sim-0 served last (its history + a new me
     next-turn "$("${VIEW[@]}" tokens "$work/served.json" sim-0 --extend 24)"
 echo "Why CPU can trail GPU: offload moves whole chunks of $CHUNK blocks, so CPU holds a prefix only in whole chunks."
 ask "The last prompt sim-2 served" last-sim-2 "$("${VIEW[@]}" tokens "$work/served.json" sim-2)"
+ask "The last prompt sim-3 (SGLang: its own page hashes, GPU only) served" last-sim-3 \
+    "$("${VIEW[@]}" tokens "$work/served.json" sim-3)"
 ask "A prompt no engine has seen" unseen "$("${VIEW[@]}" random 300)"
 
 say "an engine that publishes no events (kvindex sim --no-events), routed by history alone"

@@ -9,9 +9,11 @@ import pytest
 
 from indexer.core.events import BlockRemoved, BlockStored, EventBatch, RankId
 from indexer.core.matching import PrefixMatch
-from indexer.engines.vllm.wire import decode_batch, encode_batch
+from indexer.engines import catalog
+from indexer.engines.base import Prompt
+from indexer.engines.vllm.wire import encode_batch
 from indexer.stores import MemoryStore, apply_events
-from producer.sim import VLLM, SimConfig, SimEngine
+from producer.sim import SimConfig, SimEngine
 from producer.workload import Workload, WorkloadConfig
 
 BLOCK = 4
@@ -50,11 +52,12 @@ def removed_hashes(batches: list[EventBatch], medium: str = "GPU") -> list[int]:
     return [h for e in events(batches, BlockRemoved, medium) for h in e.block_hashes]
 
 
-async def replay(batches: list[EventBatch]) -> MemoryStore:
-    """What kvindex learns from the engine's batches, through the real wire encoding."""
-    store = MemoryStore()
+async def replay(batches: list[EventBatch], adapter: str = "vllm") -> MemoryStore:
+    """What kvindex learns from the engine's batches, through the real wire encoding of
+    the engine type simulated."""
+    wire, store = catalog.adapter(adapter), MemoryStore()
     for seq, batch in enumerate(batches):
-        await apply_events(store, RANK, seq, decode_batch(encode_batch(batch)))
+        await apply_events(store, RANK, seq, wire.decode(wire.encode(batch)))
     return store
 
 
@@ -278,6 +281,7 @@ PRESSURE = {
     "placeholders": SimConfig(gpu_blocks=160, cpu_chunks=48, self_describing=False),
     "gpu-only": SimConfig(gpu_blocks=160, cpu_chunks=0),
     "storage": SimConfig(gpu_blocks=160, cpu_chunks=48, storage_chunks=96),
+    "sglang": SimConfig(gpu_blocks=160, cpu_chunks=0, adapter="sglang"),
 }
 WORKLOAD = WorkloadConfig(seed=3, system_prompt_tokens=(64, 320), max_context_tokens=1024)
 
@@ -297,7 +301,7 @@ async def test_ground_truth_equals_what_the_index_learns_from_the_events(name):
     config = PRESSURE[name]
     engine = SimEngine(config)
     batches = serve(engine, 150)
-    store = await replay(batches)
+    store = await replay(batches, config.adapter)
 
     probes = [*Workload(WORKLOAD).system_prompts, *engine.recently_served]
     probes += [r.prompt for r in itertools.islice(Workload(WORKLOAD), 150)][::10]
@@ -345,6 +349,18 @@ def test_same_seed_same_batches():
     assert run() == run()
 
 
+def test_a_simulated_sglang_engine_speaks_sglang():
+    """Its pages hash as SGLang's (unseeded SHA-256 chains), and it has no lower tiers."""
+    config = small(adapter="sglang")
+    tokens, hasher = prompt(1, 2), catalog.adapter("sglang").hasher("sha256", None, BLOCK)
+    chain = SimEngine(config).chain(tokens)
+    assert chain == hasher.published(hasher.digests(Prompt(tuple(tokens))))
+    assert chain != SimEngine(small()).chain(tokens)  # vLLM's
+    for refused in ({"cpu_chunks": 4}, {"hash_seed": "1"}, {"adapter": "trtllm"}):
+        with pytest.raises(ValueError):
+            small(**{"adapter": "sglang", **refused})
+
+
 def test_secret_xxhash_seed_differs_per_engine_but_tokens_agree():
     config = small(hash_algo="xxhash")
     engines = [SimEngine(config), SimEngine(config)]
@@ -356,4 +372,4 @@ def test_secret_xxhash_seed_differs_per_engine_but_tokens_agree():
     assert stored[0].block_hashes != stored[1].block_hashes
     assert stored[0].token_ids == stored[1].token_ids
     seeded = small(hash_algo="xxhash", hash_seed="42")
-    assert SimEngine(seeded).hash_spec == VLLM.hasher("xxhash", "42", BLOCK)
+    assert SimEngine(seeded).hash_spec == catalog.adapter("vllm").hasher("xxhash", "42", BLOCK)
