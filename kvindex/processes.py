@@ -43,6 +43,7 @@ from indexer.registry import EngineSpec
 from indexer.routed import RedisRouted
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.redis import RedisConfig, RedisStore
+from indexer.stores.redis.client import cancel_task
 from kvindex.config import ServeConfig, resolve_auth_token
 from kvindex.http import cannot_listen, listen, serve_http, stop_signals
 
@@ -180,8 +181,7 @@ async def run_api(
             kind = "mirror" if own else "RedisStore"
             await serve_http(app, settings, sock, stop, store=kind)
     finally:
-        for task in tasks:
-            task.cancel()
+        await asyncio.gather(*map(cancel_task, tasks))  # a cancel redis-py drops is sent again
         await asyncio.gather(*tasks, return_exceptions=True)
         await leases.close()
         if own is not None:

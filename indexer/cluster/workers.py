@@ -61,6 +61,7 @@ from indexer.ingest.subscriber import RankPool
 from indexer.registry import EngineSpec, RankStatus
 from indexer.retrying import repeat
 from indexer.stores.redis import RedisStore
+from indexer.stores.redis.client import cancel_task
 
 log = logging.getLogger("kvindex.worker")
 
@@ -150,8 +151,7 @@ class Worker:
 
     async def stop(self) -> None:
         """Stop every rank and give its lease back, so the others take over at once."""
-        for task in self._tasks:
-            task.cancel()
+        await asyncio.gather(*map(cancel_task, self._tasks))  # each sends through redis-py
         await asyncio.gather(*self._tasks, *self._dropping, return_exceptions=True)
         await asyncio.gather(*(self._drop(rank, "released") for rank in list(self._owned)))
         try:
