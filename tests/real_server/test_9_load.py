@@ -17,8 +17,10 @@ def _route(kv, engine: str, prompt: str) -> dict:
     return kv.http.post("/prefix-match", json=body, headers=headers).raise_for_status().json()
 
 
-def test_the_pick_weighs_the_load_vllm_reports(kv, announced_a) -> None:
-    name = announced_a.name
+def test_the_pick_weighs_the_load_vllm_reports(kv, announced_b) -> None:
+    """On engine B, whose lease (300 s) outlasts a renewal delayed while generations take
+    both cores: A's 6 s lease lapsed there once, and the engine was unknown (404)."""
+    name = announced_b.name
     prompt = completion_prompts(90, 1)[0]
     _route(kv, name, prompt)  # the first pick starts the scraper
     deadline = time.monotonic() + 10
@@ -33,7 +35,7 @@ def test_the_pick_weighs_the_load_vllm_reports(kv, announced_a) -> None:
     done = threading.Event()
 
     def generate(i: int) -> None:
-        vllm = Vllm(announced_a.url)
+        vllm = Vllm(announced_b.url)
         while not done.is_set():
             vllm.send({"prompt": f"load {i} " * 8, "ignore_eos": True}, max_tokens=1900)
 
