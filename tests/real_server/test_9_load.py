@@ -59,8 +59,8 @@ def test_the_pick_weighs_the_load_vllm_reports(kv, announced_a) -> None:
         deadline = time.monotonic() + 60
         while seen < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-            if (busy := _busy_cost(kv, name, prompt)) is not None:
-                cost = busy
+            if (answered := _busy_cost(kv, name, prompt)) is not None:
+                cost = answered
                 seen = (cost["running"] or 0) + (cost["waiting"] or 0)
         assert seen >= 1, cost
         assert cost["requests_ahead"] >= seen, cost
