@@ -83,8 +83,12 @@ async def test_a_thousand_ranks_in_one_process(caplog) -> None:
         live_status = status(sub, "live")
         assert live_status.connected and not live_status.never_connected
         assert not live_status.degraded
-        warned = [r.getMessage() for r in caplog.records if "no publisher at" in r.getMessage()]
-        assert len(warned) == SILENT  # one line per silent rank, never repeated
+        warned = [r.endpoint for r in caplog.records if "no publisher at" in r.getMessage()]
+        # one line per silent rank, never repeated; the live rank, whose publisher starts
+        # only after every rank is added, may say so once if that took over 3 s (busy host)
+        silent_warned = [endpoint for endpoint in warned if endpoint != live.spec.endpoint]
+        assert sorted(silent_warned) == sorted(s.endpoint for s in silent)
+        assert warned.count(live.spec.endpoint) <= 1
         assert all(sub.rank_status(s.name)[0].replays == 0 for s in silent)
     finally:
         await sub.stop()

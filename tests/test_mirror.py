@@ -14,6 +14,7 @@ import uuid
 
 import httpx
 import pytest
+from redis.asyncio import Redis
 
 from indexer.cluster.mirror import Mirror
 from indexer.cluster.registry import RedisRegistry
@@ -56,7 +57,8 @@ class Replicas:
     """One worker, a Redis-reading replica (``clients[0]``) and a mirror (``clients[1]``)."""
 
     def __init__(self, tmp, url: str) -> None:
-        redis = ("--redis-url", url, "--redis-prefix", f"mirror-{uuid.uuid4().hex[:8]}")
+        self.url, self.prefix = url, f"mirror-{uuid.uuid4().hex[:8]}"
+        redis = ("--redis-url", url, "--redis-prefix", self.prefix)
         self.ports = [free_ports(), free_ports()]
         self.processes = [
             Process(tmp / "worker.log", "indexer", *redis, "--worker-id", "w1"),
@@ -66,6 +68,16 @@ class Replicas:
         self.clients = [
             httpx.AsyncClient(base_url=f"http://127.0.0.1:{p}", timeout=10) for p in self.ports
         ]
+
+    async def up(self) -> bool:
+        """Both replicas answer and the worker beats (a process stopped while it is still
+        starting, before it handles SIGTERM, would not exit cleanly)."""
+        redis = Redis.from_url(self.url)
+        try:
+            beating = await redis.zscore(f"{self.prefix}:workers", "w1") is not None
+        finally:
+            await redis.aclose()
+        return beating and await _all_up(self.clients)
 
     async def close(self) -> None:
         for client in self.clients:
@@ -78,7 +90,7 @@ class Replicas:
 async def replicas(redis_server, tmp_path):
     replicas = Replicas(tmp_path, redis_server.url)
     try:
-        await until(lambda: _all_up(replicas.clients), 30, "both replicas")
+        await until(replicas.up, 30, "both replicas and the worker")
         yield replicas
     finally:
         await replicas.close()
