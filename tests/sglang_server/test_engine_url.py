@@ -6,10 +6,22 @@ those after."""
 
 from __future__ import annotations
 
+import httpx
+
 from tests.sglang_server.conftest import BY_ENDPOINTS
 from tests.sglang_server.kit import MODEL, PAGE, chat_exact, engine_by_url, text
 
 BY_URL = "sgl-by-url"
+#: The keys of ``/server_info``'s ``kv_events`` that indexer/engines/sglang/server.py reads.
+READ = (
+    "publisher",
+    "endpoint_host",
+    "endpoint_port_base",
+    "replay_endpoint_port_base",
+    "topic",
+    "block_size",
+    "dp_size",
+)
 
 
 def conversation(seed: int) -> list[dict]:
@@ -17,6 +29,21 @@ def conversation(seed: int) -> list[dict]:
         {"role": "system", "content": "you are a tiny model"},
         {"role": "user", "content": text(60, seed)},
     ]
+
+
+def test_the_server_describes_its_publisher(sglang) -> None:
+    """What SGLang states of its events in ``/server_info``, the keys kvindex reads."""
+    stated = httpx.get(f"{sglang.url}/server_info", timeout=30).raise_for_status().json()
+    kv_events = stated["kv_events"]
+    assert {key: kv_events.get(key) for key in READ} == {
+        "publisher": "zmq",
+        "endpoint_host": "*",  # its bind address: kvindex dials the URL's host
+        "endpoint_port_base": sglang.events,
+        "replay_endpoint_port_base": sglang.replay,
+        "topic": "kv",
+        "block_size": PAGE,
+        "dp_size": 1,
+    }, kv_events
 
 
 def test_an_engine_registered_by_its_url_is_exact(sglang, kv) -> None:
