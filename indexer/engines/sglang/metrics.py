@@ -7,6 +7,11 @@ server runs data-parallel ranks (no label: rank 0) and with ``tp_rank``: each
 rank's first tensor-parallel worker speaks for it. The capacity it states,
 ``sglang:max_total_num_tokens``, is in tokens, not pages: left unsaid here, as
 the token usage already says how full the cache is.
+
+The scheduler sets them at each prefill, every ``--decode-log-interval`` decode
+steps (40) and when it falls idle. The token usage is rounded to two decimals,
+and counts what the radix cache holds but could evict as free: an idle server
+states 0, however much it has cached.
 """
 
 from __future__ import annotations
