@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The SGLang server tier: a whole `python -m sglang.launch_server --device cpu` (SGLang 0.5.23,
 # torch 2.13.0+cpu) publishing KV events to a real `kvindex serve`, checked against SGLang's
-# own cached_tokens (tests/sglang_server). SGLang lives in a venv of its own outside the
+# own cached_tokens, /metrics and /server_info, turn by turn and rule by rule (tests/sglang_server). SGLang lives in a venv of its own outside the
 # checkout, built once and reused while its requirements stay the same; kvindex runs with
 # this checkout's Python ($PYTHON, else .venv/bin/python, else python3), not in SGLang's venv.
 # The CPU build of sgl-kernel is not on PyPI: tests/sglang_server/shim stands in for it (see
