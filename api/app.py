@@ -55,8 +55,9 @@ class Observable(Protocol):
     ) -> None: ...
 
 
-def _learns_from(registry: Registry) -> Callable[[str], bool]:
-    """Learn tokens only for registered engines whose hashes cannot be recomputed."""
+def _learns_from(registry: Registry) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
+    """Learn tokens only for registered engines whose hashes cannot be recomputed, and
+    the LoRA adapters' tokens of engines whose LoRA hashes cannot be."""
 
     def learns(engine: str) -> bool:
         try:
@@ -64,7 +65,13 @@ def _learns_from(registry: Registry) -> Callable[[str], bool]:
         except UnknownEngine:
             return False
 
-    return learns
+    def learns_lora(engine: str) -> bool:
+        try:
+            return registry.get(engine).engine_adapter.lora_learned
+        except UnknownEngine:
+            return False
+
+    return learns, learns_lora
 
 
 def create_app(
@@ -90,9 +97,9 @@ def create_app(
     discovery, which announces through them too); ``misdeclared`` to checks of the
     batches ``consumers`` reports (API replicas read the workers' instead)."""
     if token_index is None:
-        token_index = TokenIndex(settings.token_index_capacity, _learns_from(registry))
+        token_index = TokenIndex(settings.token_index_capacity, *_learns_from(registry))
         if isinstance(consumers, Observable):
-            consumers.add_observer(token_index.observe, token_index.learns)
+            consumers.add_observer(token_index.observe, token_index.reads_tokens)
     if tokenizers is None:
         tokenizers = Tokenizers(settings.models)
         tokenizers.preload()  # at start, not on the first query: /readyz waits for it

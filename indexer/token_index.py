@@ -1,8 +1,9 @@
 """The learned token index: token ids to block hashes, taught by the events.
 
 Some engines' hashes cannot be recomputed here: xxhash without
-``PYTHONHASHSEED`` seeds every chain with per-process random bytes, and an
-engine may not declare its algorithm at all. Their GPU ``BlockStored``
+``PYTHONHASHSEED`` seeds every chain with per-process random bytes, an
+engine may not declare its algorithm at all, and SGLang names a LoRA adapter
+in its hashes by an internal id (only those stores are learned from it). Their GPU ``BlockStored``
 events still carry what defines each block — the parent hash, the block's
 token ids and its extra keys — next to the hash the engine computed.
 Remembering ``(rank, parent, tokens, extra keys) -> hash`` lets a ``tokens``
@@ -61,15 +62,21 @@ class TokenIndex:
     """``(rank, parent hash, block tokens, extra keys) -> block hash``, LRU-bounded.
 
     ``learns(engine)`` says whose events to remember (engines whose hashes
-    cannot be recomputed); every engine still teaches whether it publishes
-    hashes as ints or as bytes.
+    cannot be recomputed), ``learns_lora(engine)`` whose stores of a LoRA
+    adapter's blocks (engines whose LoRA hashes cannot be); every engine still
+    teaches whether it publishes hashes as ints or as bytes.
     """
 
-    def __init__(self, capacity: int, learns: Callable[[str], bool] = lambda _: True) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        learns: Callable[[str], bool] = lambda _: True,
+        learns_lora: Callable[[str], bool] = lambda _: False,
+    ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self._capacity = capacity
-        self.learns = learns
+        self.learns, self.learns_lora = learns, learns_lora
         self._entries: OrderedDict[bytes, BlockHash] = OrderedDict()
         self._ranks: dict[str, set[int]] = {}
         self._bytes_hashes: dict[str, bool] = {}
@@ -77,16 +84,22 @@ class TokenIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def reads_tokens(self, engine: str) -> bool:
+        """Whether any of the engine's stores may teach (their token ids are wanted)."""
+        return self.learns(engine) or self.learns_lora(engine)
+
     def observe(self, rank: RankId, batch: EventBatch) -> None:
         """Learn from one applied batch (a subscriber observer)."""
-        learns = None
+        learns = lora = None
         for event in batch.events:
             if type(event) is BlockRemoved or not event.block_hashes:
                 continue  # only stores teach (clears carry no hashes)
             self._bytes_hashes[rank.engine] = type(event.block_hashes[0]) is bytes
             if learns is None:
-                learns = self.learns(rank.engine)
-            if learns and type(event) is BlockStored:  # decoded with its token ids
+                learns, lora = self.learns(rank.engine), self.learns_lora(rank.engine)
+            if type(event) is not BlockStored:  # not decoded with its token ids
+                continue
+            if learns or (lora and event.lora_name is not None):
                 self._learn(rank, event)
 
     def _learn(self, rank: RankId, event: BlockStored) -> None:

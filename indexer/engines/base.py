@@ -110,6 +110,9 @@ class EngineAdapter(Protocol):
     name: str
     #: The hash algorithms whose chains :meth:`hasher` reproduces (empty: none).
     hash_algos: tuple[str, ...]
+    #: Whether a LoRA adapter's block hashes are learned from the events rather than
+    #: computed: the engine's hashes name the adapter by something its events do not state.
+    lora_learned: bool
     #: The adapter's compiled extension, None when it has none.
     compiled: CompiledPart | None
     #: How the engine's server renders a request's prompt, None when kvindex does not

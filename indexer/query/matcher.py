@@ -259,7 +259,7 @@ class ReadPath:
             if kept is None or kept[0] is not spec or kept[1] != size:
                 kept = hashers[spec.name] = (spec, size, overrides.hashing_of(spec, size))
             hashing = kept[2]
-            if hashing is None:
+            if hashing is None or (prompt.lora_name and spec.engine_adapter.lora_learned):
                 lookups.extend(self._learned_lookups(prompt, size, spec))
                 continue
             as_bytes = self._token_index.publishes_bytes(spec.name)

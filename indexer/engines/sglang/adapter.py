@@ -31,6 +31,7 @@ class SglangAdapter(ZmqFraming):
 
     name = "sglang"
     hash_algos = hashing.HASH_ALGOS
+    lora_learned = True  # its hashes name the adapter by an internal id, its events by name
     compiled = None
     renderer = ModuleRenderer(render, "indexer.engines.sglang.template")
     load_path = metrics.PATH

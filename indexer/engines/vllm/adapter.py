@@ -82,6 +82,7 @@ class VllmAdapter(ZmqFraming):
     """Maps (or positional arrays) in msgpack, seq-numbered ZMQ frames, vLLM's hashes."""
 
     name = "vllm"
+    lora_learned = False  # the adapter's name is one of each block's extra keys
     compiled = VllmCompiled()
     renderer = ModuleRenderer(render, "indexer.engines.vllm.template", responses.responses_call)
     load_path = vllm_metrics.PATH

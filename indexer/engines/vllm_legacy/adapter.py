@@ -109,6 +109,7 @@ class LegacyVllmAdapter(ZmqFraming):
 
     name = "vllm_legacy"
     hash_algos: tuple[str, ...] = ()
+    lora_learned = False  # nothing is computed: every block is learned
     compiled = None
     #: These releases' OpenAI front end is not restated here.
     renderer = None
