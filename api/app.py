@@ -26,11 +26,11 @@ from api.ui import install_ui
 from indexer import metrics
 from indexer.announcements import Leases
 from indexer.core.events import EventBatch, RankId
+from indexer.engine_registry import ConsumerView, Registry, UnknownEngine
 from indexer.loads import LoadBoard
 from indexer.misdeclared import Misdeclared, MisdeclaredView
 from indexer.prompts import Tokenizers
 from indexer.query import learned
-from indexer.registry import ConsumerView, Registry, UnknownEngine
 from indexer.routed import MemoryRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex

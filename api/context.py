@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from api.settings import ApiSettings
 from indexer.announcements import Leases
+from indexer.engine_registry import ConsumerView, Registry
 from indexer.loads import LoadBoard
 from indexer.misdeclared import MisdeclaredView
 from indexer.prompts import Tokenizers
-from indexer.registry import ConsumerView, Registry
 from indexer.routed import MemoryRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex

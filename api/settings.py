@@ -14,8 +14,8 @@ from indexer.announcements import LeaseRules
 from indexer.core.load import LoadRules
 from indexer.core.matching import TierWeights
 from indexer.core.routed import RoutedRules
+from indexer.engine_registry import BindPolicy
 from indexer.prompts import ModelTokenizer
-from indexer.registry import BindPolicy
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,9 +33,9 @@ from bench.fleet import BLOCK_SIZE, CHUNK_BLOCKS, Fleet, rank_of
 from bench.measure import interleaved, latency_ms
 from bench.query import load
 from bench.report import Figure, Goal, Report
+from indexer.engine_registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.engines.vllm import native
 from indexer.engines.vllm.hashing import HASH_ALGOS, HashSpec, block_hashes
-from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore
 from tests.servers import free_port
 

@@ -35,11 +35,11 @@ from api import ApiSettings, create_app
 from bench.measure import latency_ms
 from bench.report import Figure, Goal, Report
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
 from indexer.engines.vllm.render import ChatMessage
 from indexer.prompts import ModelTokenizer, Tokenizers
-from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore, apply_events
 
 SECTION = "11"

@@ -42,9 +42,9 @@ from bench.measure import latency_ms
 from bench.query import timed_calls
 from bench.redis_bench import bulk_load, residency_batches
 from bench.report import Figure, Goal, Report
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.engines.vllm.hashing import block_hashes
 from indexer.prompts import Tokenizers
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import MemoryRouted, RedisRouted
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore

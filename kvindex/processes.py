@@ -31,15 +31,15 @@ from indexer.announcements import Leases
 from indexer.cluster.announced import RedisBook
 from indexer.cluster.mirror import Mirror
 from indexer.cluster.misdeclared_board import RedisMisdeclared
-from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.redis_registry import RedisRegistry
 from indexer.cluster.status_board import StatusBoard
 from indexer.cluster.workers import Worker
 from indexer.discovery.served import EngineUrl, UrlEngines
+from indexer.engine_registry import EngineSpec
 from indexer.engines import catalog
 from indexer.ingest.subscriber import RankPool
 from indexer.metrics import sample_residency, watch_routed
 from indexer.misdeclared import Misdeclared
-from indexer.registry import EngineSpec
 from indexer.routed import RedisRouted
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.redis import RedisConfig, RedisStore

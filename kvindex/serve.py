@@ -22,8 +22,8 @@ from api.settings import ApiSettings
 from indexer import discovery, metrics
 from indexer.announcements import Leases
 from indexer.discovery.served import EngineUrl, UrlEngines, follow_moves
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import MemoryRouted, RedisRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.stores.memory import MemoryStore

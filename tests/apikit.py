@@ -11,10 +11,10 @@ from fastapi import FastAPI
 
 from api import ApiSettings, create_app
 from indexer.core.events import EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.engines.vllm.wire import decode_batch
 from indexer.ingest.subscriber import Subscriber
 from indexer.ingest.trace import Trace
-from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore, apply_events
 from indexer.stores.base import Store
 from kvindex.http import listen, serve_http
@@ -26,7 +26,7 @@ Observer = Callable[[RankId, EventBatch], None]
 
 
 class FakeConsumers:
-    """A :class:`~indexer.registry.ConsumerView` standing in for the subscriber.
+    """A :class:`~indexer.engine_registry.ConsumerView` standing in for the subscriber.
 
     :meth:`apply` does what the subscriber does with a batch: apply it to the
     store, then tell the observers (the learned token index) if it was new.

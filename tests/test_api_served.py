@@ -14,8 +14,8 @@ import uvicorn
 
 from api import ApiSettings, create_app
 from indexer.core.events import RankId
+from indexer.engine_registry import EngineRegistry
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
-from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
 
 from .api_cases import ENGINE_BODY, _tier_tokens, batch, gpu

@@ -20,10 +20,10 @@ import uvicorn
 
 from api import ApiSettings, create_app
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.slices import Slices
 from indexer.ingest.sockets import YIELD_EVERY
 from indexer.ingest.subscriber import Subscriber
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import ApplyResult, MemoryStore, apply_events
 from producer import vllm_trace
 from producer.publisher import Publisher

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from api import ApiSettings, create_app
-from indexer.cluster.registry import RedisRegistry
-from indexer.registry import EngineRegistry
+from indexer.cluster.redis_registry import RedisRegistry
+from indexer.engine_registry import EngineRegistry
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisStore
 

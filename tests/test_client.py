@@ -21,11 +21,11 @@ from fastapi import FastAPI
 
 from api import ApiSettings, create_app
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, RankStatus
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
 from indexer.engines.vllm.render import ChatMessage
 from indexer.prompts import ModelTokenizer, Tokenizers
-from indexer.registry import EngineRegistry, RankStatus
 from indexer.stores import MemoryStore
 from indexer.stores.base import Store
 from indexer.stores.redis import RedisConfig, RedisStore

@@ -19,8 +19,8 @@ import pytest
 
 from api import create_app
 from indexer.engine_flags import parse_engine_flag
+from indexer.engine_registry import BindPolicy, BindRefused, EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.registry import BindPolicy, BindRefused, EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from kvindex.config import ConfigError, ServeConfig
 from producer.publisher import Publisher

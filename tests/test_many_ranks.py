@@ -20,9 +20,9 @@ import pytest
 
 from api import ApiSettings, create_app
 from indexer.core.events import RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.sockets import SocketLimit
 from indexer.ingest.subscriber import Subscriber, raise_file_limit
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 
 from .conftest import assert_matches_trace, free_ports, trace_batches, wait_until

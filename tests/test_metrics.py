@@ -17,9 +17,9 @@ import pytest
 
 from api import ApiSettings, create_app
 from indexer import metrics
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber
 from indexer.metrics import MetricsSettings
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from producer.publisher import Publisher
 

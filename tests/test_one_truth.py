@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from api import ApiSettings, create_app
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher

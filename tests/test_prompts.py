@@ -22,10 +22,10 @@ import pytest
 
 from api import ApiSettings, create_app
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry
 from indexer.engines.base import Prompt
 from indexer.engines.vllm.render import PromptRefused
 from indexer.prompts import ModelTokenizer
-from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
 
 from .apikit import FakeConsumers, engine
@@ -240,7 +240,7 @@ sys.modules["transformers"] = None  # as if the extra were not installed
 import httpx
 from api import ApiSettings, create_app
 from indexer.prompts import ModelTokenizer
-from indexer.registry import EngineRegistry
+from indexer.engine_registry import EngineRegistry
 from indexer.stores import MemoryStore
 from tests.apikit import FakeConsumers
 store = MemoryStore()

@@ -29,10 +29,10 @@ from api.errors import ApiError
 from api.prefix import to_query
 from api.schemas import PrefixMatchBody
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry
 from indexer.engines.base import Prompt
 from indexer.engines.rendering import ResponsesRequest
 from indexer.prompts import ModelTokenizer, Tokenizers
-from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
 from kvindex.client import AsyncKvindex
 

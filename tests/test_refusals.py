@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from api import ApiSettings, create_app
-from indexer.registry import EngineRegistry
+from indexer.engine_registry import EngineRegistry
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
 

@@ -13,8 +13,8 @@ import pytest
 from api import ApiSettings, create_app
 from indexer.core.events import AllBlocksCleared, BlockStored, EventBatch, RankId
 from indexer.core.routed import RoutedRules
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import RedisRouted
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
