@@ -20,7 +20,7 @@ from indexer.prompts import ModelTokenizer
 
 @dataclass(frozen=True, slots=True)
 class ApiSettings:
-    """Knobs of :func:`api.app.create_app`: the ``api`` section of the config file
+    """Knobs of the API (:func:`api.app.create_app`): the ``api`` section of the config file
     (``engine_binds`` and ``models`` come from the ``subscriber.bind`` and ``models``
     sections). Memory for request heads is at most ``head_bytes`` plus one socket read
     (256 KiB) in hand, whatever the number of connections."""

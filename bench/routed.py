@@ -32,8 +32,7 @@ from pathlib import Path
 
 import uvicorn
 
-from api import ApiSettings, create_app
-from api.context import ApiContext
+from api import ApiSettings
 from api.matching import PrefixMatcher, Query
 from bench import redis_bench
 from bench.fleet import BLOCK_SIZE, CHUNK_BLOCKS, Fleet, rank_of
@@ -44,11 +43,10 @@ from bench.redis_bench import bulk_load, residency_batches
 from bench.report import Figure, Goal, Report
 from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.engines.vllm.hashing import block_hashes
-from indexer.prompts import Tokenizers
 from indexer.routed import MemoryRouted, RedisRouted
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
-from indexer.token_index import TokenIndex
+from kvindex.wiring import api_app, api_services
 from tests.servers import RedisServer, free_port
 
 SECTION = "12"
@@ -74,7 +72,7 @@ def _serve(fleet: Fleet, port: int) -> None:
             await registry.add(spec)
 
     asyncio.run(fill())
-    app = create_app(MemoryStore(), registry, AllConnected(), ApiSettings())
+    app = api_app(MemoryStore(), registry, AllConnected(), ApiSettings())
 
     @app.get("/bare", include_in_schema=False)
     async def bare() -> dict:
@@ -134,16 +132,7 @@ def _matcher(store: MemoryStore, fleet: Fleet, routed: MemoryRouted) -> Callable
             await registry.add(spec)
 
     asyncio.run(fill())
-    settings = ApiSettings()
-    ctx = ApiContext(
-        store=store,
-        registry=registry,
-        consumers=AllConnected(),
-        token_index=TokenIndex(1024, lambda engine: False),
-        settings=settings,
-        tokenizers=Tokenizers(settings.models),
-        routed=routed,
-    )
+    ctx = api_services(store, registry, AllConnected(), ApiSettings(), routed=routed)
     matcher = PrefixMatcher(ctx)
 
     def call(chain: list[int]) -> object:

@@ -25,7 +25,6 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import start_http_server
 
 from api import operators
-from api.app import create_app
 from api.settings import ApiSettings
 from indexer.announcements import Leases
 from indexer.cluster.announced import RedisBook
@@ -46,6 +45,7 @@ from indexer.stores.redis import RedisConfig, RedisStore
 from indexer.stores.redis.client import cancel_task
 from kvindex.config import ServeConfig, resolve_auth_token
 from kvindex.http import cannot_listen, listen, serve_http, stop_signals
+from kvindex.wiring import api_app
 
 log = logging.getLogger("kvindex.processes")
 
@@ -153,7 +153,7 @@ async def run_api(
     book = RedisBook(store.client)
     leases = Leases(registry, settings.announce, on_removed=routed.forget, book=book)
     misdeclared = RedisMisdeclared(store.client, registry)
-    app = create_app(
+    app = api_app(
         own.store if own else store,
         registry,
         own or board,

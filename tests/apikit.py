@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from fastapi import FastAPI
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from indexer.core.events import EventBatch, RankId
 from indexer.engine_registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.engines.vllm.wire import decode_batch
@@ -18,6 +18,7 @@ from indexer.ingest.trace import Trace
 from indexer.stores import MemoryStore, apply_events
 from indexer.stores.base import Store
 from kvindex.http import listen, serve_http
+from kvindex.wiring import api_app
 from producer.publisher import Publisher
 
 from .conftest import free_ports, wait_until
@@ -76,7 +77,7 @@ class Api:
         self.store = store or MemoryStore()
         self.registry = EngineRegistry()
         self.consumers = FakeConsumers(self.store)
-        self.app: FastAPI = create_app(
+        self.app: FastAPI = api_app(
             self.store, self.registry, self.consumers, settings or ApiSettings()
         )
         self.client = httpx.AsyncClient(
@@ -116,7 +117,7 @@ class LiveApi:
         self.store = store or MemoryStore()
         self.registry = EngineRegistry()
         self.subscriber = Subscriber(self.store, self.registry)
-        self.app = create_app(self.store, self.registry, self.subscriber, settings or ApiSettings())
+        self.app = api_app(self.store, self.registry, self.subscriber, settings or ApiSettings())
         self.client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=self.app), base_url="http://kvindex"
         )
