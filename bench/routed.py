@@ -33,6 +33,7 @@ from pathlib import Path
 import uvicorn
 
 from api import ApiSettings
+from api.context import ApiContext
 from api.matching import PrefixMatcher, Query
 from bench import redis_bench
 from bench.fleet import BLOCK_SIZE, CHUNK_BLOCKS, Fleet, rank_of
@@ -43,10 +44,12 @@ from bench.redis_bench import bulk_load, residency_batches
 from bench.report import Figure, Goal, Report
 from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.engines.vllm.hashing import block_hashes
+from indexer.prompts import Tokenizers
 from indexer.routed import MemoryRouted, RedisRouted
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
-from kvindex.wiring import api_app, api_services
+from indexer.token_index import TokenIndex
+from kvindex.wiring import api_app
 from tests.servers import RedisServer, free_port
 
 SECTION = "12"
@@ -132,7 +135,16 @@ def _matcher(store: MemoryStore, fleet: Fleet, routed: MemoryRouted) -> Callable
             await registry.add(spec)
 
     asyncio.run(fill())
-    ctx = api_services(store, registry, AllConnected(), ApiSettings(), routed=routed)
+    settings = ApiSettings()
+    ctx = ApiContext(  # the matcher alone, over the bare store: no app around it
+        store=store,
+        registry=registry,
+        consumers=AllConnected(),
+        token_index=TokenIndex(1024, lambda engine: False),
+        settings=settings,
+        tokenizers=Tokenizers(settings.models),
+        routed=routed,
+    )
     matcher = PrefixMatcher(ctx)
 
     def call(chain: list[int]) -> object:
