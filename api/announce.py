@@ -23,7 +23,7 @@ from api.openapi import answers, body
 from api.operators import AUTH_REFUSAL, REFUSALS, hand_registered, register
 from api.parsing import StrictQueryRoute, decode_body
 from indexer.announcements import Announcement, Granted, HandRegistered, Leases, StaleInstance
-from indexer.registry import UnknownEngine
+from indexer.engine_registry import UnknownEngine
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(Announcement).decode

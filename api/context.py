@@ -1,4 +1,4 @@
-"""What every route works with, gathered once by :func:`api.app.create_app`."""
+"""What every route works with, wired by the program (:func:`kvindex.wiring.api_services`)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from api.settings import ApiSettings
 from indexer.announcements import Leases
+from indexer.engine_registry import ConsumerView, Registry
 from indexer.loads import LoadBoard
 from indexer.misdeclared import MisdeclaredView
 from indexer.prompts import Tokenizers
-from indexer.registry import ConsumerView, Registry
 from indexer.routed import MemoryRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex
@@ -28,9 +28,9 @@ class ApiContext:
     tokenizers: Tokenizers
     #: the routed entries beside the store (in process unless given Redis's)
     routed: RoutedEntries = field(default_factory=MemoryRouted)
-    #: the self-registered engines' leases over ``registry`` (set by create_app)
+    #: the self-registered engines' leases over ``registry``
     leases: Leases | None = None
     #: engines whose events contradict their declaration (fed by the subscriber)
     misdeclared: MisdeclaredView | None = None
-    #: each rank's load, which ``route: "best"`` weighs (set by create_app)
+    #: each rank's load, which ``route: "best"`` weighs
     loads: LoadBoard | None = None

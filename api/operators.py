@@ -37,9 +37,7 @@ from indexer.announcements import HandRegistered
 from indexer.compiled import Status, combined
 from indexer.core.events import MEDIA, RankId
 from indexer.discovery import served
-from indexer.engines import catalog, intlist
-from indexer.misdeclared import MisdeclaredView
-from indexer.registry import (
+from indexer.engine_registry import (
     BindRefused,
     EngineExists,
     EngineSpec,
@@ -49,6 +47,8 @@ from indexer.registry import (
     degraded_reasons,
     is_degraded,
 )
+from indexer.engines import catalog, intlist
+from indexer.misdeclared import MisdeclaredView
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.memory import compiled as holder_core
 

@@ -24,7 +24,7 @@ from api.parsing import StrictQueryRoute, decode_body
 from api.prefix import routed_ttl, to_query
 from api.schemas import PrefixMatchBody, PromptBody, RoutedAnswer, RoutedBody
 from indexer.core.events import RankId
-from indexer.registry import EngineSpec, UnknownEngine
+from indexer.engine_registry import EngineSpec, UnknownEngine
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(RoutedBody).decode

@@ -16,8 +16,8 @@ from indexer.core.load import cost
 from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
 from indexer.core.routed import Candidate, RoutedRules
 from indexer.core.routed import score as routed_score
+from indexer.engine_registry import EngineSpec
 from indexer.loads import LoadBoard, Report
-from indexer.registry import EngineSpec
 from indexer.routed import RoutedEntries
 
 #: What a pick answers: the rank (None: no candidate), the candidates' routed_blocks

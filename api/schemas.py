@@ -2,7 +2,7 @@
 
 msgspec structs, so that one definition validates a body, encodes an answer
 and (through :mod:`api.openapi`) documents both in the OpenAPI schema.
-Engine configuration and rank status reuse :mod:`indexer.registry` so the
+Engine configuration and rank status reuse :mod:`indexer.engine_registry` so the
 API cannot drift from what the registry and the subscriber hold.
 """
 
@@ -20,8 +20,8 @@ from answers import RankRef as RankRef
 from answers import RouteCost as RouteCost
 from indexer.announcements import Lease
 from indexer.discovery.served import DESCRIBED
+from indexer.engine_registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.engines.rendering import ChatMessage, ReasoningEffort
-from indexer.registry import HASH_ALGOS, EngineSpec, RankStatus
 from indexer.stores.base import Residency
 
 MAX_TOKEN = (1 << 63) - 1

@@ -14,13 +14,13 @@ from indexer.announcements import LeaseRules
 from indexer.core.load import LoadRules
 from indexer.core.matching import TierWeights
 from indexer.core.routed import RoutedRules
+from indexer.engine_registry import BindPolicy
 from indexer.prompts import ModelTokenizer
-from indexer.registry import BindPolicy
 
 
 @dataclass(frozen=True, slots=True)
 class ApiSettings:
-    """Knobs of :func:`api.app.create_app`: the ``api`` section of the config file
+    """Knobs of the API (:func:`api.app.create_app`): the ``api`` section of the config file
     (``engine_binds`` and ``models`` come from the ``subscriber.bind`` and ``models``
     sections). Memory for request heads is at most ``head_bytes`` plus one socket read
     (256 KiB) in hand, whatever the number of connections."""

@@ -36,10 +36,10 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from indexer.cluster.leases import Leases, live_workers
-from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.redis_registry import RedisRegistry
 from indexer.core.events import EventBatch, RankId
+from indexer.engine_registry import EngineSpec
 from indexer.engines.vllm.wire import encode_batch
-from indexer.registry import EngineSpec
 from indexer.stores.redis import RedisConfig, RedisStore
 from producer.publisher import Publisher
 from producer.sim import SimConfig, SimEngine

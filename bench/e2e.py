@@ -28,8 +28,8 @@ import time
 from bench.ingest import kvindex
 from bench.report import Figure, Goal, Report
 from indexer.core.events import EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 
 SECTION = "3"

@@ -28,15 +28,16 @@ from urllib.parse import quote
 
 import uvicorn
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from bench.fleet import BLOCK_SIZE, CHUNK_BLOCKS, Fleet, rank_of
 from bench.measure import interleaved, latency_ms
 from bench.query import load
 from bench.report import Figure, Goal, Report
+from indexer.engine_registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.engines.vllm import native
 from indexer.engines.vllm.hashing import HASH_ALGOS, HashSpec, block_hashes
-from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore
+from kvindex.wiring import api_app
 from tests.servers import free_port
 
 SECTION = "6"
@@ -70,7 +71,7 @@ def _serve(fleet: Fleet, port: int, profile: Path | None) -> None:
             await registry.add(spec)
 
     asyncio.run(fill())
-    app = create_app(store, registry, AllConnected(), ApiSettings())
+    app = api_app(store, registry, AllConnected(), ApiSettings())
 
     @app.get("/bare", include_in_schema=False)
     async def bare() -> dict:

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from bench.report import Figure, Report
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.log import setup_logging
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 
 SECTION = "9"

@@ -10,8 +10,8 @@ Synthetic fills give the sizes the issue asks for: each engine holds half
 its blocks on GPU and half on CPU; a third of them are system-prompt blocks
 shared fleet-wide (Zipf-popular), the rest its own. The fleet's own state
 (from the simulated engines) is measured too. The 1M-entry fill is measured on
-the pure-Python reference core as well (dicts: the figure before the tables were
-compiled); the compiled tables allocate through Python's allocator, so
+the pure-Python reference core as well (dict counts per rank and no holder
+index: what runs without the build); the compiled tables allocate through Python's allocator, so
 ``tracemalloc`` counts them like the dicts they replace.
 """
 

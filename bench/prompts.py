@@ -31,16 +31,17 @@ from typing import Any
 
 import httpx
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from bench.measure import latency_ms
 from bench.report import Figure, Goal, Report
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
 from indexer.engines.vllm.render import ChatMessage
 from indexer.prompts import ModelTokenizer, Tokenizers
-from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore, apply_events
+from kvindex.wiring import api_app
 
 SECTION = "11"
 TOKENIZER = Path(__file__).resolve().parents[2] / "shared/fixtures/vllm-0.33.0/tokenize/llama3ish"
@@ -89,7 +90,7 @@ async def _fleet(messages: list[dict[str, str]], pool: Tokenizers) -> tuple[Any,
         event = BlockStored(chain[:held], None, tokens[: held * 16], 16)
         await apply_events(store, RankId(name, 0), 1, EventBatch(1.0, [event], 0))
     settings = ApiSettings(models={MODEL: ModelTokenizer(str(TOKENIZER))})
-    app = create_app(store, registry, AllConnected(), settings, tokenizers=pool)
+    app = api_app(store, registry, AllConnected(), settings, tokenizers=pool)
     return app, tokens
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import uvicorn
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from api.context import ApiContext
 from api.matching import PrefixMatcher, Query
 from bench import redis_bench
@@ -42,13 +42,14 @@ from bench.measure import latency_ms
 from bench.query import timed_calls
 from bench.redis_bench import bulk_load, residency_batches
 from bench.report import Figure, Goal, Report
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.engines.vllm.hashing import block_hashes
 from indexer.prompts import Tokenizers
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import MemoryRouted, RedisRouted
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
 from indexer.token_index import TokenIndex
+from kvindex.wiring import api_app
 from tests.servers import RedisServer, free_port
 
 SECTION = "12"
@@ -74,7 +75,7 @@ def _serve(fleet: Fleet, port: int) -> None:
             await registry.add(spec)
 
     asyncio.run(fill())
-    app = create_app(MemoryStore(), registry, AllConnected(), ApiSettings())
+    app = api_app(MemoryStore(), registry, AllConnected(), ApiSettings())
 
     @app.get("/bare", include_in_schema=False)
     async def bare() -> dict:
@@ -135,7 +136,7 @@ def _matcher(store: MemoryStore, fleet: Fleet, routed: MemoryRouted) -> Callable
 
     asyncio.run(fill())
     settings = ApiSettings()
-    ctx = ApiContext(
+    ctx = ApiContext(  # the matcher alone, over the bare store: no app around it
         store=store,
         registry=registry,
         consumers=AllConnected(),

@@ -5,5 +5,5 @@
 - :mod:`indexer.stores`: where the counts live (in process, Redis);
 - :mod:`indexer.ingest`: ZMQ consumers per engine rank, the subscriber, trace replay;
 - :mod:`indexer.cluster`: leases, registry, status board and workers over Redis;
-- :mod:`indexer.registry`: the engines followed, their declared configuration.
+- :mod:`indexer.engine_registry`: the engines followed, their declared configuration.
 """

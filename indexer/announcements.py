@@ -9,7 +9,7 @@ shutdown told kvindex it went. Engines registered by hand (config, flags,
 ``POST /engines``) are not leased and never expire: announcements cannot take
 them over.
 
-:class:`Leases` sits over any :class:`~indexer.registry.Registry`, so the
+:class:`Leases` sits over any :class:`~indexer.engine_registry.Registry`, so the
 registry's listeners (the subscriber) start and stop consuming exactly as for
 hand registrations. The leases live in a :class:`LeaseBook`: this process's
 memory, or Redis when API replicas share the registry.
@@ -27,7 +27,7 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 
 from indexer import metrics
-from indexer.registry import EngineSpec, Registry, UnknownEngine
+from indexer.engine_registry import EngineSpec, Registry, UnknownEngine
 from indexer.retrying import repeat
 
 log = logging.getLogger("kvindex.leases")

@@ -1,6 +1,6 @@
 """Engines given on the command line: ``--engine`` and ``--engine-url``'s fields.
 
-A flag's ``FIELD=VALUE`` items are :class:`~indexer.registry.EngineSpec` fields
+A flag's ``FIELD=VALUE`` items are :class:`~indexer.engine_registry.EngineSpec` fields
 written as text; the rules for turning them into a spec (what ``null`` means
 for a field that may not be None) live here once for both flags.
 """
@@ -11,7 +11,7 @@ import typing
 
 import msgspec
 
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 
 
 def parse_engine_flag(text: str) -> EngineSpec:

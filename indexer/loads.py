@@ -35,9 +35,9 @@ import httpx
 
 from indexer.core.events import GPU, RankId
 from indexer.core.load import EngineLoad, LoadRules, Placement, placement, waiting_picks
+from indexer.engine_registry import EngineSpec, Registry
 from indexer.errors import StoreUnavailable
 from indexer.metrics import LOAD_SCRAPES
-from indexer.registry import EngineSpec, Registry
 from indexer.stores.base import Store
 
 log = logging.getLogger(__name__)

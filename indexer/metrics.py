@@ -34,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from indexer.core.events import MEDIA, RankId
-from indexer.registry import RankStatus, is_degraded
+from indexer.engine_registry import RankStatus, is_degraded
 from indexer.retrying import repeat
 
 # A ``_created`` series per counter says when the process started counting: noise

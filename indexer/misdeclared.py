@@ -34,8 +34,8 @@ from typing import Protocol
 
 from indexer import metrics
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineSpec, Registry, UnknownEngine
 from indexer.engines.base import BlockHasher, Prompt
-from indexer.registry import EngineSpec, Registry, UnknownEngine
 
 log = logging.getLogger("kvindex.misdeclared")
 

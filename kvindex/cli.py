@@ -39,7 +39,7 @@ def _service(args: argparse.Namespace) -> int:
 
     import zmq
 
-    from indexer.registry import EngineExists
+    from indexer.engine_registry import EngineExists
     from indexer.stores import StoreUnavailable
     from kvindex.config import ConfigError, OpenDoor, load_config
 

@@ -3,7 +3,7 @@
 Each command reads the sections it needs (:mod:`kvindex.serve`,
 :mod:`kvindex.processes`). YAML, or TOML by its ``.toml`` suffix::
 
-    engines:                      # EngineSpec fields, see indexer.registry
+    engines:                      # EngineSpec fields, see indexer.engine_registry
       - name: vllm-a
         endpoint: tcp://10.0.0.5:5557
         replay_endpoint: tcp://10.0.0.5:5558
@@ -63,10 +63,10 @@ from api.settings import ApiSettings
 from indexer.cluster.workers import WorkerSettings
 from indexer.discovery import Source, open_source
 from indexer.discovery.served import EngineUrl, engine_url, parse_engine_url
+from indexer.engine_registry import BindRefused, EngineSpec, is_loopback
 from indexer.ingest.subscriber import SubscriberSettings
 from indexer.metrics import MetricsSettings
 from indexer.prompts import EXTRA, INSTALL, ModelTokenizer, missing_extra
-from indexer.registry import BindRefused, EngineSpec, is_loopback
 from indexer.stores.redis import RedisConfig
 from kvindex.options import ENV_PREFIX
 

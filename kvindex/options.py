@@ -22,7 +22,7 @@ import click
 
 if TYPE_CHECKING:
     from indexer.discovery.served import EngineUrl
-    from indexer.registry import EngineSpec
+    from indexer.engine_registry import EngineSpec
 
 ENV_PREFIX = "KVINDEX_"
 FILE_SUFFIX = "_FILE"

@@ -25,27 +25,27 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import start_http_server
 
 from api import operators
-from api.app import create_app
 from api.settings import ApiSettings
 from indexer.announcements import Leases
 from indexer.cluster.announced import RedisBook
 from indexer.cluster.mirror import Mirror
 from indexer.cluster.misdeclared_board import RedisMisdeclared
-from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.redis_registry import RedisRegistry
 from indexer.cluster.status_board import StatusBoard
 from indexer.cluster.workers import Worker
 from indexer.discovery.served import EngineUrl, UrlEngines
+from indexer.engine_registry import EngineSpec
 from indexer.engines import catalog
 from indexer.ingest.subscriber import RankPool
 from indexer.metrics import sample_residency, watch_routed
 from indexer.misdeclared import Misdeclared
-from indexer.registry import EngineSpec
 from indexer.routed import RedisRouted
 from indexer.stores.base import StoreUnavailable
 from indexer.stores.redis import RedisConfig, RedisStore
 from indexer.stores.redis.client import cancel_task
 from kvindex.config import ServeConfig, resolve_auth_token
 from kvindex.http import cannot_listen, listen, serve_http, stop_signals
+from kvindex.wiring import api_app
 
 log = logging.getLogger("kvindex.processes")
 
@@ -153,7 +153,7 @@ async def run_api(
     book = RedisBook(store.client)
     leases = Leases(registry, settings.announce, on_removed=routed.forget, book=book)
     misdeclared = RedisMisdeclared(store.client, registry)
-    app = create_app(
+    app = api_app(
         own.store if own else store,
         registry,
         own or board,

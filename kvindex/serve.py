@@ -17,19 +17,19 @@ import logging
 from collections.abc import Callable, Sequence
 
 from api import operators
-from api.app import create_app
 from api.settings import ApiSettings
 from indexer import discovery, metrics
 from indexer.announcements import Leases
 from indexer.discovery.served import EngineUrl, UrlEngines, follow_moves
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import MemoryRouted, RedisRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.stores.memory import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
 from kvindex.config import ServeConfig
 from kvindex.http import listen, serve_http, stop_signals
+from kvindex.wiring import api_app
 
 log = logging.getLogger("kvindex.serve")
 
@@ -78,7 +78,7 @@ async def serve(
     routed = open_routed(redis, store)
     subscriber.add_observer(routed.observe)  # the batches applied confirm routed entries
     leases = Leases(registry, settings.announce, on_removed=routed.forget)
-    app = create_app(store, registry, subscriber, settings, routed=routed, leases=leases)
+    app = api_app(store, registry, subscriber, settings, routed=routed, leases=leases)
     sampler = found = by_url = moves = None
     try:
         with stop_signals() as stop, listen(host, port) as sock:

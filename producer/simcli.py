@@ -60,7 +60,7 @@ class Layout:
 def engine_spec(
     layout: Layout, engine: int, config: SimConfig, model: str, events: bool = True
 ) -> dict:
-    """The ``POST /engines`` body (an :class:`indexer.registry.EngineSpec`) for one engine.
+    """The ``POST /engines`` body (an :class:`indexer.engine_registry.EngineSpec`) for one engine.
 
     The engine's seed is declared only when it is one kvindex could know: a
     secret xxhash seed stays secret, and kvindex matches by tokens instead.

@@ -9,15 +9,16 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from fastapi import FastAPI
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from indexer.core.events import EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.engines.vllm.wire import decode_batch
 from indexer.ingest.subscriber import Subscriber
 from indexer.ingest.trace import Trace
-from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore, apply_events
 from indexer.stores.base import Store
 from kvindex.http import listen, serve_http
+from kvindex.wiring import api_app
 from producer.publisher import Publisher
 
 from .conftest import free_ports, wait_until
@@ -26,7 +27,7 @@ Observer = Callable[[RankId, EventBatch], None]
 
 
 class FakeConsumers:
-    """A :class:`~indexer.registry.ConsumerView` standing in for the subscriber.
+    """A :class:`~indexer.engine_registry.ConsumerView` standing in for the subscriber.
 
     :meth:`apply` does what the subscriber does with a batch: apply it to the
     store, then tell the observers (the learned token index) if it was new.
@@ -76,7 +77,7 @@ class Api:
         self.store = store or MemoryStore()
         self.registry = EngineRegistry()
         self.consumers = FakeConsumers(self.store)
-        self.app: FastAPI = create_app(
+        self.app: FastAPI = api_app(
             self.store, self.registry, self.consumers, settings or ApiSettings()
         )
         self.client = httpx.AsyncClient(
@@ -116,7 +117,7 @@ class LiveApi:
         self.store = store or MemoryStore()
         self.registry = EngineRegistry()
         self.subscriber = Subscriber(self.store, self.registry)
-        self.app = create_app(self.store, self.registry, self.subscriber, settings or ApiSettings())
+        self.app = api_app(self.store, self.registry, self.subscriber, settings or ApiSettings())
         self.client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=self.app), base_url="http://kvindex"
         )

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import msgspec
 
 from indexer.core.events import CPU, GPU, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import ApplyResult, MemoryStore, apply_events
 from producer.publisher import Publisher
 

@@ -9,9 +9,9 @@ import pytest
 from api import ApiSettings
 from indexer.core.events import RankId
 from indexer.core.matching import TierWeights
+from indexer.engine_registry import RankStatus
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
 from indexer.ingest.trace import load_trace
-from indexer.registry import RankStatus
 
 from .api_cases import _tier_tokens, batch, cpu_chunk, gpu
 from .apikit import Api, csv, engine

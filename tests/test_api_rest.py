@@ -8,7 +8,7 @@ import pytest
 
 from api import ApiSettings
 from indexer.core.events import RankId
-from indexer.registry import RankStatus
+from indexer.engine_registry import RankStatus
 from indexer.stores import MemoryStore, StoreUnavailable
 
 from .api_cases import ENGINE_BODY, batch, cpu_chunk, gpu

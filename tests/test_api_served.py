@@ -12,11 +12,12 @@ import httpx
 import pytest
 import uvicorn
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from indexer.core.events import RankId
+from indexer.engine_registry import EngineRegistry
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
-from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
+from kvindex.wiring import api_app
 
 from .api_cases import ENGINE_BODY, _tier_tokens, batch, gpu
 from .apikit import FakeConsumers, LiveApi, csv, engine
@@ -37,7 +38,7 @@ async def test_a_real_uvicorn_server_answers_long_get_prompts() -> None:
     """Over real HTTP: 8k-token GET query strings must fit (h11's line limit is raised)."""
     store, registry = MemoryStore(), EngineRegistry()
     consumers = FakeConsumers(store)
-    app = create_app(store, registry, consumers, ApiSettings())
+    app = api_app(store, registry, consumers, ApiSettings())
     await registry.add(engine("a"))
     tokens = list(range(100_000, 108_192))
     chain = block_hashes(HashSpec("sha256", None, 16), tokens)

@@ -18,13 +18,14 @@ import msgspec
 import pytest
 import uvicorn
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.slices import Slices
 from indexer.ingest.sockets import YIELD_EVERY
 from indexer.ingest.subscriber import Subscriber
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import ApplyResult, MemoryStore, apply_events
+from kvindex.wiring import api_app
 from producer import vllm_trace
 from producer.publisher import Publisher
 
@@ -127,7 +128,7 @@ async def test_a_query_is_answered_mid_burst_from_whole_batches() -> None:
     subscriber = Subscriber(store, registry, tuned(sub_hwm=10 * len(payloads)))
     applied: list[int] = []  # batches applied so far, as the observer counts them
     subscriber.add_observer(lambda rank, batch: applied.append(len(applied)))
-    app = create_app(store, registry, subscriber, ApiSettings())
+    app = api_app(store, registry, subscriber, ApiSettings())
     port = free_ports(1)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     serving = asyncio.create_task(server.serve())

@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from api import ApiSettings, create_app
-from indexer.cluster.registry import RedisRegistry
-from indexer.registry import EngineRegistry
+from api import ApiSettings
+from indexer.cluster.redis_registry import RedisRegistry
+from indexer.engine_registry import EngineRegistry
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisStore
+from kvindex.wiring import api_app
 
 from .apikit import FakeConsumers, served
 from .conftest import redis_config
@@ -42,7 +43,7 @@ ROUTED = {"engine": "a", "block_hashes": list(range(1, 25))}
 async def api(token: str | None = TOKEN) -> AsyncIterator[httpx.AsyncClient]:
     """A served app over a memory store, with ``token`` (or none) configured."""
     store, settings = MemoryStore(), ApiSettings(auth_token=token)
-    app = create_app(store, EngineRegistry(), FakeConsumers(store), settings)
+    app = api_app(store, EngineRegistry(), FakeConsumers(store), settings)
     async with served(app, settings) as client:
         yield client
 
@@ -152,7 +153,7 @@ async def test_an_api_replica_over_redis_hides_the_seed_too(redis_server) -> Non
     stores = [RedisStore(config), RedisStore(config)]
     registries = [RedisRegistry(store.client) for store in stores]
     apps = [
-        create_app(store, registry, FakeConsumers(store), settings)
+        api_app(store, registry, FakeConsumers(store), settings)
         for store, registry in zip(stores, registries, strict=True)
     ]
     try:

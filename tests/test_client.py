@@ -19,13 +19,13 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, RankStatus
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
 from indexer.engines.vllm.render import ChatMessage
 from indexer.prompts import ModelTokenizer, Tokenizers
-from indexer.registry import EngineRegistry, RankStatus
 from indexer.stores import MemoryStore
 from indexer.stores.base import Store
 from indexer.stores.redis import RedisConfig, RedisStore
@@ -38,6 +38,7 @@ from kvindex.client import (
     PrefixMatch,
     best_rank,
 )
+from kvindex.wiring import api_app
 
 from .apikit import FakeConsumers, engine
 from .servers import RedisServer, free_port
@@ -96,7 +97,7 @@ class Fleet:
         self.registry = EngineRegistry()
         self.consumers = FakeConsumers(self.store)
         settings = ApiSettings(models={"chat": ModelTokenizer(str(CHATML))})
-        self.app = create_app(self.store, self.registry, self.consumers, settings)
+        self.app = api_app(self.store, self.registry, self.consumers, settings)
         self.tokens: list[int] = []
 
     async def fill(self, tokens: list[int]) -> None:

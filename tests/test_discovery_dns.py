@@ -26,8 +26,8 @@ from indexer.announcements import Announcement, LeaseRules, Leases
 from indexer.core.events import GPU
 from indexer.discovery import Discovery
 from indexer.discovery.dns import DnsSource, LookupFailed
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores.memory import MemoryStore
 from producer.publisher import Publisher
 from producer.sim import SimConfig, SimEngine

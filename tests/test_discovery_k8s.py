@@ -30,7 +30,7 @@ from indexer.announcements import Leases
 from indexer.discovery.kubernetes import Defaults, is_serving, pod_engine, pod_engines
 from indexer.discovery.sync import diff
 from indexer.discovery.watch import PodWatch
-from indexer.registry import EngineRegistry, EngineSpec
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from kvindex.config import ConfigError, ServeConfig, load_config
 
 from .conftest import wait_until

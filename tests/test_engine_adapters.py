@@ -30,6 +30,7 @@ from indexer.core.events import (
 )
 from indexer.core.matching import PrefixMatch
 from indexer.engine_flags import parse_engine_flag
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.engines import catalog
 from indexer.engines.base import MAX_HASHES_PER_EVENT, Prompt
 from indexer.engines.rendering import ChatMessage, ChatOptions, ToolServing
@@ -37,7 +38,6 @@ from indexer.engines.vllm import hashing, native, render
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
 from indexer.prompts import ModelTokenizer
 from indexer.query import DECLARED
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from kvindex.config import ConfigError, load_config
 from producer.publisher import Publisher

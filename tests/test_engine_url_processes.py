@@ -106,8 +106,8 @@ async def test_a_worker_taking_an_engine_over_keeps_what_its_predecessor_found(r
     """The next owner learns the block size again before it has checked the hashes:
     its first publication must not clear the contradiction found before."""
     from indexer.cluster.misdeclared_board import RedisMisdeclared
-    from indexer.cluster.registry import RedisRegistry
-    from indexer.registry import EngineSpec
+    from indexer.cluster.redis_registry import RedisRegistry
+    from indexer.engine_registry import EngineSpec
     from indexer.stores.redis import RedisConfig, RedisStore
 
     store = RedisStore(RedisConfig(redis_server.url, prefix=f"over-{uuid.uuid4().hex[:8]}"))

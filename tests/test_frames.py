@@ -1,10 +1,10 @@
-"""The compiled payload scanner (``_frames``) against the msgspec path it must equal.
+"""The compiled payload scanner (``_frames``) against the rules it must equal.
 
 For every payload, ``decode_batch(payload, tokens=False)`` (the scanner, falling
-back to msgspec for what it leaves) must give what msgspec's
-:func:`~indexer.engines.vllm.wire.decode_indexed` gives, or raise the same
-error; and merging alike events must not change what the index does with a
-batch (its plan, its routed confirmations). Inputs: every golden payload,
+back to msgspec for what it leaves) must give msgspec's batch with its events as
+:func:`indexer.core.planning.indexed_events` gives them (merged, in planning
+order), or raise the same error; and merging alike events must not change what
+the index does with a batch (its plan, its routed confirmations). Inputs: every golden payload,
 generated vLLM batches of every event kind and field, and those mutated.
 """
 
@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer.core import planning
 from indexer.core.events import AllBlocksCleared, BlockRemoved, EventBatch, WireError
 from indexer.core.residency import plan_batch
 from indexer.core.routed import confirmations
@@ -53,10 +54,18 @@ def _unmerged(payload: bytes) -> EventBatch:
     return wire._decode_typed(payload, wire._decode_indexed)
 
 
+def by_core_rule(payload: bytes) -> EventBatch:
+    """msgspec's batch, its events merged and ordered by the core's rule: what the
+    scanner must give."""
+    batch = _unmerged(payload)
+    events = planning.indexed_events(batch.events, wire.MAX_HASHES_PER_EVENT)
+    return msgspec.structs.replace(batch, events=events)
+
+
 def _check(payload: bytes) -> tuple:
-    """Assert the scanner's path equals msgspec's on ``payload``; the outcome."""
+    """Assert the scanner's path equals the core's rule on ``payload``; the outcome."""
     got = _outcome(lambda p: wire.decode_batch(p, tokens=False), payload)
-    assert got == _outcome(wire.decode_indexed, payload)
+    assert got == _outcome(by_core_rule, payload)
     if got[0] == "ok":
         merged, events = wire.decode_batch(payload, tokens=False), _unmerged(payload)
         assert plan_batch(merged) == plan_batch(events)

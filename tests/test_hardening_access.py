@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api import create_app
 from indexer.engine_flags import parse_engine_flag
+from indexer.engine_registry import BindPolicy, BindRefused, EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.registry import BindPolicy, BindRefused, EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from kvindex.config import ConfigError, ServeConfig
+from kvindex.wiring import api_app
 from producer.publisher import Publisher
 
 from .apikit import Api
@@ -97,7 +97,7 @@ async def live_api(policy: BindPolicy | None = None) -> AsyncIterator[httpx.Asyn
     store, registry = MemoryStore(), EngineRegistry()
     subscriber = Subscriber(store, registry, SubscriberSettings(bind=policy))
     config = ServeConfig(subscriber=SubscriberSettings(bind=policy))
-    app = create_app(store, registry, subscriber, config.api_settings())
+    app = api_app(store, registry, subscriber, config.api_settings())
     await subscriber.start()
     transport = httpx.ASGITransport(app=app)
     try:

@@ -21,8 +21,8 @@ import pytest
 from fastapi import FastAPI
 
 from api import ApiSettings
+from indexer.engine_registry import BindPolicy
 from indexer.ingest.subscriber import SubscriberSettings
-from indexer.registry import BindPolicy
 from kvindex.config import (
     AUTH_TOKEN_ENV,
     ConfigError,

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from indexer.core.events import CPU, GPU, LOWER_TIERS, STORAGE, AllBlocksCleared, EventBatch, RankId
 from indexer.core.matching import PrefixMatch
 from indexer.core.residency import RankResidency, plan_batch
-from indexer.registry import EngineSpec, KVGroup
+from indexer.engine_registry import EngineSpec, KVGroup
 from indexer.stores import Store, apply_events
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher

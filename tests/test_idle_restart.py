@@ -10,7 +10,7 @@ import time
 import pytest
 
 from indexer.core.events import BlockStored, EventBatch, RankId
-from indexer.registry import RankStatus
+from indexer.engine_registry import RankStatus
 from producer.publisher import Publisher
 
 from .apikit import Api, LiveApi, engine

@@ -26,10 +26,10 @@ import zmq.asyncio
 from prometheus_client import REGISTRY
 
 from indexer.core.events import GPU, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.rank_consumer import RankConsumer
 from indexer.ingest.settings import SubscriberSettings
 from indexer.ingest.subscriber import Subscriber
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 
 from . import flood

@@ -18,12 +18,13 @@ import httpx
 import msgspec
 import pytest
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from indexer.core.events import RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.sockets import SocketLimit
 from indexer.ingest.subscriber import Subscriber, raise_file_limit
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
+from kvindex.wiring import api_app
 
 from .conftest import assert_matches_trace, free_ports, trace_batches, wait_until
 from .test_subscriber import FAST, Engine, applied, publish, status
@@ -134,7 +135,7 @@ async def test_a_rank_without_publisher_is_named_once_and_in_readyz(caplog) -> N
     ghost = EngineSpec("ghost", f"tcp://127.0.0.1:{free_ports(2)}", dp_ranks=2)
     store, registry = MemoryStore(), EngineRegistry()
     sub = Subscriber(store, registry, msgspec.structs.replace(FAST, no_publisher_after=0.5))
-    app = create_app(store, registry, sub, ApiSettings())
+    app = api_app(store, registry, sub, ApiSettings())
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvindex")
     live = Engine("live")
     await sub.start()

@@ -15,12 +15,13 @@ import httpx
 import msgspec
 import pytest
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from indexer import metrics
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber
 from indexer.metrics import MetricsSettings
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
+from kvindex.wiring import api_app
 from producer.publisher import Publisher
 
 from .conftest import free_ports, wait_until
@@ -34,7 +35,7 @@ BOUND = 2
 async def scrape() -> AsyncIterator:
     store, registry = MemoryStore(), EngineRegistry()
     subscriber = Subscriber(store, registry, msgspec.structs.replace(FAST, no_publisher_after=0.2))
-    app = create_app(store, registry, subscriber, ApiSettings())
+    app = api_app(store, registry, subscriber, ApiSettings())
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvindex")
     await subscriber.start()
     await registry.add(EngineSpec("wide", f"tcp://127.0.0.1:{free_ports(RANKS)}", dp_ranks=RANKS))

@@ -17,8 +17,8 @@ import pytest
 from redis.asyncio import Redis
 
 from indexer.cluster.mirror import Mirror
-from indexer.cluster.registry import RedisRegistry
-from indexer.registry import EngineSpec, UnknownEngine, is_degraded
+from indexer.cluster.redis_registry import RedisRegistry
+from indexer.engine_registry import EngineSpec, UnknownEngine, is_degraded
 from indexer.stores.redis import RedisConfig, RedisStore
 from producer.simcli import Layout
 

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from indexer.cluster.misdeclared_board import RedisMisdeclared
-from indexer.cluster.registry import RedisRegistry
-from indexer.registry import EngineSpec
+from indexer.cluster.redis_registry import RedisRegistry
+from indexer.engine_registry import EngineSpec
 from indexer.stores.redis import RedisStore
 
 from .conftest import wait_until

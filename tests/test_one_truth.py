@@ -18,11 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api import ApiSettings, create_app
+from api import ApiSettings
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisStore
+from kvindex.wiring import api_app
 from producer.publisher import Publisher
 
 from .conftest import free_ports, redis_config, trace_batches, wait_until
@@ -56,7 +57,7 @@ class Fleet:
         self.store = RedisStore(redis_config(url))
         self.registry = EngineRegistry()
         self.subscriber = Subscriber(self.store, self.registry, SETTINGS)
-        app = create_app(self.store, self.registry, self.subscriber, ApiSettings())
+        app = api_app(self.store, self.registry, self.subscriber, ApiSettings())
         transport = httpx.ASGITransport(app=app)
         self.client = httpx.AsyncClient(transport=transport, base_url="http://kvindex")
         self.publishers: list[Publisher] = []
@@ -162,7 +163,7 @@ async def test_an_engine_without_events_is_degraded_nowhere() -> None:
     registry, store = EngineRegistry(), MemoryStore()
     subscriber = Subscriber(store, registry, SETTINGS)
     await subscriber.start()
-    app = create_app(store, registry, subscriber, ApiSettings())
+    app = api_app(store, registry, subscriber, ApiSettings())
     transport = httpx.ASGITransport(app=app)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://kvindex") as client:

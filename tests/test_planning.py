@@ -1,8 +1,8 @@
 """Planning order (:mod:`indexer.core.planning`): one rule, and every reader takes it.
 
 The compiled scanner states the rule in C; here it must give the batches the
-msgspec path gives (which runs the core's rule) on stretches built to reach
-every branch of it, and the rule must change no count: applying a batch as
+core's rule gives (:func:`~indexer.core.planning.indexed_events`) on stretches
+built to reach every branch of it, and the rule must change no count: applying a batch as
 planned leaves a rank as applying its events one at a time, in wire order.
 """
 
@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from indexer.core.events import EventBatch
 from indexer.core.residency import RankResidency, plan_batch
 from indexer.engines.vllm import wire
+
+from .test_frames import by_core_rule
 
 
 def _event(kind: str, hashes: list[int], medium: str | None, spec: str | None) -> dict:
@@ -58,7 +60,7 @@ def test_the_scanner_orders_a_batch_as_the_core_rule_does(events: list[dict]) ->
     payload = _payload(events)
     assert wire._scan(payload) is not None
     scanned = _indexed(lambda p: wire.decode_batch(p, tokens=False), payload)
-    assert scanned == _indexed(wire.decode_indexed, payload)
+    assert scanned == _indexed(by_core_rule, payload)
 
 
 def _state(batches: list[EventBatch], hold_gpu: bool) -> tuple:
@@ -103,7 +105,7 @@ def _s(*hashes: int, kind: str = "full_attention") -> dict:
 )  # fmt: skip
 def test_each_branch_of_the_rule(events: list[dict], planned: list[str]) -> None:
     payload = _payload(events)
-    for decode in (lambda p: wire.decode_batch(p, tokens=False), wire.decode_indexed):
+    for decode in (lambda p: wire.decode_batch(p, tokens=False), by_core_rule):
         assert [_short(e) for e in decode(payload).events] == planned
 
 

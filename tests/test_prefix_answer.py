@@ -14,7 +14,7 @@ import pytest
 
 from api import ApiSettings
 from indexer.core.events import BlockStored, EventBatch, RankId
-from indexer.registry import EngineSpec, RankStatus
+from indexer.engine_registry import EngineSpec, RankStatus
 
 from .apikit import Api, csv, engine
 

@@ -20,13 +20,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry
 from indexer.engines.base import Prompt
 from indexer.engines.vllm.render import PromptRefused
 from indexer.prompts import ModelTokenizer
-from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
+from kvindex.wiring import api_app
 
 from .apikit import FakeConsumers, engine
 from .prompts_kit import (
@@ -81,7 +82,7 @@ class PromptApi:
         self.consumers = FakeConsumers(self.store)
         settings = ApiSettings(models=MODELS if models is None else models)
         pool = POOL if models is None else None
-        app = create_app(self.store, self.registry, self.consumers, settings, tokenizers=pool)
+        app = api_app(self.store, self.registry, self.consumers, settings, tokenizers=pool)
         self.client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://kvindex"
         )
@@ -238,14 +239,15 @@ def test_without_the_extra_a_prompt_is_a_400_naming_it() -> None:
 import sys, asyncio, json
 sys.modules["transformers"] = None  # as if the extra were not installed
 import httpx
-from api import ApiSettings, create_app
+from api import ApiSettings
+from kvindex.wiring import api_app
 from indexer.prompts import ModelTokenizer
-from indexer.registry import EngineRegistry
+from indexer.engine_registry import EngineRegistry
 from indexer.stores import MemoryStore
 from tests.apikit import FakeConsumers
 store = MemoryStore()
 settings = ApiSettings(models={{"m": ModelTokenizer({str(FIXTURES / "llama3ish")!r})}})
-app = create_app(store, EngineRegistry(), FakeConsumers(store), settings)
+app = api_app(store, EngineRegistry(), FakeConsumers(store), settings)
 async def main():
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://k")
     for body in ({{"model": "m", "messages": []}}, {{"tokens": [1, 2]}}):
@@ -279,7 +281,7 @@ async def test_tokenizers_load_at_start_and_readyz_waits_for_them() -> None:
     """The configured models load in the worker threads as the app is made; /readyz
     is 503 naming them until they have, with no prompt query asking."""
     store = MemoryStore()
-    app = create_app(store, EngineRegistry(), FakeConsumers(store), ApiSettings(models=MODELS))
+    app = api_app(store, EngineRegistry(), FakeConsumers(store), ApiSettings(models=MODELS))
     tokenizers = app.state.tokenizers
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://kvindex"

@@ -24,17 +24,18 @@ import httpx
 import msgspec
 import pytest
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from api.errors import ApiError
 from api.prefix import to_query
 from api.schemas import PrefixMatchBody
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry
 from indexer.engines.base import Prompt
 from indexer.engines.rendering import ResponsesRequest
 from indexer.prompts import ModelTokenizer, Tokenizers
-from indexer.registry import EngineRegistry
 from indexer.stores import MemoryStore
 from kvindex.client import AsyncKvindex
+from kvindex.wiring import api_app
 
 from .apikit import FakeConsumers, engine
 from .prompts_kit import VLLM
@@ -135,7 +136,7 @@ async def test_every_case_matches_in_full_the_blocks_vllm_published_for_it() -> 
     all of its blocks there, through ``POST /prefix-match``."""
     store, registry = MemoryStore(), EngineRegistry()
     consumers = FakeConsumers(store)
-    app = create_app(store, registry, consumers, SETTINGS, tokenizers=POOL)
+    app = api_app(store, registry, consumers, SETTINGS, tokenizers=POOL)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvindex")
     for name in MODELS:
         await registry.add(engine(name, model=name, hash_algo="sha256"))
@@ -157,7 +158,7 @@ async def test_the_client_sends_a_chat_with_tools_and_a_responses_request() -> N
     turn, each as vLLM computed it, found in full on the engine holding them."""
     store, registry = MemoryStore(), EngineRegistry()
     consumers = FakeConsumers(store)
-    app = create_app(store, registry, consumers, SETTINGS, tokenizers=POOL)
+    app = api_app(store, registry, consumers, SETTINGS, tokenizers=POOL)
     chat, responses = (
         next(c for c in ACCEPTED if c["model"] == "hermes" and c["name"] == name)
         for name in ("tools_agent_turns", "resp_agent_items")
@@ -211,7 +212,7 @@ async def test_what_kvindex_does_not_render_is_refused_naming_the_field(
     sent with a prompt they do not apply to: 4xx, never tokens vLLM did not compute."""
     store, registry = MemoryStore(), EngineRegistry()
     await registry.add(engine("e", model=HERMES, hash_algo="sha256"))
-    app = create_app(store, registry, FakeConsumers(store), SETTINGS, tokenizers=POOL)
+    app = api_app(store, registry, FakeConsumers(store), SETTINGS, tokenizers=POOL)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://kvindex") as client:
         answer = await client.post("/prefix-match", json={"model": HERMES, **body})
@@ -254,7 +255,7 @@ async def test_the_readmes_tool_and_responses_examples_are_answered() -> None:
     settings = ApiSettings(models={"qwen-agent": agent})
     store, registry = MemoryStore(), EngineRegistry()
     await registry.add(engine("e", model="qwen-agent", hash_algo="sha256"))
-    app = create_app(store, registry, FakeConsumers(store), settings)
+    app = api_app(store, registry, FakeConsumers(store), settings)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://kvindex") as client:
         for body in bodies:

@@ -14,10 +14,10 @@ import pytest
 import zmq
 
 from indexer.core.events import EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.engines.vllm.wire import decode_batch
 from indexer.engines.zmq_framing import REPLAY_END, decode_frames, offset_endpoint
 from indexer.ingest.subscriber import Subscriber, SubscriberSettings
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.stores import MemoryStore
 from producer.publisher import Publisher
 

@@ -16,8 +16,8 @@ import msgspec
 import pytest
 
 from indexer.core.events import CPU, GPU, BlockStored, EventBatch, RankId
+from indexer.engine_registry import degraded_reasons, is_degraded
 from indexer.ingest.capacity import OVER_CAPACITY
-from indexer.registry import degraded_reasons, is_degraded
 from indexer.stores import MemoryStore
 from producer.publisher import Publisher
 

@@ -25,13 +25,13 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from indexer.cluster.rebuilds import Rebuilds
-from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.redis_registry import RedisRegistry
 from indexer.cluster.scripts import REGISTER
 from indexer.cluster.workers import Worker, WorkerSettings
 from indexer.core.events import GPU, BlockStored
+from indexer.engine_registry import EngineSpec
 from indexer.ingest.subscriber import RankPool
 from indexer.ingest.trace import apply_trace, load_trace
-from indexer.registry import EngineSpec
 from indexer.stores import Fenced, StoreUnavailable, apply_events
 from indexer.stores.redis import RedisConfig, RedisStore
 from producer.publisher import Publisher

@@ -33,7 +33,7 @@ import pytest
 from redis.asyncio import Redis
 
 from indexer.core.events import GPU, BlockStored, EventBatch
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 from producer.publisher import Publisher
 
 from .apikit import LiveApi

@@ -18,10 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api import ApiSettings, create_app
-from indexer.registry import EngineRegistry
+from api import ApiSettings
+from indexer.engine_registry import EngineRegistry
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
+from kvindex.wiring import api_app
 
 from .apikit import FakeConsumers, served
 from .conftest import free_ports
@@ -33,7 +34,7 @@ ENGINE = {"name": "a", "endpoint": "tcp://127.0.0.1:1"}
 @contextlib.asynccontextmanager
 async def api(**settings) -> AsyncIterator[httpx.AsyncClient]:
     store, config = MemoryStore(), ApiSettings(**settings)
-    app = create_app(store, EngineRegistry(), FakeConsumers(store), config)
+    app = api_app(store, EngineRegistry(), FakeConsumers(store), config)
     async with served(app, config) as client:
         yield client
 
@@ -165,7 +166,7 @@ async def test_requests_fail_fast_while_the_store_is_down_and_never_once_it_is_u
     server = RedisServer(tmp_path / "redis", free_port()).start()
     config = RedisConfig(server.url, prefix="t", socket_timeout=2.0, sweep_interval=None)
     store, settings = RedisStore(config), ApiSettings()
-    app = create_app(store, EngineRegistry(), FakeConsumers(store), settings)
+    app = api_app(store, EngineRegistry(), FakeConsumers(store), settings)
     try:
         async with served(app, settings) as client:
             assert (await client.get("/blocks/1")).status_code == 200

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from indexer.core.events import GPU, BlockRemoved, BlockStored, EventBatch, RankId
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 from indexer.stores import MemoryStore
 
 from .test_subscriber import Engine, applied, consuming, publish

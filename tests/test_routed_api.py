@@ -10,13 +10,14 @@ import re
 import httpx
 import pytest
 
-from api import ApiSettings, create_app
+from api import ApiSettings
 from indexer.core.events import AllBlocksCleared, BlockStored, EventBatch, RankId
 from indexer.core.routed import RoutedRules
+from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
-from indexer.registry import EngineRegistry, EngineSpec
 from indexer.routed import RedisRouted
 from indexer.stores.redis import RedisStore
+from kvindex.wiring import api_app
 from producer.publisher import Publisher
 
 from .apikit import Api, FakeConsumers, LiveApi, engine
@@ -81,7 +82,7 @@ class Replica(Api):
         self.store, self.registry = RedisStore(config), EngineRegistry()
         self.consumers = FakeConsumers(self.store)
         self.routed = RedisRouted(config)
-        self.app = create_app(
+        self.app = api_app(
             self.store, self.registry, self.consumers, ApiSettings(), routed=self.routed
         )
         self.client = httpx.AsyncClient(

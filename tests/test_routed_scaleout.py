@@ -20,7 +20,7 @@ import httpx
 import msgspec
 import pytest
 
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 from producer.publisher import Publisher
 from producer.sim import SimConfig, SimEngine
 from producer.simcli import Layout, engine_spec

@@ -26,13 +26,13 @@ import msgspec
 import pytest
 
 from indexer.cluster.leases import Leases, live_workers
-from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.redis_registry import RedisRegistry
 from indexer.cluster.workers import Worker, WorkerSettings
 from indexer.core.events import RankId
+from indexer.engine_registry import EngineSpec, UnknownEngine
 from indexer.engines.vllm.wire import decode_batch
 from indexer.ingest.subscriber import RankPool
 from indexer.ingest.trace import load_trace
-from indexer.registry import EngineSpec, UnknownEngine
 from indexer.stores.base import Fenced, apply_events
 from indexer.stores.redis import RedisConfig, RedisStore
 from producer.publisher import Publisher

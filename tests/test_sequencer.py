@@ -27,8 +27,8 @@ from indexer.core.sequencer import (
     Restarted,
     Sequencer,
 )
+from indexer.engine_registry import Gap, RankStatus
 from indexer.ingest.settings import SubscriberSettings
-from indexer.registry import Gap, RankStatus
 
 T0 = 1_000.0  # the engine's clock when it published seq 0 (one second per seq)
 BAD = b"garbage"

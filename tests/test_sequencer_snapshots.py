@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer.core.sequencer import GaveUp, Mark, Restored
-from indexer.registry import Gap
+from indexer.engine_registry import Gap
 
 from .test_sequencer import T0, Shell
 

@@ -21,7 +21,7 @@ import msgspec
 import pytest
 
 from indexer.engine_flags import parse_engine_flag
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 from kvindex.config import ConfigError, ServeConfig, load_config
 from kvindex.http import listen
 from producer.publisher import Publisher

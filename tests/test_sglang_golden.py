@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from indexer.core.events import GPU, RankId
+from indexer.engine_registry import EngineSpec
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
 from indexer.engines.sglang.wire import signed, unsigned
 from indexer.ingest.trace import load_trace
-from indexer.registry import EngineSpec
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
 

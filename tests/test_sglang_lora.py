@@ -16,7 +16,7 @@ import pytest
 from indexer.core.events import BlockStored, EventBatch
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
 

@@ -13,11 +13,11 @@ import pytest
 
 from api import ApiSettings
 from indexer.core.events import BlockStored, EventBatch
+from indexer.engine_registry import EngineSpec
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
 from indexer.engines.rendering import ChatMessage
 from indexer.prompts import ModelTokenizer
-from indexer.registry import EngineSpec
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
 

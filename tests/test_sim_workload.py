@@ -13,7 +13,7 @@ from collections import Counter
 import msgspec
 import pytest
 
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 from producer.sim import SimConfig
 from producer.simcli import Layout, engine_spec
 from producer.workload import Workload, WorkloadConfig

@@ -20,9 +20,9 @@ import pytest
 
 from indexer.core.events import EventBatch
 from indexer.core.snapshot import SNAPSHOT_OVER_CAPACITY, Snapshot, SnapshotTier
+from indexer.engine_registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.ingest.settings import SubscriberSettings
 from indexer.ingest.subscriber import Subscriber
-from indexer.registry import EngineRegistry, EngineSpec, RankStatus
 from indexer.stores import MemoryStore
 from producer.publisher import Publisher
 from producer.snapshots import SnapshotServer

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, UnknownEngine
 from indexer.engines.vllm.wire import STORED, StoredHashes
 from indexer.ingest.subscriber import Subscriber
-from indexer.registry import EngineRegistry, UnknownEngine
 from indexer.stores import ApplyResult, MemoryStore, StoreUnavailable
 from producer.publisher import Publisher
 

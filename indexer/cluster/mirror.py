@@ -33,11 +33,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.redis_registry import RedisRegistry
 from indexer.core.events import EventBatch, RankId
+from indexer.engine_registry import EngineRegistry, RankStatus, UnknownEngine, blank_status
 from indexer.ingest.settings import SubscriberSettings
 from indexer.ingest.subscriber import Subscriber
-from indexer.registry import EngineRegistry, RankStatus, UnknownEngine, blank_status
 from indexer.retrying import repeat
 from indexer.stores.memory import MemoryStore
 
@@ -47,7 +47,7 @@ log = logging.getLogger("kvindex.mirror")
 class Mirror:
     """Every engine rank the shared registry lists, consumed into :attr:`store`.
 
-    Implements :class:`~indexer.registry.ConsumerView` (and reports applied
+    Implements :class:`~indexer.engine_registry.ConsumerView` (and reports applied
     batches, as the subscriber does) for the API over :attr:`store`.
     """
 

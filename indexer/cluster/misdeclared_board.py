@@ -25,8 +25,8 @@ import logging
 
 import msgspec
 
+from indexer.engine_registry import EngineSpec, Registry, UnknownEngine
 from indexer.misdeclared import excludes
-from indexer.registry import EngineSpec, Registry, UnknownEngine
 from indexer.retrying import repeat
 from indexer.stores.base import Loss
 from indexer.stores.redis.client import RedisClient

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from indexer.stores.redis.client import Script
 
-#: Register an engine (``indexer.cluster.registry``); readers poll "#version".
+#: Register an engine (``indexer.cluster.redis_registry``); readers poll "#version".
 REGISTER = Script(
     """
 -- KEYS[1]: the engine registry hash; ARGV[1]: the engine's name; ARGV[2]: its spec (JSON)

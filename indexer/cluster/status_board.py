@@ -19,7 +19,7 @@ import msgspec
 from indexer.cluster.leases import live_workers
 from indexer.cluster.rebuilds import Rebuild, Rebuilds
 from indexer.core.events import RankId
-from indexer.registry import EngineSpec, RankStatus, Registry, blank_status
+from indexer.engine_registry import EngineSpec, RankStatus, Registry, blank_status
 from indexer.retrying import repeat
 from indexer.stores.base import Loss
 from indexer.stores.redis.client import RedisClient
@@ -49,7 +49,7 @@ async def publish(
 
 class StatusBoard:
     """Every live worker's published statuses: the API's
-    :class:`~indexer.registry.ConsumerView` when it runs as its own process.
+    :class:`~indexer.engine_registry.ConsumerView` when it runs as its own process.
 
     :meth:`rank_status` answers from the last :meth:`refresh` (the API calls
     it synchronously); :meth:`follow` refreshes it in the background.

@@ -32,7 +32,7 @@ leases, the fence tokens and the registry may have gone with it. A worker
 then stops every rank it owns (its writes are refused from the moment its
 store notices) and claims them again like any free rank, which the engine
 registry, re-seeded by every process that knew it
-(:meth:`~indexer.cluster.registry.RedisRegistry.refresh`), makes possible. The
+(:meth:`~indexer.cluster.redis_registry.RedisRegistry.refresh`), makes possible. The
 new consumers resume from the store's watermarks through replay.
 """
 
@@ -52,13 +52,13 @@ import msgspec
 
 from indexer.cluster.leases import Leases, record
 from indexer.cluster.rebuilds import Rebuilds
-from indexer.cluster.registry import RedisRegistry
+from indexer.cluster.redis_registry import RedisRegistry
 from indexer.cluster.status_board import Published, publish
 from indexer.core.events import RankId
+from indexer.engine_registry import EngineSpec, RankStatus
 from indexer.ingest.rank_consumer import RankConsumer
 from indexer.ingest.settings import Seconds
 from indexer.ingest.subscriber import RankPool
-from indexer.registry import EngineSpec, RankStatus
 from indexer.retrying import repeat
 from indexer.stores.redis import RedisStore
 from indexer.stores.redis.client import cancel_task
@@ -103,7 +103,7 @@ class _Owned:
 class Worker:
     """The ranks one ``kvindex indexer`` process owns, consumed into the Redis store.
 
-    Implements the status side of :class:`~indexer.registry.ConsumerView`
+    Implements the status side of :class:`~indexer.engine_registry.ConsumerView`
     (``running``) and the metrics' status source through its :class:`RankPool`.
     Its consumers write to ``store`` under their claim's token; its leases,
     records and statuses go through the store's Redis gateway (``store.client``).

@@ -4,11 +4,12 @@ Pure logic, no I/O. :func:`planned_runs` is the rule: the batch's events as runs
 of alike events, in the order :func:`~indexer.core.residency.plan_batch` turns
 them into operations. vLLM's decoder for the index
 (:func:`indexer.engines.vllm.wire.decode_batch` with ``tokens=False``) gives its
-events in this order already, alike neighbours merged, so that a batch reaches
-planning as a few events; its compiled scanner states this rule again in C,
-condition by condition (in Python, the rule would make decoding and applying
-a third slower), and ``tests/test_planning.py`` checks the two against each other
-on stretches that reach every branch of the rule.
+events as :func:`indexed_events` does: in this order already, alike neighbours
+merged (:func:`merge_key`), so that a batch reaches planning as a few events; its
+compiled scanner states both rules again in C, condition by condition (in Python,
+they would make decoding and applying a third slower), and ``tests/test_frames.py``
+and ``tests/test_planning.py`` check it against :func:`indexed_events` on stretches
+that reach every branch of them.
 
 Terms. A *run* is a longest sequence of consecutive events alike in
 :data:`SIGNATURE`: one operation on one tier. A *stretch* is a longest sequence
@@ -36,7 +37,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, groupby
 from operator import attrgetter, itemgetter
 
-from indexer.core.events import AllBlocksCleared, BlockRemoved, Event
+import msgspec
+
+from indexer.core.events import GPU, AllBlocksCleared, BlockRemoved, Event
 
 #: What makes consecutive events one operation, read in C for every event: the
 #: class, then the place (:func:`place`), then the kind (None for removals and clears).
@@ -62,6 +65,58 @@ def planned_runs(events: Iterable[Event]) -> Iterator[Run]:
 def planning_order(events: Sequence[Event]) -> list[Event]:
     """The events, one list, in the order :func:`planned_runs` plans them."""
     return [event for _, run in planned_runs(events) for event in run]
+
+
+def merge_key(event: Event) -> tuple | None:
+    """What consecutive events must share to plan as one event listing their hashes in
+    order; None: the event merges with none.
+
+    Removals of one run (:data:`SIGNATURE`) merge, and so do GPU stores alike also in
+    what planning reads off each store (its sliding window and block size). Lower-tier
+    stores do not: each one's length teaches the chunk size.
+    """
+    cls = type(event)
+    if cls is BlockRemoved:
+        return SIGNATURE(event)
+    if cls is AllBlocksCleared or event.medium not in (None, GPU):
+        return None
+    return (*SIGNATURE(event), event.kv_cache_spec_sliding_window, event.block_size)
+
+
+def merged(events: Iterable[Event], most: int) -> list[Event]:
+    """Each stretch of consecutive events alike (:func:`merge_key`) as one event listing
+    their hashes in order, up to ``most`` each. For events that carry only what the
+    index reads (a store's token ids would not survive the merge)."""
+    out: list[Event] = []
+    for key, stretch in groupby(events, merge_key):
+        if key is None:
+            out.extend(stretch)
+            continue
+        run: list[Event] = []
+        count = 0
+        for event in stretch:
+            if run and count + len(event.block_hashes) > most:
+                out.append(_joined(run))
+                run, count = [], 0
+            run.append(event)
+            count += len(event.block_hashes)
+        out.append(_joined(run))
+    return out
+
+
+def indexed_events(events: Iterable[Event], most: int) -> list[Event]:
+    """A batch's events as the index reads them: alike neighbours merged, in planning
+    order, merged again (removals moved together), up to ``most`` hashes each. A pool
+    evicting one block per event costs a few events, not hundreds; the index counts
+    them the same."""
+    return merged(planning_order(merged(events, most)), most)
+
+
+def _joined(run: list[Event]) -> Event:
+    """One event of a run of alike ones: the first with every hash of the run."""
+    if len(run) == 1:
+        return run[0]
+    return msgspec.structs.replace(run[0], block_hashes=[h for e in run for h in e.block_hashes])
 
 
 def place(run: tuple[tuple, object]) -> tuple:

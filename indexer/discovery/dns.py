@@ -25,7 +25,7 @@ import dns.resolver
 from indexer.announcements import Leases
 from indexer.discovery import source
 from indexer.discovery.sync import Sync
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 
 log = logging.getLogger("kvindex.discovery")
 

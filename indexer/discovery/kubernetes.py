@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from indexer.discovery import source
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 
 PREFIX = "kvindex.io/"
 #: Annotations that place the engine rather than describe it.

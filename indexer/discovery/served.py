@@ -6,7 +6,7 @@ a map by rank, or a list of entries naming their ``data_parallel_rank`` in
 later versions) and ``GET /v1/models`` with the models it serves. So the
 ``http://HOST:PORT`` routers already send requests to is enough to follow an
 engine: :func:`describe` asks both and makes the
-:class:`~indexer.registry.EngineSpec`, which keeps the URL in ``url``. Other
+:class:`~indexer.engine_registry.EngineSpec`, which keeps the URL in ``url``. Other
 engine types describe their publishers elsewhere (SGLang: ``/server_info``):
 the engine's adapter (the ``adapter`` field) says where, and reads the answer
 into the ranks' configs read here.
@@ -47,9 +47,9 @@ import tenacity
 
 from indexer.discovery.source import host_port
 from indexer.engine_flags import nullable, parse_flag_fields
+from indexer.engine_registry import EngineSpec, Registry, is_loopback
 from indexer.engines import catalog
 from indexer.engines.base import EngineAdapter
-from indexer.registry import EngineSpec, Registry, is_loopback
 from indexer.retrying import repeat
 
 log = logging.getLogger("kvindex.discovery")

@@ -2,7 +2,7 @@
 
 ``dns://NAME[:PORT]?FIELD=VALUE&...`` and ``k8s://NAMESPACE?selector=...&...``
 share one vocabulary: settings of the source (``interval``, ``grace``,
-``replay_port``, ...) and :class:`~indexer.registry.EngineSpec` fields
+``replay_port``, ...) and :class:`~indexer.engine_registry.EngineSpec` fields
 (``model``, ``block_size``, ``hash_algo``, ``hash_seed``, ``dp_ranks``,
 ``blocks_per_chunk``, ``topic``, ``adapter``) that every engine found gets.
 The name and endpoints come from what is discovered, so they cannot be given.
@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import msgspec
 
-from indexer.registry import EngineSpec
+from indexer.engine_registry import EngineSpec
 
 #: EngineSpec fields a source derives itself, or that a discovered engine cannot have.
 _DERIVED = frozenset({"name", "endpoint", "replay_endpoint", "bind", "events", "gpu_blocks"})

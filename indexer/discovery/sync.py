@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter
 
 from indexer.announcements import Announcement, HandRegistered, Leases, StaleInstance
-from indexer.registry import EngineSpec, UnknownEngine
+from indexer.engine_registry import EngineSpec, UnknownEngine
 
 log = logging.getLogger("kvindex.discovery")
 

@@ -106,7 +106,7 @@ class EngineAdapter(Protocol):
     message of this format: a bad frame is counted, never a crash.
     """
 
-    #: The name an :class:`~indexer.registry.EngineSpec` gives in its ``adapter`` field.
+    #: The name an :class:`~indexer.engine_registry.EngineSpec` gives in its ``adapter`` field.
     name: str
     #: The hash algorithms whose chains :meth:`hasher` reproduces (empty: none).
     hash_algos: tuple[str, ...]

@@ -20,8 +20,8 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from indexer.core.events import GPU, MEDIA, BlockRemoved, EventBatch, normalise_medium
+from indexer.engine_registry import EngineSpec, RankStatus
 from indexer.metrics import RankMetrics
-from indexer.registry import EngineSpec, RankStatus
 
 log = logging.getLogger("kvindex.subscriber")
 

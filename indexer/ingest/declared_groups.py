@@ -15,7 +15,7 @@ from typing import Any
 from indexer import metrics
 from indexer.core.events import EventBatch
 from indexer.core.hybrid import GroupDeclaration
-from indexer.registry import EngineSpec, RankStatus
+from indexer.engine_registry import EngineSpec, RankStatus
 
 log = logging.getLogger("kvindex.subscriber")
 

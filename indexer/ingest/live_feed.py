@@ -18,10 +18,10 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from indexer.core.events import WireError
+from indexer.engine_registry import EngineSpec, RankStatus
 from indexer.ingest.intake import LIVE, Item
 from indexer.ingest.settings import SubscriberSettings
 from indexer.ingest.sockets import close_sub, messages, open_sub
-from indexer.registry import EngineSpec, RankStatus
 
 log = logging.getLogger("kvindex.subscriber")
 #: Seconds a connecting SUB's retry may take to follow a disconnection (libzmq

@@ -41,6 +41,7 @@ from indexer.core import sequencer as seq_rules
 from indexer.core.events import GPU, MEDIA, EventBatch, RankId, WireError
 from indexer.core.routed import GPU_CLEARED
 from indexer.core.sequencer import Mark, Sequencer
+from indexer.engine_registry import EngineSpec, Gap, RankStatus, blank_status
 from indexer.ingest.capacity import Capacity, rank_bounds
 from indexer.ingest.declared_groups import DeclaredGroups
 from indexer.ingest.intake import END, HELD, LIVE, REPLAY, WAKE, Intake, Item
@@ -50,7 +51,6 @@ from indexer.ingest.replay_client import ReplayClient
 from indexer.ingest.report import Report, status_now
 from indexer.ingest.settings import Shared
 from indexer.ingest.snapshots import Outcome, SnapshotFetch
-from indexer.registry import EngineSpec, Gap, RankStatus, blank_status
 from indexer.retrying import until_done
 from indexer.stores.base import Fenced, Store, StoreLost, Watermark, apply_events, apply_snapshot
 

@@ -24,7 +24,7 @@ from indexer.core.sequencer import (
     SnapshotFailed,
     StoreLossFound,
 )
-from indexer.registry import RankStatus
+from indexer.engine_registry import RankStatus
 
 log = logging.getLogger("kvindex.subscriber")
 

@@ -12,8 +12,8 @@ import zmq.asyncio
 
 from indexer.core.events import EventBatch, RankId
 from indexer.core.sequencer import Rules
+from indexer.engine_registry import BindPolicy
 from indexer.ingest.slices import Slices
-from indexer.registry import BindPolicy
 
 #: the settings a rank's sequencer reads, by name (each a field here and in Rules)
 _RULE_LIMITS = tuple(f.name for f in fields(Rules) if not f.name.startswith("has_"))

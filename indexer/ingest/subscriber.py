@@ -4,7 +4,7 @@ A :class:`RankPool` holds the running :class:`~indexer.ingest.rank_consumer.Rank
 s of a process: one ZMQ context, one budget of replay requests, the batch
 observers, the status gauges. Two things decide what runs in it: the
 :class:`Subscriber` of ``kvindex serve`` follows an
-:class:`~indexer.registry.EngineRegistry` and runs every rank of every engine;
+:class:`~indexer.engine_registry.EngineRegistry` and runs every rank of every engine;
 a :class:`~indexer.cluster.workers.Worker` of ``kvindex indexer`` runs the ranks it
 holds a lease on.
 """
@@ -21,10 +21,10 @@ import zmq.asyncio
 
 from indexer import metrics
 from indexer.core.events import EventBatch, RankId
+from indexer.engine_registry import Change, EngineRegistry, EngineSpec, RankStatus, blank_status
 from indexer.ingest.rank_consumer import RankConsumer
 from indexer.ingest.settings import APPLY_SLICE, Observer, Shared, SubscriberSettings
 from indexer.ingest.slices import Slices
-from indexer.registry import Change, EngineRegistry, EngineSpec, RankStatus, blank_status
 from indexer.stores.base import Loss, Store
 
 __all__ = ["RankPool", "Subscriber", "SubscriberSettings"]
@@ -195,7 +195,7 @@ class RankPool:
 class Subscriber:
     """Consumes every registered engine rank into the store.
 
-    Implements :class:`~indexer.registry.ConsumerView` for the API. Engines
+    Implements :class:`~indexer.engine_registry.ConsumerView` for the API. Engines
     added to or removed from the registry while running are started or
     stopped (and their store state forgotten) before the registry call returns.
     """

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from indexer.core.events import BlockHash
 from indexer.core.matching import TierWeights
+from indexer.engine_registry import EngineSpec
 from indexer.engines.base import BlockHasher, Prompt
 from indexer.query.errors import QueryRefused
-from indexer.registry import EngineSpec
 
 __all__ = ["DECLARED", "ChainComputer", "Overrides", "Prompt", "Query", "learned"]
 

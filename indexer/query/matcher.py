@@ -22,12 +22,7 @@ from answers import EngineMatch, PrefixMatchResponse, RankRef, RouteCost
 from indexer.core.events import BlockHash, RankId
 from indexer.core.matching import PrefixMatch, TierWeights
 from indexer.core.routed import Candidate
-from indexer.engines.base import BlockHasher
-from indexer.misdeclared import MisdeclaredView
-from indexer.query.chains import ChainComputer, Overrides, Prompt, Query
-from indexer.query.errors import QueryRefused
-from indexer.query.rows import ENGINES, ZeroRows, degraded_flags, entries, rank_order
-from indexer.registry import (
+from indexer.engine_registry import (
     ConsumerView,
     EngineSpec,
     RankStatus,
@@ -35,6 +30,11 @@ from indexer.registry import (
     UnknownEngine,
     is_degraded,
 )
+from indexer.engines.base import BlockHasher
+from indexer.misdeclared import MisdeclaredView
+from indexer.query.chains import ChainComputer, Overrides, Prompt, Query
+from indexer.query.errors import QueryRefused
+from indexer.query.rows import ENGINES, ZeroRows, degraded_flags, entries, rank_order
 from indexer.routed import RoutedEntries
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex

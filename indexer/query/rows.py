@@ -12,7 +12,7 @@ from answers import EngineMatch
 from indexer.core.events import RankId
 from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
 from indexer.core.routed import score as routed_score
-from indexer.registry import EngineSpec, RankStatus, is_degraded
+from indexer.engine_registry import EngineSpec, RankStatus, is_degraded
 
 _encode = msgspec.json.Encoder().encode
 #: Engines a cache keeps entries for (names of removed ones linger): past it, all go.

@@ -146,8 +146,9 @@ cdef int read_event(Cur *c, Ev *e, Py_ssize_t most) except -2:
 
 
 cdef bint alike(const Ev *a, const Ev *b) noexcept nogil:
-    """Whether ``b`` merges into ``a``'s event: removals, or GPU stores (lower-tier
-    stores teach the chunk size by their own lengths), alike in every other field."""
+    """Whether ``b`` merges into ``a``'s event (``indexer.core.planning.merge_key``):
+    removals, or GPU stores (lower-tier stores teach the chunk size by their own
+    lengths), alike in every other field."""
     cdef int k
     cdef const Val *medium = &a.f[F_MEDIUM]
     if a.cls != b.cls or a.cls == CLEARED or a.size != b.size:

@@ -7,17 +7,18 @@ of one-hash events, and building them was most of ingest. This scanner reads a
 payload once, skips token ids and every other field the index does not read
 (checking only that they are well-formed msgpack), and builds one event per
 stretch of consecutive events alike in every field but their hashes (GPU
-stores and removals), their hashes concatenated: the index counts them the same.
+stores and removals: ``indexer.core.planning.merge_key``'s rule), their hashes
+concatenated: the index counts them the same.
 
 It takes only what it is sure msgspec takes, and answers None for anything else
 (legacy positional events, encodings vLLM never writes, any malformation): the
-msgspec path then decodes it, as the executable spec, and raises its errors. So
-it accepts and rejects exactly what that path does
-(``tests/test_frames.py`` checks it against it).
+msgspec path then decodes it and raises its errors. So it accepts and rejects
+exactly what that path does, and gives what ``indexer.core.planning.indexed_events``
+makes of msgspec's events (``tests/test_frames.py`` checks it against both).
 
 It gives the events in planning order, the one order every reader of a batch takes:
-``indexer.core.planning``'s rule (``plan_batch`` runs it, and so does the msgspec
-path), here in C condition by condition (:meth:`IndexDecoder.removals_move`), on
+``indexer.core.planning``'s rule (``plan_batch`` runs it, and so does
+``indexed_events``), here in C condition by condition (:meth:`IndexDecoder.removals_move`), on
 the merged events, which are then merged again. In C because that rule in Python,
 applied to this scanner's events in wire order and merged again, took 30 ms a
 pass of bench item 1's quick stream (640 batches, 29k merged events) where the C

@@ -20,7 +20,6 @@ executable spec, and decodes whatever the scanner leaves to it.
 from __future__ import annotations
 
 import struct
-from itertools import groupby
 from typing import Union
 
 import msgspec
@@ -152,9 +151,9 @@ def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
 
     Media are validated here but left as sent; use :func:`normalise_medium`.
     ``tokens=False`` decodes stores as :data:`StoredHashes` (an
-    :class:`IndexedBatch`), skipping what only the token index reads, with
-    alike neighbours merged (:func:`merge_alike`), removals moved as planning
-    moves them (:func:`planning_order`): a batch the index counts the same.
+    :class:`IndexedBatch`), skipping what only the token index reads, its events
+    as :func:`indexer.core.planning.indexed_events` gives them (alike neighbours
+    merged, in planning order): a batch the index counts the same.
     """
     if tokens:
         return _decode_typed(payload, _decode_map)
@@ -165,7 +164,9 @@ def decode_batch(payload: bytes, *, tokens: bool = True) -> EventBatch:
 def decode_indexed(payload: bytes) -> EventBatch:
     """``decode_batch(payload, tokens=False)`` by msgspec: what the compiled scanner
     must equal, and what decodes every payload it leaves alone."""
-    return merge_alike(planning_order(merge_alike(_decode_typed(payload, _decode_indexed))))
+    batch = _decode_typed(payload, _decode_indexed)
+    events = planning.indexed_events(batch.events, MAX_HASHES_PER_EVENT)
+    return msgspec.structs.replace(batch, events=events)
 
 
 def _decode_typed(payload: bytes, decode: object) -> EventBatch:
@@ -175,71 +176,6 @@ def _decode_typed(payload: bytes, decode: object) -> EventBatch:
         legacy = _legacy_batch(payload, map_error)
     events = [_from_positional(e) for e in legacy[1]]
     return check_batch(EventBatch(legacy[0], events, legacy[2]))
-
-
-def _alike(event: Event) -> tuple | None:
-    """What consecutive events must share to merge; None: the event merges with none.
-
-    Removals and GPU stores merge: the index adds or drops their hashes in order
-    either way, and every reader of a batch for the index (planning, routed
-    confirmations, declared-group checks) reads these fields alike for all of
-    them. Lower-tier stores do not: each one's length teaches the chunk size.
-    """
-    cls = type(event)
-    if cls is BlockRemoved:
-        return (cls, event.medium, event.group_idx, event.locality, event.ownership)
-    if cls is StoredHashes and event.medium in (None, "GPU"):
-        return (
-            cls,
-            event.medium,
-            event.group_idx,
-            event.locality,
-            event.ownership,
-            event.kv_cache_spec_kind,
-            event.kv_cache_spec_sliding_window,
-            event.block_size,
-        )
-    return None
-
-
-def merge_alike(batch: EventBatch) -> EventBatch:
-    """The batch with each stretch of consecutive alike events (:func:`_alike`) as one
-    event listing their hashes in order, up to :data:`MAX_HASHES_PER_EVENT` each.
-
-    vLLM evicts one block per ``BlockRemoved``: hundreds of events a batch that the
-    index counts as one list; merged here, planning a batch costs a few events.
-    """
-    merged: list[Event] = []
-    for key, stretch in groupby(batch.events, _alike):
-        if key is None:
-            merged.extend(stretch)
-            continue
-        run: list[Event] = []
-        count = 0
-        for event in stretch:
-            if run and count + len(event.block_hashes) > MAX_HASHES_PER_EVENT:
-                merged.append(_joined(run))
-                run, count = [], 0
-            run.append(event)
-            count += len(event.block_hashes)
-        merged.append(_joined(run))
-    return msgspec.structs.replace(batch, events=merged)
-
-
-def planning_order(batch: EventBatch) -> EventBatch:
-    """The batch in the order :func:`~indexer.core.residency.plan_batch` takes it
-    (:func:`indexer.core.planning.planned_runs`' rule): in a stretch of events on
-    one tier, removals ahead of stores where that changes no count, so that they
-    merge. A CPU pool that evicts a chunk per chunk it stores sends them
-    alternating, hundreds a batch."""
-    return msgspec.structs.replace(batch, events=planning.planning_order(batch.events))
-
-
-def _joined(run: list[Event]) -> Event:
-    """One event of a run of alike ones: the first with every hash of the run."""
-    if len(run) == 1:
-        return run[0]
-    return msgspec.structs.replace(run[0], block_hashes=[h for e in run for h in e.block_hashes])
 
 
 def _legacy_batch(payload: bytes, map_error: Exception) -> tuple:

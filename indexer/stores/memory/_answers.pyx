@@ -9,8 +9,8 @@ from libc.string cimport memcmp, memcpy, memset
 
 from indexer.stores.memory._keys cimport mix
 
+from indexer.core.matching import NO_MATCH as EMPTY
 from indexer.core.matching import PrefixMatch
-from indexer.stores.memory.walk import EMPTY
 
 
 cdef class Answers:

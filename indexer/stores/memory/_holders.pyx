@@ -1,9 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The embedded store's holder index in C: block hash -> the rank slots holding it.
 
-Same interface and answers as :class:`indexer.stores.memory.holders.HolderIndex`
-(the executable reference, held to it by ``tests/test_compiled_core.py``), and the
-compiled core's public face: :class:`HolderIndex` and the per-rank
+Same answers as each rank's own walk by the core's rule
+(:meth:`indexer.core.residency.RankResidency.match`, the executable reference, held
+to it by ``tests/test_compiled_core.py``), and the compiled core's public face: :class:`HolderIndex` and the per-rank
 :class:`~indexer.stores.memory._tables.CountTable` are imported from here.
 
 Its parts, each its own module (a ``.pxd`` declares what the others cimport, so
@@ -35,7 +35,7 @@ from indexer.stores.memory._tables cimport HolderTable
 
 from indexer.core.events import CPU, GPU, MEDIA, STORAGE
 from indexer.stores.memory._tables import CountTable  # the per-rank tables, public here
-from indexer.stores.memory.walk import EMPTY
+from indexer.core.matching import NO_MATCH as EMPTY
 
 
 cdef extern from "Python.h":
@@ -56,7 +56,7 @@ cdef extern from *:
 
 
 cdef class HolderIndex(RankSlots):
-    """Per medium, ``hash -> rank set``; the reference's interface, walked in C.
+    """Per medium, ``hash -> rank set``, walked in C.
 
     ``media`` and ``windows`` (the window groups of hybrid models' ranks) map each
     medium to its :class:`HolderTable`; a rank's bit is ``1 << slot``.

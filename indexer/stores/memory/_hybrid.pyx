@@ -4,8 +4,7 @@ window group): its full-attention answer lowered to what its window group holds,
 read on the window masks (the index's ``windows`` tables).
 
 Any other hybrid rank is walked by :meth:`~indexer.stores.memory.hybrids.Hybrids.walk`
-on its own tables; the reference index takes every one through
-:meth:`~indexer.stores.memory.hybrids.Hybrids.refine`.
+on its own tables.
 """
 
 from cpython.mem cimport PyMem_Free, PyMem_Realloc

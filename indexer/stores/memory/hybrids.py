@@ -6,18 +6,17 @@ where its window group holds what the answer ends with, else it is walked on
 its own tables by :func:`~indexer.core.hybrid.hybrid_match`. The compiled
 holder index computes the rule itself for the common hybrid (one full-attention
 and one window group, on its window masks) and asks :meth:`Hybrids.walk` for
-the others; :meth:`Hybrids.refine` is the reference index's path.
+the others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from indexer.core.events import CPU, GPU, STORAGE, BlockHash
+from indexer.core.events import BlockHash
 from indexer.core.hybrid import GroupRule, HeldUnits, hybrid_match
 from indexer.core.matching import PrefixMatch
 from indexer.core.residency import RankResidency
-from indexer.stores.memory.walk import EMPTY, Media, bits_of
 
 
 class Hybrids:
@@ -37,8 +36,6 @@ class Hybrids:
         self.states: dict[int, RankResidency] = {}  # bit -> rank
         self.simple: dict[GroupRule, int] = {}  # window group's rule -> bits of such ranks
         self._rules: dict[int, tuple[GroupRule, ...]] = {}  # bit -> rules registered
-        #: (window rule, chunk size) -> the units it needs, in blocks and in chunks
-        self._needs: dict[tuple[GroupRule, int], tuple[int, int]] = {}
         #: changes with the ranks registered: the compiled index reads them again then
         self.generation = 0
 
@@ -67,43 +64,6 @@ class Hybrids:
             del self.states[bit], self._rules[bit]
             self.simple = {r: m & ~bit for r, m in self.simple.items() if m & ~bit}
 
-    def refine(
-        self,
-        answers: list[tuple[int, PrefixMatch]],
-        chain: Sequence[BlockHash],
-        asked: dict[int, int],
-        windows: Media,
-    ) -> list[tuple[int, PrefixMatch]]:
-        """``answers`` (disjoint masks, full-attention answers) with the hybrid ranks' own."""
-        out: list[tuple[int, PrefixMatch]] = []
-        covered = 0
-        for mask, match in answers:
-            covered |= mask
-            hybrid = mask & self.bits
-            if not hybrid:
-                out.append((mask, match))
-                continue
-            walk = hybrid
-            for size, group in asked.items():
-                for rule, bits in self.simple.items():
-                    if bits & hybrid & group:
-                        needs = self._needs.get((rule, size)) or self._need(rule, size)
-                        walk &= ~_unchanged(bits & walk & group, needs, size, match, chain, windows)
-            if mask & ~walk:
-                out.append((mask & ~walk, match))
-            if walk:
-                out += [
-                    (bit, self.walk(bit, match, chain, _size(bit, asked))) for bit in bits_of(walk)
-                ]
-        # a rank without a full-attention group may match with nothing on it
-        lonely = sum(asked.values()) & self.unanchored & ~covered
-        out += [(bit, self.walk(bit, EMPTY, chain, _size(bit, asked))) for bit in bits_of(lonely)]
-        return out
-
-    def _need(self, rule: GroupRule, size: int) -> tuple[int, int]:
-        needs = self._needs[rule, size] = (rule.need(), rule.need(size) if size else 0)
-        return needs
-
     def walk(
         self, bit: int, full: PrefixMatch, chain: Sequence[BlockHash], size: int
     ) -> PrefixMatch:
@@ -111,47 +71,6 @@ class Hybrids:
         answer and chunk size (0: GPU only)."""
         state = self.states[bit]
         return hybrid_match(chain, full, size, self._rules[bit], state.group_tables, HeldSlices)
-
-
-def _size(bit: int, asked: dict[int, int]) -> int:
-    return next(size for size, group in asked.items() if group & bit)
-
-
-def _unchanged(
-    bits: int,
-    needs: tuple[int, int],
-    size: int,
-    match: PrefixMatch,
-    chain: Sequence,
-    windows: Media,
-) -> int:
-    """The ``bits`` whose window group holds what ``match`` ends with on every tier
-    (``needs``: its units needed in blocks, in chunks): for them vLLM's hybrid
-    hit is the full-attention one."""
-    gpu = match.gpu_blocks
-    bits = _holding(bits, windows[GPU], chain[max(0, gpu - needs[0]) : gpu])
-    if bits and 0 < size <= len(chain) and (match.prefix_blocks > gpu or match.cpu_blocks):
-        need, last = needs[1], size - 1
-        cpu, storage = windows[CPU], windows[STORAGE]
-        end = match.prefix_blocks // size
-        for h in chain[max(gpu // size, end - need) * size + last : end * size : size]:
-            bits &= cpu.get(h, 0) | storage.get(h, 0)
-        end = match.cpu_blocks // size
-        bits = _holding(bits, cpu, chain[max(0, end - need) * size + last : end * size : size])
-    if bits and 0 < size <= len(chain) and match.storage_blocks:
-        end = match.storage_blocks // size
-        start = max(0, end - needs[1]) * size + size - 1
-        bits = _holding(bits, windows[STORAGE], chain[start : end * size : size])
-    return bits
-
-
-def _holding(bits: int, index: dict[BlockHash, int], keys: Sequence[BlockHash]) -> int:
-    """The ``bits`` holding every key in ``index``."""
-    for h in keys:
-        bits &= index.get(h, 0)
-        if not bits:
-            break
-    return bits
 
 
 class HeldSlices(HeldUnits):

@@ -1,15 +1,18 @@
 """A rank's exact residency in the embedded store, keeping its bit in the holder index.
 
 The counts are :class:`~indexer.core.residency.RankResidency`'s, changed by
-its own rules; this flavour only watches, through the methods the reference
-leaves to be overridden, which hashes enter or leave a medium's union of
-scored (or window) tables, and sets or clears the rank's bit for them.
+its own rules, kept in the compiled tables (``hash -> refcount`` in 12-byte
+slots: no Python int per hash held); this flavour only watches, through the
+methods the reference leaves to be overridden, which hashes enter or leave a
+medium's union of scored (or window) tables, and sets or clears the rank's bit
+for them in the compiled holder index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from indexer.core.events import MEDIA, BlockHash
 from indexer.core.hybrid import is_scored, is_windowed
@@ -17,23 +20,24 @@ from indexer.core.residency import (
     RankResidency,
     Tier,
     TierOp,
-    add_references,
-    drop_references,
+    TierTable,
 )
-from indexer.stores.memory.holders import HolderIndex
-from indexer.stores.memory.walk import Media
+from indexer.stores.memory.compiled import core
+
+#: per medium, ``hash -> the rank slots holding it`` (the compiled index's tables)
+Media = dict[str, Any]
 
 
 @dataclass
 class IndexedResidency(RankResidency):
-    """A rank's exact residency that keeps its bit in a :class:`HolderIndex` in step.
+    """A rank's exact residency that keeps its bit in the compiled ``HolderIndex`` in step.
 
     A group's hashes go to the index's scored media, to its window media (a
     hybrid model's sliding-window or Mamba group), or nowhere (a kind with no
     rule), by the group's kind.
     """
 
-    index: HolderIndex = field(default_factory=HolderIndex)
+    index: Any = None  # the compiled HolderIndex
     bit: int = 0
     #: tier -> its index and the other tables of its medium going there, or None;
     #: valid while the rank's tables and group kinds stay as they were.
@@ -57,19 +61,16 @@ class IndexedResidency(RankResidency):
                 self.index.discard(tier.medium, self.bit, _alone(gone, found[1]), found[0])
         return unknown
 
-    def added(self, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """One more reference per hash; the hashes given their first. (The compiled
-        tables count in C: :class:`~indexer.stores.memory.compiled.CompiledResidency`.)"""
-        fresh: list[BlockHash] = []
-        add_references(counts, hashes, fresh)
-        return fresh
+    def new_table(self) -> TierTable:
+        return TierTable(core.CountTable())
 
-    def dropped(
-        self, counts: dict[BlockHash, int], hashes: Sequence[BlockHash]
-    ) -> tuple[int, list[BlockHash]]:
+    def added(self, counts, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """One more reference per hash, counted in C; the hashes given their first."""
+        return counts.add(hashes)
+
+    def dropped(self, counts, hashes: Sequence[BlockHash]) -> tuple[int, list[BlockHash]]:
         """One reference fewer per hash: the removals of hashes not held, the hashes gone."""
-        gone: list[BlockHash] = []
-        return drop_references(counts, hashes, gone), gone
+        return counts.drop(hashes)
 
     def learn_kind(self, op: TierOp) -> None:
         group = op.tier.group_idx

@@ -4,11 +4,13 @@ The default for ``kvindex serve``. It forgets everything on exit; run with a
 Redis URL for an index that survives restarts and serves many API replicas.
 
 Each rank's exact refcounts live in its :class:`~indexer.core.residency.RankResidency`
-(here the :class:`~indexer.stores.memory.residency.IndexedResidency` flavour); prefix
-queries read the shared :class:`~indexer.stores.memory.holders.HolderIndex`, which
-walks a chain once for all ranks instead of once per rank, and takes the
-answers of hybrid models' ranks (a sliding-window or Mamba group seen) to
-vLLM's hybrid rule (:class:`~indexer.stores.memory.hybrids.Hybrids`).
+(on the compiled core, the :class:`~indexer.stores.memory.residency.IndexedResidency`
+flavour); prefix queries read the compiled holder index, which walks a chain once
+for all ranks instead of once per rank, and takes the answers of hybrid models'
+ranks to vLLM's hybrid rule (:class:`~indexer.stores.memory.hybrids.Hybrids`).
+Without the build each rank is walked on its own tables by the core's rule
+(:meth:`~indexer.core.residency.RankResidency.match`), the reference the compiled
+index is held to.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from indexer.core.events import MEDIA, BlockHash, RankId
-from indexer.core.matching import PrefixMatch
-from indexer.core.residency import Op
+from indexer.core.matching import NO_MATCH, PrefixMatch
+from indexer.core.residency import Op, RankResidency
 from indexer.memory_trim import return_freed_memory
 from indexer.stores.base import ApplyResult, Fenced, Loss, Residency, Watermark
 from indexer.stores.memory import compiled
@@ -26,27 +28,28 @@ from indexer.stores.memory.residency import IndexedResidency
 
 
 class MemoryStore:
-    """Implements :class:`indexer.stores.Store` with plain dicts.
+    """Implements :class:`indexer.stores.Store` in process memory.
 
-    ``core``: its holder index and its ranks' residency, by default the compiled
-    ones when they built, else the pure-Python reference
-    (:mod:`indexer.stores.memory.compiled`).
+    ``core``: the compiled module by default when it built, else None: the
+    core's reference, rank by rank (:mod:`indexer.stores.memory.compiled`).
     """
 
     def __init__(self, core: compiled.StoreCore = compiled.CORE) -> None:
-        self._ranks: dict[RankId, IndexedResidency] = {}
+        self._ranks: dict[RankId, RankResidency] = {}
         self._watermarks: dict[RankId, Watermark] = {}
         self._fences: dict[RankId, int] = {}  # the newest claim's token, kept by forget
-        self._holders = core.index()
-        self._residency = core.residency
+        self._holders = core.HolderIndex() if core is not None else None
         self._hybrids = Hybrids()  # the ranks of hybrid models
 
-    def _rank(self, rank: RankId) -> IndexedResidency:
+    def _rank(self, rank: RankId) -> RankResidency:
         state = self._ranks.get(rank)
         if state is None:
             holders = self._holders
-            state = self._ranks[rank] = self._residency(index=holders, bit=holders.take_bit())
-            holders.name(state.bit, rank)
+            if holders is None:
+                state = self._ranks[rank] = RankResidency()
+            else:
+                state = self._ranks[rank] = IndexedResidency(index=holders, bit=holders.take_bit())
+                holders.name(state.bit, rank)
         return state
 
     def _check_fence(self, rank: RankId, fence: int | None) -> None:
@@ -64,9 +67,10 @@ class MemoryStore:
         state = self._rank(rank)
         learned = state.chunk_blocks
         block_ops = state.apply(ops)
-        if state.chunk_blocks != learned:
-            self._holders.learned(state.bit, state.chunk_blocks)
-        self._hybrids.update(state, state.bit)
+        if self._holders is not None:  # the compiled index follows the rank
+            if state.chunk_blocks != learned:
+                self._holders.learned(state.bit, state.chunk_blocks)
+            self._hybrids.update(state, state.bit)
         self._watermarks[rank] = Watermark(seq, ts)
         return ApplyResult(applied=True, block_ops=block_ops)
 
@@ -96,7 +100,7 @@ class MemoryStore:
 
     async def forget(self, rank: RankId) -> None:
         state = self._ranks.pop(rank, None)
-        if state is not None:
+        if state is not None and self._holders is not None:
             self._hybrids.drop(state.bit)
             state.release()
         self._watermarks.pop(rank, None)
@@ -112,6 +116,13 @@ class MemoryStore:
     async def prefix_match(
         self, chain: Sequence[BlockHash], chunk_blocks: Mapping[str, int | None]
     ) -> dict[RankId, PrefixMatch]:
+        if self._holders is None:  # the reference: each listed rank by the core's rule
+            found = (
+                (rank, state.match(chain, chunk_blocks[rank.engine] or state.chunk_blocks))
+                for rank, state in self._ranks.items()
+                if rank.engine in chunk_blocks
+            )
+            return {rank: match for rank, match in found if match != NO_MATCH}
         hybrids = self._hybrids if self._hybrids.bits else None
         return self._holders.match(chain, chunk_blocks, hybrids)
 

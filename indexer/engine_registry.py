@@ -5,7 +5,7 @@ file and CLI flags seed it, the operator API (``POST``/``DELETE /engines``)
 changes it at runtime, and consumers follow it. :class:`Registry` is what
 the API needs of one: :class:`EngineRegistry` keeps engines in process and
 has the subscriber of ``kvindex serve`` listen to it;
-:class:`~indexer.cluster.registry.RedisRegistry` keeps them in Redis for API
+:class:`~indexer.cluster.redis_registry.RedisRegistry` keeps them in Redis for API
 replicas and indexer workers. ``RankStatus`` is what operators see of each rank.
 """
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 import msgspec
 
 from indexer.cluster.scripts import DEREGISTER, REGISTER
-from indexer.registry import EngineExists, EngineSpec, UnknownEngine
+from indexer.engine_registry import EngineExists, EngineSpec, UnknownEngine
 from indexer.retrying import repeat
 from indexer.stores.redis.client import RedisClient
 
@@ -41,7 +41,7 @@ _decode = msgspec.json.Decoder(EngineSpec).decode
 
 
 class RedisRegistry:
-    """Implements :class:`~indexer.registry.Registry` over Redis (no change listeners:
+    """Implements :class:`~indexer.engine_registry.Registry` over Redis (no change listeners:
     workers compare what they consume with :meth:`entries` instead)."""
 
     def __init__(self, client: RedisClient) -> None:
