@@ -35,8 +35,18 @@ RELEASES = {
 CHAT_TRACES = ("chat-sha256", "chat-gpu-only", "chat-placeholders", "chat-clear")
 #: A trace is named by its name alone in 0.33.0's data, by ``RELEASE/NAME`` in a later one's.
 TRACE_NAMES = CHAT_TRACES + tuple(f"0.34.0/{name}" for name in CHAT_TRACES)
-#: Hybrid models: full attention with a sliding-window group, and with a Mamba group.
-HYBRID_TRACE_NAMES = ("hybrid-sliding", "hybrid-mamba", "0.34.0/hybrid-sliding")
+#: Hybrid models: full attention with a sliding-window group, and with a Mamba group (on
+#: 0.34.0 also with the offloading connector: Mamba checkpoints on the CPU tier).
+HYBRID_TRACE_NAMES = (
+    "hybrid-sliding",
+    "hybrid-mamba",
+    "0.34.0/hybrid-sliding",
+    "0.34.0/hybrid-mamba",
+    "0.34.0/mamba-offload",
+)
+#: EAGLE drafting with the offloading connector: vLLM 0.34 hashes with lookahead, and
+#: its CPU stores carry the lookahead tokens (``engine.lookahead_tokens`` says how many).
+LOOKAHEAD_TRACE_NAMES = ("0.34.0/eagle-offload",)
 
 
 def probe_answers(expected: dict) -> list[dict[str, int]]:

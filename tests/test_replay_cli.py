@@ -10,6 +10,7 @@ import pytest
 
 from .conftest import (
     HYBRID_TRACE_NAMES,
+    LOOKAHEAD_TRACE_NAMES,
     TRACE_NAMES,
     expected_path,
     load_expected_json,
@@ -32,7 +33,7 @@ def run_replay(*args: str) -> dict:
     return json.loads(replay(*args).stdout)
 
 
-@pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES)
+@pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES + LOOKAHEAD_TRACE_NAMES)
 def test_replay_answers_like_vllm(name: str) -> None:
     done = replay(str(trace_path(name)), "--probe", str(expected_path(name)))
     report = json.loads(done.stdout)

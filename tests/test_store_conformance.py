@@ -25,6 +25,7 @@ from indexer.stores.redis import RedisStore
 
 from .conftest import (
     HYBRID_TRACE_NAMES,
+    LOOKAHEAD_TRACE_NAMES,
     TRACE_NAMES,
     expected_path,
     load_expected_json,
@@ -150,11 +151,12 @@ async def check_trace_state(store: Store, name: str) -> None:
     for group, table in expected["expected"].get("gpu_refcounts_by_group", {}).items():
         for h, n in table.items():
             rows = await store.block_residency(int(h))
-            assert [r.count for r in rows if r.group_idx == int(group)] == [n], (group, h)
+            on_gpu = [r.count for r in rows if (r.medium, r.group_idx) == (GPU, int(group))]
+            assert on_gpu == [n], (group, h)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES)
+@pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES + LOOKAHEAD_TRACE_NAMES)
 async def test_trace_ends_in_vllms_state_and_answers(store: Store, name: str) -> None:
     trace = load_trace(trace_path(name))
     stats = await apply_trace(store, RANK, trace)

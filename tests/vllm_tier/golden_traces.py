@@ -1,5 +1,5 @@
-"""Golden chat traces from the vLLM release in this venv: every batch one engine
-publishes during a multi-turn chat workload, with vLLM's own final state and answers.
+"""Golden traces from the vLLM release in this venv: every batch one engine publishes
+during a multi-turn chat workload, with vLLM's own final state and answers.
 
 The engine is the tier's (:mod:`tests.vllm_tier.snapshot_engine`: vLLM's config,
 KV cache planning and ``Scheduler``, with the ``OffloadingConnector``'s scheduler
@@ -8,8 +8,9 @@ stepped one request at a time by :class:`~tests.vllm_tier.stand_in.StandIn`. The
 frames are the payloads vLLM's ``ZmqEventPublisher`` keeps for replay, byte for byte.
 The layout is that of ``shared/fixtures/vllm-0.33.0/traces`` (its README):
 ``gpu_refcounts`` counts each hash's blocks in the pool, ``cpu_refcounts`` the CPU
-chunks listing it, and each probe holds vLLM's GPU hit
-(``find_longest_cache_hit``) and the leading whole chunks its CPU tier holds.
+chunks listing it, and each probe holds vLLM's GPU hit (``find_longest_cache_hit``)
+and what the connector's own lookup finds on the CPU tier: from token 0
+(``cpu_prefix_tokens``) and, added to the GPU hit, after it (``prefix_tokens``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tests.vllm_tier.snapshot_engine import (
     make_scheduler,
     plan_kv_cache,
 )
-from tests.vllm_tier.stand_in import StandIn
+from tests.vllm_tier.stand_in import SAMPLED, StandIn
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class Trace:
     seed: int  # of the chats
     clear_after: int | None = None  # requests served before a ``reset_prefix_cache``
     sliding_window: int | None = None  # a second KV cache group, sliding window
+    mamba: bool = False  # a second KV cache group, Mamba in "align" mode
+    eagle: bool = False  # EAGLE drafting: vLLM hashes with lookahead where it can
     prefill_chunk: int | None = None  # tokens per prefill step (None: vLLM's default)
     probes: int = 12
 
@@ -67,6 +70,9 @@ TRACES = (
         prefill_chunk=128,
         probes=40,
     ),
+    Trace("hybrid-mamba", 240, 0, False, 240, seed=6, mamba=True, prefill_chunk=128, probes=40),
+    Trace("mamba-offload", 200, 48, True, 200, seed=7, mamba=True, prefill_chunk=128, probes=40),
+    Trace("eagle-offload", 64, 48, True, 120, seed=8, eagle=True, probes=40),
 )
 
 
@@ -89,14 +95,19 @@ class _Engine:
             buffer=100_000,
             replay=False,
             prefill_chunk=trace.prefill_chunk,
+            mamba=trace.mamba,
+            speculative_config=_drafter(model_dir) if trace.eagle else None,
         )
-        executor = CpuExecutor(trace.sliding_window)
+        #: tokens after a block that its hash covers (vLLM resolves it from the drafter
+        #: and the connector)
+        self.lookahead = self.config.num_hash_lookahead_tokens
+        executor = CpuExecutor(trace.sliding_window, trace.mamba)
         kv_cache_config = plan_kv_cache(EngineCore.__new__(EngineCore), self.config, executor)
         self.scheduler = make_scheduler(self.config, kv_cache_config)
         self.stand_in = StandIn(self.scheduler)
         hash_fn = get_hash_fn_by_name("sha256")
         init_none_hash(hash_fn)
-        self.hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.hasher = get_request_block_hasher(BLOCK, hash_fn, self.lookahead)
         self.publisher = self.scheduler.kv_event_publisher
         self._published = 0
         publish = self.publisher.publish
@@ -169,24 +180,37 @@ class _Engine:
 
     def probe(self, tokens: list[int]) -> dict[str, Any]:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-        from vllm.v1.kv_offload.base import make_offload_key
 
         hashes = list(self.request(tokens).block_hashes)
         coordinator = self.scheduler.kv_cache_manager.coordinator
         gpu = coordinator.find_longest_cache_hit(hashes, len(hashes) * BLOCK)[1]
         by_group = getattr(coordinator, "find_longest_cache_hit_per_group", None)
-        cpu = 0
-        if self.scheduler.connector is not None:
-            chunks = self.scheduler.connector.connector_scheduler.manager._policy.chunks
-            for end in range(CHUNK_BLOCKS - 1, len(hashes), CHUNK_BLOCKS):
-                chunk = chunks.get(make_offload_key(hashes[end], 0))
-                if chunk is None or not chunk.is_ready:
-                    break
-                cpu += CHUNK_BLOCKS * BLOCK
-        answers = {"tokens": tokens, "gpu_tokens": gpu, "cpu_prefix_tokens": cpu}
+        blocks = tokens[: len(hashes) * BLOCK + self.lookahead]
+        answers = {"tokens": tokens, "gpu_tokens": gpu, "cpu_prefix_tokens": self.load(blocks, 0)}
+        if self.scheduler.connector is not None:  # and what it loads after its GPU hit
+            answers["prefix_tokens"] = gpu + self.load(blocks, gpu)
         if by_group is not None:  # a hybrid model: each group's hit on its own too
             answers["gpu_tokens_by_group"] = list(by_group(hashes, len(hashes) * BLOCK)[1])
         return answers | {"hashes": [maybe_convert_block_hash(h) for h in hashes]}
+
+    def load(self, blocks: list[int], computed: int) -> int:
+        """The tokens of whole blocks ``blocks`` (and the lookahead after them) past the
+        first ``computed`` that vLLM's own lookup would load from its CPU tier (the
+        ``OffloadingConnector``'s, over every KV group); 0 with no CPU tier."""
+        if self.scheduler.connector is None:
+            return 0
+        offload = self.scheduler.connector.connector_scheduler
+        # and one token more: vLLM computes a prompt's last token, so its lookup then
+        # reaches as far as the blocks' hashes do
+        request = self.request([*blocks, SAMPLED])
+        offload.on_new_request(request)
+        try:
+            hit, _ = offload.get_num_new_matched_tokens(request, computed)
+        finally:
+            offload._release_step()  # schedule() releases it after each step
+            offload._req_status.pop(request.request_id)
+        assert hit is not None, "a lookup deferred: a store still in flight"
+        return hit
 
 
 def record(model_dir: Any, trace: Trace) -> tuple[bytes, str]:
@@ -214,11 +238,11 @@ def record(model_dir: Any, trace: Trace) -> tuple[bytes, str]:
         for counts in by_group.values():
             gpu_refcounts.update(counts)
         expected = {
-            "engine": _engine_of(trace),
+            "engine": _engine_of(trace, engine.lookahead),
             "frames": len(frames),
             "expected": {
                 "gpu_refcounts": dict(gpu_refcounts),
-                **({"gpu_refcounts_by_group": by_group} if trace.sliding_window else {}),
+                **({"gpu_refcounts_by_group": by_group} if _hybrid(trace) else {}),
                 "cpu_refcounts": cpu_refcounts,
                 "cpu_chunk_end_hashes": ends,
             },
@@ -229,7 +253,7 @@ def record(model_dir: Any, trace: Trace) -> tuple[bytes, str]:
     return msgspec.msgpack.encode([list(f) for f in frames]), json.dumps(expected)
 
 
-def _engine_of(trace: Trace) -> dict[str, Any]:
+def _engine_of(trace: Trace, lookahead: int) -> dict[str, Any]:
     """The engine's configuration as the trace's ``expected.json`` states it."""
     engine: dict[str, Any] = {
         "block_size": BLOCK,
@@ -241,9 +265,30 @@ def _engine_of(trace: Trace) -> dict[str, Any]:
         "self_describing": trace.self_describing,
         "dp_rank": 0,
     }
-    if trace.sliding_window:
+    if trace.eagle:
+        engine["lookahead_tokens"] = lookahead
+    if _hybrid(trace):
         full = {"group_idx": 0, "kind": "full_attention", "sliding_window": None}
-        window = {"group_idx": 1, "kind": "sliding_window", "sliding_window": trace.sliding_window}
-        engine["groups"] = [g | {"block_size": BLOCK} for g in (full, window)]
+        second = {"group_idx": 1, "kind": "sliding_window", "sliding_window": trace.sliding_window}
+        if trace.mamba:
+            second = {"group_idx": 1, "kind": "mamba", "sliding_window": None}
+            second["mamba_cache_mode"] = "align"
+        engine["groups"] = [g | {"block_size": BLOCK} for g in (full, second)]
         engine["prefill_chunk_tokens"] = trace.prefill_chunk
     return engine
+
+
+def _drafter(model_dir: Any) -> dict[str, Any]:
+    """An EAGLE drafter of one layer beside the model (a config only, as the model)."""
+    from pathlib import Path
+
+    from tests.vllm_tier.conftest import TINY_LLAMA
+
+    folder = Path(model_dir) / "drafter"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA | {"num_hidden_layers": 1}))
+    return {"method": "eagle", "model": str(folder), "num_speculative_tokens": 2}
+
+
+def _hybrid(trace: Trace) -> bool:
+    return bool(trace.sliding_window) or trace.mamba

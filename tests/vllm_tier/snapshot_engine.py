@@ -12,7 +12,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.servers import port_free
@@ -29,19 +29,28 @@ NAME = "tier-snapshots"
 MAX_PROMPT = 440  # tokens; the model's context is 512
 LAYER = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
 CHUNK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 2 * CHUNK_BLOCKS  # 2 layers of K and V, fp16
+#: A Mamba layer's state, padded to an attention layer's page (one page size per pool).
+MAMBA_STATE = {
+    "shapes": ((32,),),
+    "dtypes": (torch.float16,),
+    "page_size_padded": 2 * BLOCK * 2 * 16 * 2,
+}
 
 
 class CpuExecutor:
     """The model executor's answers about the KV cache: two full-attention layers, or
-    a full-attention and a sliding-window one (a hybrid model: two KV cache groups)."""
+    a full-attention and a sliding-window or Mamba ("align" mode) one (a hybrid model:
+    two KV cache groups)."""
 
-    def __init__(self, sliding_window: int | None = None) -> None:
-        self._window = sliding_window
+    def __init__(self, sliding_window: int | None = None, mamba: bool = False) -> None:
+        self._window, self._mamba = sliding_window, mamba
 
     def get_kv_cache_specs(self):
         second = FullAttentionSpec(**LAYER)
         if self._window:
             second = SlidingWindowSpec(**LAYER, sliding_window=self._window)
+        if self._mamba:
+            second = MambaSpec(block_size=BLOCK, mamba_cache_mode="align", **MAMBA_STATE)
         return [{"model.layers.0.self_attn.attn": FullAttentionSpec(**LAYER),
                  "model.layers.1.self_attn.attn": second}]  # fmt: skip
 
@@ -86,11 +95,15 @@ def engine_config(
     buffer: int = BUFFER,
     replay: bool = True,
     prefill_chunk: int | None = None,
+    mamba: bool = False,
+    speculative_config: dict | None = None,
 ):
     """vLLM's config as ``vllm serve`` builds it for data-parallel rank ``rank``: events
     at ``base`` (replay at ``base + 2``), a CPU tier of ``cpu_chunks`` chunks through
     the ``OffloadingConnector`` (none: no connector), prefills chunked at
-    ``prefill_chunk`` tokens (None: vLLM's default)."""
+    ``prefill_chunk`` tokens (None: vLLM's default); ``mamba``: Mamba states cached
+    in "align" mode (``--mamba-cache-mode align``; the model's second layer is one);
+    ``speculative_config``: drafting (``--speculative-config``)."""
     transfer = None
     if cpu_chunks:
         transfer = KVTransferConfig(
@@ -121,8 +134,11 @@ def engine_config(
             topic="kv@tier",
         ),
         kv_transfer_config=transfer,
+        speculative_config=speculative_config,
         **({"max_num_batched_tokens": prefill_chunk} if prefill_chunk else {}),
     ).create_engine_config()
+    if mamba:  # set past the check that the model has Mamba layers (the executor's has)
+        config.cache_config.mamba_cache_mode = "align"
     # what the rank's own engine core process is started with
     config.parallel_config.data_parallel_rank = rank
     config.parallel_config.data_parallel_index = rank

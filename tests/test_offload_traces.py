@@ -1,0 +1,79 @@
+"""vLLM 0.34's offloading connector in its own traces (tests/fixtures/vllm-0.34.0):
+Mamba checkpoints and EAGLE lookahead stores on the CPU tier, and kvindex answering
+their probes as vLLM does, by tokens and by hashes."""
+
+from __future__ import annotations
+
+import pytest
+
+from indexer.core.events import CPU, BlockStored, RankId
+from indexer.ingest.trace import load_trace
+
+from .api_cases import _tier_tokens
+from .apikit import Api, csv, engine
+from .conftest import LOOKAHEAD_TRACE_NAMES, load_expected_json, trace_batches, trace_path
+
+OFFLOAD_TRACE_NAMES = ("0.34.0/mamba-offload", *LOOKAHEAD_TRACE_NAMES)
+
+
+def cpu_stores(name: str, group: int) -> list[BlockStored]:
+    return [
+        e
+        for batch in trace_batches(name)
+        for e in batch.events
+        if type(e) is BlockStored and e.medium == CPU and (e.group_idx or 0) == group
+    ]
+
+
+def test_a_mamba_chunk_on_the_cpu_is_one_self_describing_checkpoint() -> None:
+    """The chunk's last hash, chained to the hash before it, no tokens, its block size,
+    kind "mamba": the state at the end of a chunk the full-attention group stored too."""
+    chunks = {tuple(e.block_hashes[-2:]) for e in cpu_stores("0.34.0/mamba-offload", 0)}
+    checkpoints = cpu_stores("0.34.0/mamba-offload", 1)
+    assert len(checkpoints) > 10
+    for event in checkpoints:
+        assert event.kv_cache_spec_kind == "mamba" and event.block_size == 16
+        assert event.token_ids == [] and len(event.block_hashes) == 1
+        assert (event.parent_block_hash, event.block_hashes[0]) in chunks
+
+
+def test_an_eagle_engines_cpu_stores_carry_each_blocks_lookahead() -> None:
+    """Each block's hash covers the token after it: the store says which, one list per
+    hash (inside the chunk, the next block's first token)."""
+    expected = load_expected_json("0.34.0/eagle-offload")
+    lookahead = expected["engine"]["lookahead_tokens"]
+    assert lookahead == 1
+    stores = cpu_stores("0.34.0/eagle-offload", 0)
+    assert len(stores) > 10
+    for event in stores:
+        after = event.lookahead_token_ids
+        assert after is not None and len(after) == len(event.block_hashes) == 4
+        assert all(len(tokens) == lookahead for tokens in after)
+        assert after[:-1] == [[event.token_ids[(i + 1) * 16]] for i in range(len(after) - 1)]
+
+
+@pytest.mark.parametrize("name", OFFLOAD_TRACE_NAMES)
+async def test_offload_traces_answer_like_vllm_by_tokens_and_by_hashes(name: str) -> None:
+    """vLLM's GPU hit and its own CPU lookup (the connector's, from token 0) per probe."""
+    expected = load_expected_json(name)
+    cfg = expected["engine"]
+    api = Api()
+    await api.add(
+        engine(
+            "vllm-a",
+            model="m",
+            block_size=cfg["block_size"],
+            blocks_per_chunk=cfg["blocks_per_chunk"],
+            lookahead_tokens=cfg.get("lookahead_tokens", 0),
+        )
+    )
+    await api.consumers.apply_trace(RankId("vllm-a", 0), load_trace(trace_path(name)))
+    try:
+        for probe in expected["probes"]:
+            want = {k: probe[k] for k in ("gpu_tokens", "cpu_prefix_tokens")}
+            by_tokens, by_hashes = csv(probe["tokens"]), csv(probe["hashes"])
+            for params in ({"tokens": by_tokens}, {"block_hashes": by_hashes}):
+                answer = await api.client.get("/prefix-match", params=params)
+                assert _tier_tokens(answer.json()) == want, (params.keys(), probe)
+    finally:
+        await api.close()
