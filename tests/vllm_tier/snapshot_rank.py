@@ -70,6 +70,13 @@ class Rank:
         self._submitted = self._handled = 0
         self.stand_in = StandIn(self.scheduler)
         self.copies_checked = False  # a GPU block with two physical copies compared
+        #: handle inputs while a step runs, as vLLM 0.34's ``_wait_for_output`` does
+        self.mid_step = False
+        #: set: the next step with unpublished changes waits mid-step for a wake-up
+        self.hold = threading.Event()
+        self.held_after: int | None = None  # the last seq published when it held
+        self._in_step = False
+        self.hooked_mid_step = 0  # the plugin's hook run mid-step, a snapshot wanted
         self._idle = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -92,8 +99,15 @@ class Rank:
             self.taken.append((taken.seq, threading.current_thread().name, self.client_on))
             return taken
 
+        between = self.service.between_steps
+
+        def hooked():
+            self.hooked_mid_step += self._in_step and self.service._handoff.wanted
+            return between()
+
         self.publisher.publish = publishing
         self.service._take = taking
+        self.service.between_steps = hooked
 
     # --- the engine core's thread ---------------------------------------------
 
@@ -114,10 +128,30 @@ class Rank:
                 while not core.input_queue.empty():
                     self._handle(core.input_queue.get_nowait())
                 if self.scheduler.has_requests():
-                    self.stand_in.step()
+                    self.stand_in.step(self._during_step if self.mid_step else None)
         except BaseException as e:  # surfaced by the test
             self.error = e
             raise
+
+    def _during_step(self) -> None:
+        """vLLM 0.34's ``_wait_for_output``: the new requests, aborts and wake-ups that
+        came handled while the model runs (``hold``: on a step whose changes are not
+        published yet, wait for a wake-up first)."""
+        waiting = self.core.input_queue
+        pool = self.scheduler.kv_cache_manager.block_pool
+        if self.hold.is_set() and pool.kv_event_queue:
+            self.held_after = self.service._published.last[0]
+            deadline = time.monotonic() + 60
+            while not any(r[0] == EngineCoreRequestType.WAKEUP for r in list(waiting.queue)):
+                assert time.monotonic() < deadline, "no wake-up came"
+                time.sleep(0.001)
+            self.hold.clear()
+        self._in_step = True
+        try:
+            while not waiting.empty():
+                self._handle(waiting.get_nowait())
+        finally:
+            self._in_step = False
 
     def _handle(self, request) -> None:
         EngineCoreProc._handle_client_request(self.core, *request)
@@ -137,6 +171,11 @@ class Rank:
         self._submitted += 1
         self.core.input_queue.put_nowait((EngineCoreRequestType.ADD, (request, 0)))
         return self.served[-1]
+
+    def abort_last(self) -> None:
+        """Abort the request submitted last (served already or not)."""
+        request_id = f"dp{self.rank}-{self._submitted - 1}"
+        self.core.input_queue.put_nowait((EngineCoreRequestType.ABORT, [request_id]))
 
     def serve_now(self, tokens: list[int]) -> list:
         hashes = self.submit(tokens)
@@ -215,6 +254,7 @@ class Fleet:
         self.ranks = ranks
         self._client: threading.Thread | None = None
         self._client_on = threading.Event()
+        self._aborts = False
 
     def serve(self, requests: int) -> None:
         """Each rank serves ``requests`` more requests, one at a time; then settles."""
@@ -225,8 +265,10 @@ class Fleet:
                 rank.settle()
 
     @contextlib.contextmanager
-    def stepping(self) -> Iterator[None]:
-        """A client keeping each rank busy (two requests in flight) meanwhile."""
+    def stepping(self, aborts: bool = False) -> Iterator[None]:
+        """A client keeping each rank busy (two requests in flight) meanwhile (``aborts``:
+        aborting every third request it sends right after)."""
+        self._aborts = aborts
         self._client_on.set()
         for rank in self.ranks:
             rank.client_on = True
@@ -242,10 +284,14 @@ class Fleet:
                 rank.settle()
 
     def _keep_busy(self) -> None:
+        sent = 0
         while self._client_on.is_set():
             for rank in self.ranks:
                 if rank.outstanding < 2:
                     rank.submit()
+                    sent += 1
+                    if self._aborts and sent % 3 == 0:
+                        rank.abort_last()
             time.sleep(0.004)
 
     def batches(self) -> list[int]:

@@ -10,6 +10,7 @@ it runs in, through vLLM's job bookkeeping.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tests.vllm_tier.runner import runner_output
@@ -26,8 +27,10 @@ class StandIn:
         self._stores: list[int] = []  # store jobs the worker submits next step
         self.loads = 0  # load jobs: chunks read back from the CPU tier
 
-    def step(self) -> None:
-        """Schedule, "run" the model and the offloading worker, update."""
+    def step(self, meanwhile: Callable[[], None] | None = None) -> None:
+        """Schedule, "run" the model and the offloading worker, update; ``meanwhile``
+        runs while the model "runs" (the engine core's inputs, as vLLM 0.34 handles
+        them during a step)."""
         output = self.scheduler.schedule()
         ids = list(output.num_scheduled_tokens)
         requests = self.scheduler.requests
@@ -36,6 +39,8 @@ class StandIn:
             for i in ids
         ]
         connector = self._offloading(output.kv_connector_metadata)
+        if meanwhile is not None:
+            meanwhile()
         self.scheduler.update_from_output(output, runner_output(ids, sampled, connector))
 
     def _offloading(self, meta: Any) -> Any:

@@ -168,6 +168,33 @@ def test_an_idle_engine_is_woken_for_its_snapshot(fleet, kvindex_late) -> None:
     assert all(rank.copies_checked for rank in fleet.ranks)
 
 
+def test_a_snapshot_asked_while_a_step_is_in_flight_is_exact(fleet, kvindex_late) -> None:
+    """vLLM 0.34 handles new requests, aborts and wake-ups while the model runs
+    (``_wait_for_output``), so the plugin's hook runs mid-step too: asked there, with
+    the step's changes to the pool not yet published, the snapshot waits for the
+    step's batch, and kvindex is exact from it while requests come and are aborted."""
+    fleet.serve(16)
+    for rank in fleet.ranks:
+        rank.mid_step = True
+        rank.hold.set()
+    kvindex = kvindex_late()
+    with fleet.stepping(aborts=True):
+        kvindex.register(fleet)
+        kvindex.restored(1)
+    for rank in fleet.ranks:
+        assert not rank.hold.is_set() and rank.hooked_mid_step, "the hook ran mid-step"
+        [(seq, thread, _)] = rank.taken
+        assert thread == rank.thread.name and seq == rank.held_after + 1, "after the step"
+    anomalies = [r["anomalies"] for r in assert_exact(kvindex, fleet, restores=1)]
+    before, deadline = fleet.batches(), time.monotonic() + 60
+    with fleet.stepping(aborts=True):  # five batches more each, inputs handled mid-step
+        while min(b - a for a, b in zip(before, fleet.batches(), strict=True)) < 5:
+            assert time.monotonic() < deadline, "the ranks stopped publishing"
+            time.sleep(0.01)
+    status = assert_exact(kvindex, fleet, restores=1)
+    assert [r["anomalies"] for r in status] == anomalies, "no removal of a block not held"
+
+
 def test_copies_restored_from_a_snapshot_then_evicted_stay_exact(fleet, kvindex_late) -> None:
     """A block the pool holds more than once is restored with every copy (vLLM 0.34
     keeps the ids of a key's further copies apart from its table), so evicting the
