@@ -16,6 +16,7 @@ from indexer.engines import catalog
 from kvindex.cli import SETTINGS, _log_level, _parsed
 from kvindex.options import Port, apply, option
 from producer.sim import SimConfig
+from producer.tracker import OFFLOAD_EVENTS
 from producer.workload import WorkloadConfig
 
 _ENGINE, _LOAD = SimConfig(), WorkloadConfig()
@@ -130,6 +131,13 @@ sim_flags = apply(
         "--placeholders",
         is_flag=True,
         help="publish CPU chunks as placeholders (vLLM without self-describing events)",
+    ),
+    option(
+        "--offload-events",
+        type=click.Choice(OFFLOAD_EVENTS),
+        default=_ENGINE.offload_events,
+        show_default=True,
+        help="the vLLM release whose offload event shapes the engines publish",
     ),
     option(
         "--hash-algo",

@@ -1,6 +1,6 @@
 """A simulated vLLM engine: the KV cache bookkeeping without the model.
 
-Demos, tests and load runs need engines that publish what vLLM 0.33 would
+Demos, tests and load runs need engines that publish what vLLM would
 publish and whose caches can be inspected in process, so that what kvindex
 answers can be checked against what the engine really holds. The simulation
 keeps vLLM's cache mechanics and drops everything else:
@@ -15,7 +15,8 @@ keeps vLLM's cache mechanics and drops everything else:
 - CPU: an LRU of chunks of ``blocks_per_chunk`` blocks aligned to the start
   of the prompt. A request's full chunks are offloaded as they are computed,
   through the :class:`~producer.tracker.Tracker`, so CPU events are
-  self-describing (or placeholders when ``self_describing`` is off).
+  self-describing (or placeholders when ``self_describing`` is off), in the
+  shape of the vLLM release ``offload_events`` names (0.33 or 0.34).
 - STORAGE (optional): an owned, write-through tier behind the CPU one.
 
 Lookups follow vLLM: the GPU prefix first, then whole chunks from the first
@@ -45,7 +46,15 @@ from dataclasses import dataclass
 from indexer.core.events import BlockRemoved, BlockStored, EventBatch
 from indexer.engines import catalog
 from indexer.engines.base import BlockHasher, EngineAdapter, Prompt
-from producer.tracker import Event, GroupSpec, OffloadEvent, OffloadKey, RequestView, Tracker
+from producer.tracker import (
+    Event,
+    GroupSpec,
+    OffloadEvent,
+    OffloadKey,
+    RequestView,
+    Tracker,
+    check_offload_events,
+)
 
 #: The single KV-cache group of the simulated model and its attention kind.
 GROUP_IDX = 0
@@ -61,6 +70,9 @@ class SimConfig:
     its chain with random bytes, as vLLM does without PYTHONHASHSEED: its
     hashes cannot be reproduced outside the process. ``adapter``: the engine
     type whose wire and hashes it speaks (``"vllm"`` or ``"sglang"``).
+    ``offload_events``: the vLLM release whose offload events it publishes
+    (:data:`~producer.tracker.OFFLOAD_EVENTS`; their shapes differ in
+    recurrent groups, which the simulated model has none of).
     """
 
     block_size: int = 16
@@ -76,12 +88,14 @@ class SimConfig:
     decode_tokens_per_step: int = 16
     recent: int = 8
     adapter: str = "vllm"
+    offload_events: str = "0.33"
 
     def __post_init__(self) -> None:
         if self.storage_chunks and not self.cpu_chunks:
             raise ValueError("the STORAGE tier sits behind the CPU tier: set cpu_chunks too")
         if self.adapter not in ("vllm", "sglang"):
             raise ValueError(f"simulated engines are vllm or sglang, not {self.adapter!r}")
+        check_offload_events(self.offload_events)
         if self.adapter == "sglang" and (self.cpu_chunks or self.hash_seed is not None):
             raise ValueError("a simulated SGLang engine keeps no lower tiers and has no seed")
 
@@ -247,7 +261,7 @@ class SimEngine:
             if capacity > 0
         ]
         group = GroupSpec(GROUP_IDX, KIND, None, config.block_size, config.blocks_per_chunk)
-        self._tracker = Tracker(config.self_describing, [group])
+        self._tracker = Tracker(config.self_describing, [group], config.offload_events)
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
 

@@ -269,6 +269,7 @@ def main(args: argparse.Namespace) -> int:
         cpu_chunks=args.cpu_chunks,
         storage_chunks=args.storage_chunks,
         self_describing=not args.placeholders,
+        offload_events=args.offload_events,
         hash_algo=args.hash_algo,
         hash_seed=args.hash_seed,
     )

@@ -12,9 +12,12 @@ to the same per-block hashes. Where no snapshot exists (self-describing off,
 sliding-window or recurrent groups, chunks never seen with their request) it
 emits vLLM's placeholder: the chunk-end hash alone, ``block_size`` 0.
 
-Semantics follow vLLM 0.33's ``OffloadingEventsTracker``; the API takes plain
-request data so any engine can use it. Hashes pass through unchanged: give
-them in the form the engine publishes (64-bit ints or raw digests).
+Semantics follow vLLM's ``OffloadingEventsTracker`` of the release the tracker
+is made for (``offload_events``): 0.33's, or 0.34's, where a recurrent (Mamba)
+group's chunk or partial tail is one self-describing state checkpoint (the
+last hash, chained to the one before it, no tokens) instead of a placeholder.
+The API takes plain request data so any engine can use it. Hashes pass through
+unchanged: give them in the form the engine publishes (64-bit ints or raw digests).
 """
 
 from __future__ import annotations
@@ -32,6 +35,18 @@ Event = BlockStored | BlockRemoved
 
 #: The offload manager's own tier. Stores and lookup hits land here first.
 PRIMARY: OffloadTier = ("CPU", None)
+#: The vLLM releases whose offload events the tracker speaks.
+OFFLOAD_EVENTS = ("0.33", "0.34")
+
+
+def check_offload_events(release: str) -> None:
+    """Refuse a vLLM release whose offload events the tracker does not speak."""
+    if release not in OFFLOAD_EVENTS:
+        raise ValueError(f"offload events are vLLM {OFFLOAD_EVENTS}'s, not {release!r}")
+
+
+#: The kind of a recurrent group: vLLM 0.34 describes its chunks as state checkpoints.
+RECURRENT = "mamba"
 
 
 class OffloadKey(NamedTuple):
@@ -137,14 +152,19 @@ class _Snapshot:
 
 
 class Tracker:
-    """Turns raw offload events into vLLM 0.33 ``BlockStored``/``BlockRemoved`` events.
+    """Turns raw offload events into vLLM's ``BlockStored``/``BlockRemoved`` events, as
+    the release ``offload_events`` (one of :data:`OFFLOAD_EVENTS`) publishes them.
 
     Call a ``record_*`` method while the request is alive, then pass the
     manager's events through :meth:`take_events` in the order it emitted them.
     """
 
-    def __init__(self, self_describing: bool, group_specs: Iterable[GroupSpec]) -> None:
+    def __init__(
+        self, self_describing: bool, group_specs: Iterable[GroupSpec], offload_events: str = "0.33"
+    ) -> None:
+        check_offload_events(offload_events)
         self.self_describing = self_describing
+        self._checkpoints = offload_events != "0.33"
         self._groups = {group.group_idx: group for group in group_specs}
         self._snapshots: dict[OffloadKey, _Snapshot] = {}
 
@@ -155,12 +175,12 @@ class Tracker:
         chunk was re-offloaded) but keeps the tiers that still hold it.
         """
         if group := self._describable(key):
-            self._replace(key, self._build(req, key, _chunk_span(group, chunk_idx)))
+            self._replace(key, self._snapshot(req, key, _chunk_span(group, chunk_idx)))
 
     def record_partial_store(self, req: RequestView, boundary_tokens: int, key: OffloadKey) -> None:
         """Snapshot a partial recurrent tail stored up to ``boundary_tokens``."""
         if group := self._describable(key):
-            self._replace(key, self._build(req, key, _tail_span(group, boundary_tokens)))
+            self._replace(key, self._snapshot(req, key, _tail_span(group, boundary_tokens)))
 
     def record_lookup(
         self, req: RequestView, chunk_idx: int, key: OffloadKey, *, allocated: bool = True
@@ -173,7 +193,7 @@ class Tracker:
         """
         group = self._describable(key) if allocated else None
         if group and not self._mark_primary(key):
-            self._snapshots[key] = self._build(req, key, _chunk_span(group, chunk_idx))
+            self._snapshots[key] = self._snapshot(req, key, _chunk_span(group, chunk_idx))
 
     def record_partial_lookup(
         self, req: RequestView, boundary_tokens: int, key: OffloadKey, *, allocated: bool = True
@@ -181,7 +201,7 @@ class Tracker:
         """Note a primary-tier hit on a partial recurrent tail; see :meth:`record_lookup`."""
         group = self._describable(key) if allocated else None
         if group and not self._mark_primary(key):
-            self._snapshots[key] = self._build(req, key, _tail_span(group, boundary_tokens))
+            self._snapshots[key] = self._snapshot(req, key, _tail_span(group, boundary_tokens))
 
     def take_events(self, events: Iterable[OffloadEvent]) -> list[Event]:
         """Translate one batch of raw events, in order, into wire events."""
@@ -212,7 +232,12 @@ class Tracker:
         group = self._groups.get(key.group_idx)
         if group is None:
             raise ValueError(f"no GroupSpec for KV group {key.group_idx}")
-        return group if group.sliding_window_in_chunks is None else None
+        if group.sliding_window_in_chunks is None or self._is_checkpointed(group):
+            return group
+        return None
+
+    def _is_checkpointed(self, group: GroupSpec) -> bool:
+        return self._checkpoints and group.kind == RECURRENT
 
     def _replace(self, key: OffloadKey, snapshot: _Snapshot) -> None:
         if old := self._snapshots.get(key):
@@ -225,6 +250,18 @@ class Tracker:
         if snapshot is not None:
             snapshot.tiers.add(PRIMARY)
         return snapshot is not None
+
+    def _snapshot(self, req: RequestView, key: OffloadKey, span: _Span) -> _Snapshot:
+        """The payload of ``span``; a recurrent group's reduced to the state it holds,
+        valid at its last hash (vLLM 0.34): that hash alone, chained to the one
+        before it, and no tokens."""
+        snapshot = self._build(req, key, span)
+        if self._is_checkpointed(span.group):
+            hashes = snapshot.block_hashes
+            if len(hashes) > 1:
+                snapshot.parent_block_hash = hashes[-2]
+            snapshot.block_hashes, snapshot.token_ids = hashes[-1:], ()
+        return snapshot
 
     @staticmethod
     def _build(req: RequestView, key: OffloadKey, span: _Span) -> _Snapshot:

@@ -281,6 +281,12 @@ PRESSURE = {
     "placeholders": SimConfig(gpu_blocks=160, cpu_chunks=48, self_describing=False),
     "gpu-only": SimConfig(gpu_blocks=160, cpu_chunks=0),
     "storage": SimConfig(gpu_blocks=160, cpu_chunks=48, storage_chunks=96),
+    "storage-0.34": SimConfig(
+        gpu_blocks=160, cpu_chunks=48, storage_chunks=96, offload_events="0.34"
+    ),
+    "placeholders-0.34": SimConfig(
+        gpu_blocks=160, cpu_chunks=48, self_describing=False, offload_events="0.34"
+    ),
     "sglang": SimConfig(gpu_blocks=160, cpu_chunks=0, adapter="sglang"),
 }
 WORKLOAD = WorkloadConfig(seed=3, system_prompt_tokens=(64, 320), max_context_tokens=1024)
