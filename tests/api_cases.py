@@ -4,7 +4,11 @@ once so every API test module builds its cases the same way."""
 
 from __future__ import annotations
 
-from indexer.core.events import BlockStored, EventBatch
+from indexer.core.events import BlockStored, EventBatch, RankId
+from indexer.ingest.trace import load_trace
+
+from .apikit import Api, engine
+from .conftest import load_expected_json, trace_path
 
 
 def batch(*events) -> EventBatch:
@@ -43,3 +47,22 @@ ENGINE_BODY = {
     "hash_seed": None,
     "blocks_per_chunk": None,
 }
+
+
+async def trace_api(name: str) -> tuple[Api, dict]:
+    """An API over one engine that published fixture trace ``name`` (engine ``vllm-a``,
+    declared as the trace's engine was), and the trace's expected answers."""
+    expected = load_expected_json(name)
+    cfg = expected["engine"]
+    api = Api()
+    await api.add(
+        engine(
+            "vllm-a",
+            model="m",
+            block_size=cfg["block_size"],
+            blocks_per_chunk=cfg["blocks_per_chunk"],
+            lookahead_tokens=cfg.get("lookahead_tokens", 0),
+        )
+    )
+    await api.consumers.apply_trace(RankId("vllm-a", 0), load_trace(trace_path(name)))
+    return api, expected

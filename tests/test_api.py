@@ -11,11 +11,10 @@ from indexer.core.events import RankId
 from indexer.core.matching import TierWeights
 from indexer.engine_registry import RankStatus
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
-from indexer.ingest.trace import load_trace
 
-from .api_cases import _tier_tokens, batch, cpu_chunk, gpu
+from .api_cases import _tier_tokens, batch, cpu_chunk, gpu, trace_api
 from .apikit import Api, csv, engine
-from .conftest import FIXTURES, TRACE_NAMES, load_expected_json, trace_path
+from .conftest import FIXTURES, TRACE_NAMES
 
 HASH_CASES = json.loads((FIXTURES / "hash_vectors.json").read_text())
 
@@ -30,25 +29,9 @@ async def api():
 # --- vLLM's own answers --------------------------------------------------------
 
 
-async def _trace_api(name: str) -> tuple[Api, dict]:
-    expected = load_expected_json(name)
-    cfg = expected["engine"]
-    api = Api()
-    await api.add(
-        engine(
-            "vllm-a",
-            model="m",
-            block_size=cfg["block_size"],
-            blocks_per_chunk=cfg["blocks_per_chunk"],
-        )
-    )
-    await api.consumers.apply_trace(RankId("vllm-a", 0), load_trace(trace_path(name)))
-    return api, expected
-
-
 @pytest.mark.parametrize("name", TRACE_NAMES)
 async def test_every_probe_answers_like_vllm_by_tokens_and_by_hashes(name: str) -> None:
-    api, expected = await _trace_api(name)
+    api, expected = await trace_api(name)
     for probe in expected["probes"]:
         want = {k: probe[k] for k in ("gpu_tokens", "cpu_prefix_tokens")}
         answers = [

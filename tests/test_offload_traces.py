@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from indexer.core.events import CPU, BlockStored, RankId
-from indexer.ingest.trace import load_trace
+from indexer.core.events import CPU, BlockStored
 
-from .api_cases import _tier_tokens
-from .apikit import Api, csv, engine
-from .conftest import LOOKAHEAD_TRACE_NAMES, load_expected_json, trace_batches, trace_path
+from .api_cases import _tier_tokens, trace_api
+from .apikit import csv
+from .conftest import LOOKAHEAD_TRACE_NAMES, load_expected_json, trace_batches
 
 OFFLOAD_TRACE_NAMES = ("0.34.0/mamba-offload", *LOOKAHEAD_TRACE_NAMES)
 
@@ -55,19 +54,7 @@ def test_an_eagle_engines_cpu_stores_carry_each_blocks_lookahead() -> None:
 @pytest.mark.parametrize("name", OFFLOAD_TRACE_NAMES)
 async def test_offload_traces_answer_like_vllm_by_tokens_and_by_hashes(name: str) -> None:
     """vLLM's GPU hit and its own CPU lookup (the connector's, from token 0) per probe."""
-    expected = load_expected_json(name)
-    cfg = expected["engine"]
-    api = Api()
-    await api.add(
-        engine(
-            "vllm-a",
-            model="m",
-            block_size=cfg["block_size"],
-            blocks_per_chunk=cfg["blocks_per_chunk"],
-            lookahead_tokens=cfg.get("lookahead_tokens", 0),
-        )
-    )
-    await api.consumers.apply_trace(RankId("vllm-a", 0), load_trace(trace_path(name)))
+    api, expected = await trace_api(name)
     try:
         for probe in expected["probes"]:
             want = {k: probe[k] for k in ("gpu_tokens", "cpu_prefix_tokens")}
