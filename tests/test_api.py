@@ -172,7 +172,7 @@ async def test_answer_reports_tiers_score_and_sorts_best_first(api: Api) -> None
 
 async def test_tier_weights_are_configurable() -> None:
     api = Api(ApiSettings(weights=TierWeights(gpu=2.0, cpu=0.25, storage=0.0)))
-    await api.add(engine("a", blocks_per_chunk=4))
+    await api.add(engine("a", blocks_per_chunk=2))  # 2 blocks from the CPU: a whole chunk
     await api.consumers.apply(RankId("a", 0), 0, batch(gpu([1, 2]), cpu_chunk([1, 2, 3, 4])))
     answer = (await api.client.get("/prefix-match", params={"block_hashes": "1,2,3,4"})).json()
     assert answer["engines"][0]["score"] == 2 * 2.0 + 2 * 0.25

@@ -45,7 +45,8 @@ BLOCK = 4  # tokens per block in these tests
 # the group can serve: full attention when it holds every block before the
 # hit's end, a sliding window when it holds the need blocks before it (all of
 # them, for a hit shorter than that), Mamba when it holds the block ending it.
-# The fixed point is then the largest hit every group can serve.
+# The fixed point is then the largest hit every group can serve. A lower tier
+# extends it by whole chunks, and only by a chunk's worth of blocks or more.
 
 
 def serves(need: int, held: set[int], start: int, end: int) -> bool:
@@ -96,6 +97,8 @@ def brute_force(held: dict, kind: str, window: int | None, chunk: int | None) ->
         return best(groups, start, len(ends))
 
     end = lower(LOWER_TIERS, gpu // chunk)
+    if end * chunk - gpu < chunk:  # vLLM loads a chunk's worth of blocks or nothing
+        end = 0
     prefix = max(gpu, end * chunk)
     from_cpu = sum(
         (j + 1) * chunk - max(gpu, j * chunk)

@@ -1,6 +1,6 @@
 """vLLM 0.34's offloading connector in its own traces (tests/fixtures/vllm-0.34.0):
 Mamba checkpoints and EAGLE lookahead stores on the CPU tier, and kvindex answering
-their probes as vLLM does, by tokens and by hashes."""
+their probes as vLLM's own lookup does, by tokens and by hashes."""
 
 from __future__ import annotations
 
@@ -51,16 +51,23 @@ def test_an_eagle_engines_cpu_stores_carry_each_blocks_lookahead() -> None:
         assert after[:-1] == [[event.token_ids[(i + 1) * 16]] for i in range(len(after) - 1)]
 
 
-@pytest.mark.parametrize("name", OFFLOAD_TRACE_NAMES)
+#: 0.34's traces with a CPU tier, whose probes hold vLLM's own lookup after the GPU hit
+PREFIX_TRACE_NAMES = tuple(f"0.34.0/chat-{n}" for n in ("sha256", "placeholders", "clear"))
+
+
+@pytest.mark.parametrize("name", PREFIX_TRACE_NAMES + OFFLOAD_TRACE_NAMES)
 async def test_offload_traces_answer_like_vllm_by_tokens_and_by_hashes(name: str) -> None:
-    """vLLM's GPU hit and its own CPU lookup (the connector's, from token 0) per probe."""
+    """vLLM's GPU hit and its own CPU lookup (the connector's) per probe: from token 0,
+    and after the GPU hit (which loads nothing shorter than a chunk)."""
     api, expected = await trace_api(name)
     try:
         for probe in expected["probes"]:
-            want = {k: probe[k] for k in ("gpu_tokens", "cpu_prefix_tokens")}
+            want = {k: probe[k] for k in ("gpu_tokens", "cpu_prefix_tokens", "prefix_tokens")}
             by_tokens, by_hashes = csv(probe["tokens"]), csv(probe["hashes"])
             for params in ({"tokens": by_tokens}, {"block_hashes": by_hashes}):
-                answer = await api.client.get("/prefix-match", params=params)
-                assert _tier_tokens(answer.json()) == want, (params.keys(), probe)
+                answer = (await api.client.get("/prefix-match", params=params)).json()
+                prefix = answer["engines"][0]["prefix_tokens"]
+                got = _tier_tokens(answer) | {"prefix_tokens": prefix}
+                assert got == want, (params.keys(), probe)
     finally:
         await api.close()

@@ -8,7 +8,7 @@ Pure logic, no I/O. Every store combines its per-tier lookups into a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from indexer.core.events import CPU, LOWER_TIERS, STORAGE, BlockHash
 
@@ -38,7 +38,8 @@ class PrefixMatch:
     ``cpu_blocks``/``storage_blocks``:
     leading blocks loadable from that tier alone, in whole chunks.
     ``prefix_blocks``: the GPU run extended by whole chunks from any lower
-    tier; ``from_cpu``/``from_storage`` count the prefix blocks that extension
+    tier, when that adds a chunk's worth of blocks or more (:func:`loadable`);
+    ``from_cpu``/``from_storage`` count the prefix blocks that extension
     takes from each.
     """
 
@@ -115,6 +116,19 @@ def match_prefix(
     return PrefixMatch(
         gpu_blocks, cpu * chunk_blocks, storage * chunk_blocks, prefix, taken[CPU], taken[STORAGE]
     )
+
+
+def loadable(match: PrefixMatch, chunk_blocks: int | None) -> PrefixMatch:
+    """``match`` as vLLM's offloading connector loads it: never less than a whole chunk
+    of blocks after the GPU hit (it skips a shorter load, e.g. the rest of a chunk
+    the GPU holds most of), so a lower tier adding fewer leaves the prefix the GPU's.
+
+    Every store applies this last, to the match its walk found.
+    """
+    gain = match.prefix_blocks - match.gpu_blocks
+    if not chunk_blocks or not 0 < gain < chunk_blocks:
+        return match
+    return replace(match, prefix_blocks=match.gpu_blocks, from_cpu=0, from_storage=0)
 
 
 def chunk_end(chain: Sequence[BlockHash], chunk_blocks: int, j: int) -> BlockHash:

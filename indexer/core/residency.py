@@ -38,7 +38,7 @@ from indexer.core.hybrid import (
     refines,
     sliding_window_kind,
 )
-from indexer.core.matching import PrefixMatch, chunk_end, leading_run, match_prefix
+from indexer.core.matching import PrefixMatch, chunk_end, leading_run, loadable, match_prefix
 from indexer.core.planning import planned_runs
 
 
@@ -322,7 +322,9 @@ class RankResidency:
             len(chain), gpu, chunk_blocks if any(lower.values()) else None, chunk_in
         )
         rules = self.group_rules()
-        return hybrid_match(chain, full, chunk_blocks, rules, self.group_tables) if rules else full
+        if rules:
+            full = hybrid_match(chain, full, chunk_blocks, rules, self.group_tables)
+        return loadable(full, chunk_blocks)
 
     def distinct_blocks(self, medium: str) -> int:
         """Distinct resident hashes of a medium, across ownerships and groups."""

@@ -281,6 +281,16 @@ async def prefix_extends_past_the_gpu_run_when_lower_runs_end_inside_it(store: S
 
 
 @check
+async def a_load_shorter_than_a_chunk_after_the_gpu_run_is_not_taken(store: Store) -> None:
+    """vLLM's offloading connector skips a load of fewer blocks than a chunk holds."""
+    chain = list(range(400, 416))  # 4 chunks of 4
+    await apply(store, 0, stored(chain[:7]), stored(chain[:4], CPU), stored(chain[4:8], CPU))
+    expect(await hit(store, chain, 4), PrefixMatch(7, 8, 0, 7, 0, 0), "a block more: not loaded")
+    await apply(store, 1, stored(chain[8:12], STORAGE))
+    expect(await hit(store, chain, 4), PrefixMatch(7, 8, 0, 12, 1, 4), "five more: loaded")
+
+
+@check
 async def ranks_that_match_nothing_are_left_out(store: Store) -> None:
     chain = list(range(300, 316))  # 4 chunks of 4
     cpu_only, elsewhere = RankId("engine-a", 1), RankId("engine-a", 2)
@@ -300,7 +310,8 @@ async def long_chains_match_to_their_end(store: Store) -> None:
     rng = random.Random(3)
     chain = [rng.getrandbits(64) for _ in range(600)]
     other, chunked = RankId("engine-b", 0), RankId("c", 0)
-    await apply(store, 0, stored(chain[:530]), stored(chain[:600], CPU))
+    cpu = [stored(chain[i : i + 50], CPU) for i in range(0, 600, 50)]  # chunks of 50
+    await apply(store, 0, stored(chain[:530]), *cpu)
     await apply(store, 0, stored([1]), rank=other)
     await apply(store, 0, stored(chain[:10]), stored(chain[:400], CPU), rank=chunked)
     match = await store.prefix_match(chain, {"engine-a": None, "engine-b": None, "c": 4})

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from indexer.core.events import MEDIA, BlockHash, RankId
-from indexer.core.matching import NO_MATCH, PrefixMatch
+from indexer.core.matching import NO_MATCH, PrefixMatch, loadable
 from indexer.core.residency import Op, RankResidency
 from indexer.memory_trim import return_freed_memory
 from indexer.stores.base import ApplyResult, Fenced, Loss, Residency, Watermark
@@ -124,7 +124,11 @@ class MemoryStore:
             )
             return {rank: match for rank, match in found if match != NO_MATCH}
         hybrids = self._hybrids if self._hybrids.bits else None
-        return self._holders.match(chain, chunk_blocks, hybrids)
+        matched = self._holders.match(chain, chunk_blocks, hybrids)
+        return {
+            rank: loadable(match, chunk_blocks[rank.engine] or self._ranks[rank].chunk_blocks)
+            for rank, match in matched.items()
+        }
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         state = self._ranks.get(rank)

@@ -14,7 +14,14 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from indexer.core.events import GPU, MEDIA, BlockHash, RankId
 from indexer.core.hybrid import group_rules, hybrid_match, is_scored
-from indexer.core.matching import NO_MATCH, PrefixMatch, chunk_end, leading_run, match_prefix
+from indexer.core.matching import (
+    NO_MATCH,
+    PrefixMatch,
+    chunk_end,
+    leading_run,
+    loadable,
+    match_prefix,
+)
 from indexer.stores.base import Residency, StoreUnavailable
 from indexer.stores.redis.client import RedisClient
 from indexer.stores.redis.layout import (
@@ -203,10 +210,10 @@ class _RankMatch:
 
     def match(self, chain: Sequence[BlockHash], fetched: int) -> PrefixMatch:
         """The answer given the first ``fetched`` blocks."""
-        full = self.full_match(chain, fetched)
-        if not self.rules:
-            return full
-        return hybrid_match(chain[:fetched], full, self.chunk_blocks, self.rules, self._group_sets)
+        found, size = self.full_match(chain, fetched), self.chunk_blocks
+        if self.rules:
+            found = hybrid_match(chain[:fetched], found, size, self.rules, self._group_sets)
+        return loadable(found, size)
 
     def settled(self, chain: Sequence[BlockHash], fetched: int) -> bool:
         """Whether no block after the first ``fetched`` can change the answer.
