@@ -20,7 +20,8 @@ keeps vLLM's cache mechanics and drops everything else:
 - STORAGE (optional): an owned, write-through tier behind the CPU one.
 
 Lookups follow vLLM: the GPU prefix first, then whole chunks from the first
-one not fully on GPU, CPU before STORAGE, never the prompt's last token;
+one not fully on GPU (if they add a chunk's worth of blocks), CPU before
+STORAGE, never the prompt's last token;
 :attr:`SimEngine.hit_blocks` counts what each tier served. Generation is
 instant: a step prefills admitted prompts whole (loaded blocks are cached
 on GPU like computed ones) and decodes ``decode_tokens_per_step`` tokens of
@@ -351,24 +352,28 @@ class SimEngine:
             self._running.append(req)
 
     def _lower_tier_hits(self, req: _Request, gpu_hit: int, limit: int) -> None:
-        """Count the whole chunks the offload tiers serve after the GPU hit.
+        """Count the whole chunks the offload tiers serve after the GPU hit: none when
+        they add fewer blocks than a chunk holds (vLLM then loads nothing).
 
         The offload pass of this same step refreshes them in their LRUs.
         """
         per_chunk = self.config.blocks_per_chunk
         chunk, loaded_from = gpu_hit // per_chunk, gpu_hit
+        served: Counter[str] = Counter()
         while (chunk + 1) * per_chunk <= limit:
             key = self._key(req.chain, chunk)
             tier = next((t for t in self._tiers if key in t.chunks), None)
             if tier is None:
-                return
+                break
             if tier.medium == "CPU":
                 # A no-op while every CPU chunk was stored through the tracker,
                 # but how an engine keeps a hit chunk's payload alive.
                 self._tracker.record_lookup(req.view, chunk, key)
             chunk += 1
-            self.hit_blocks[tier.medium] += chunk * per_chunk - loaded_from
+            served[tier.medium] += chunk * per_chunk - loaded_from
             loaded_from = chunk * per_chunk
+        if loaded_from - gpu_hit >= per_chunk:
+            self.hit_blocks.update(served)
 
     def _compute(self, req: _Request) -> None:
         """Prefill the rest of the prompt, or decode; publish the blocks that filled."""

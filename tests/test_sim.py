@@ -247,6 +247,19 @@ def test_a_cpu_load_is_a_hit_refreshes_the_chunk_and_caches_it_on_gpu():
     assert engine.cpu_prefix_blocks(a) == 2
 
 
+def test_lower_tiers_serve_nothing_that_adds_less_than_a_chunk_after_the_gpu_hit():
+    engine = SimEngine(small(gpu_blocks=8, cpu_chunks=5, blocks_per_chunk=2))
+    a = prompt(1, 2)
+    for tokens in (a, prompt(100, 2), prompt(200, 5)):  # the third evicts a's last block
+        engine.submit(tokens)
+        drain(engine)
+    assert (engine.gpu_prefix_blocks(a), engine.cpu_prefix_blocks(a)) == (1, 2)
+
+    engine.submit([*a, 0])
+    drain(engine)
+    assert engine.hit_blocks == {"GPU": 1}  # one block more from the CPU: not loaded
+
+
 def test_storage_tier_is_owned_write_through_and_outlives_cpu():
     config = small(gpu_blocks=8, cpu_chunks=1, storage_chunks=8, blocks_per_chunk=2)
     engine = SimEngine(config)
