@@ -14,9 +14,9 @@ import random
 import pytest
 
 from indexer.core.events import BlockStored, EventBatch
+from indexer.engine_registry import EngineSpec
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
-from indexer.engine_registry import EngineSpec
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
 

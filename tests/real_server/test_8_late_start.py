@@ -17,6 +17,7 @@ whatever the announcement says.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -61,8 +62,14 @@ def late(tmp_path_factory, model_dir) -> Iterator[tuple[Serve, VllmServer]]:
         kvindex.signal(signal.SIGTERM)
 
 
-def _restored(kv: Kvindex, name: str) -> dict:
-    rank = kv.rank(name)
+def _restored(kv: Kvindex, name: str, timeout: float = 60.0) -> dict:
+    """The rank once its snapshot is applied: replay's last batches can bring it to the
+    engine's newest seq before the snapshot it asked for has arrived (still degraded)."""
+    deadline = time.monotonic() + timeout
+    while (rank := kv.rank(name))["restores"] < 1 or rank["degraded"]:
+        if time.monotonic() > deadline or rank["snapshot_error"] is not None:
+            break
+        time.sleep(0.1)
     assert rank["snapshots"], rank  # kvindex knows where the engine answers snapshots
     assert rank["restores"] >= 1, rank  # the snapshot was applied ...
     assert rank["snapshot_error"] is None, rank
