@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import routing_trace
-from bench.routing_figures import SHOWN, verdict
-from bench.routing_fleet import TIMED_ENGINE
-from bench.routing_workload import at_rate, chats, shared_prefix
+from bench.routing import mooncake
+from bench.routing.fleet import TIMED_ENGINE
+from bench.routing.tables import SHOWN, verdict
+from bench.routing.traffic import at_rate, chats, shared_prefix
 
 
 def _step_model():
@@ -26,8 +26,8 @@ def _step_model():
 
 def session(prompt: str, seconds: dict[int, int]) -> int:
     """Which of the sessions (by second id) a replayed prompt is of."""
-    first = routing_trace.block_text(0)
-    return next(i for i in seconds if prompt.startswith(first + routing_trace.block_text(i, 1)))
+    first = mooncake.block_text(0)
+    return next(i for i in seconds if prompt.startswith(first + mooncake.block_text(i, 1)))
 
 
 def test_a_trace_replays_whole_sessions_with_their_reuse_bound(tmp_path: Path) -> None:
@@ -41,7 +41,7 @@ def test_a_trace_replays_whole_sessions_with_their_reuse_bound(tmp_path: Path) -
     ]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    whole = routing_trace.sample(trace, requests=len(rows))
+    whole = mooncake.sample(trace, requests=len(rows))
     assert len(whole) == 6 and whole.about["sessions"] == 3
     # 19 block references to 8 distinct ids: 11 could be served from a cache
     assert whole.about["reuse_bound"] == round(11 / 19, 3)
@@ -49,10 +49,10 @@ def test_a_trace_replays_whole_sessions_with_their_reuse_bound(tmp_path: Path) -
     assert times == sorted(times) and times[0] == 0 and times[-1] == pytest.approx(5)
     first, again = whole.requests[0], whole.requests[2]  # session (0, 1)'s turns
     assert again.messages[0]["content"].startswith(first.messages[0]["content"][:-1])
-    assert first.max_tokens == 160 // routing_trace.SCALE
+    assert first.max_tokens == 160 // mooncake.SCALE
     sizes = {1: 3, 5: 1, 7: 2}  # each session's requests, by its second id
     for n in range(1, 6):  # never part of a session
-        sampled = routing_trace.sample(trace, requests=n, seed=n)
+        sampled = mooncake.sample(trace, requests=n, seed=n)
         second = [session(r.messages[0]["content"], sizes) for r in sampled.requests]
         assert all(second.count(i) == sizes[i] for i in set(second)), (n, second)
 

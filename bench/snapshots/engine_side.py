@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import msgspec
 
 from bench.report import Figure, Report
-from bench.snapshot_data import ENCODE, SECTION, median_times
+from bench.snapshots.data import ENCODE, SECTION, median_times
 from indexer.core.events import BlockStored, EventBatch
 from indexer.core.snapshot import encode_snapshot
 from producer.publisher import Publisher
@@ -146,7 +146,7 @@ def engine_side(report: Report, quick: bool) -> dict:
                1000 * times["assemble_encode"],
                note=f"ms per 1M cached blocks, 1% of them with two copies; the dict copy alone "
                f"{1000 * times['copy']:.0f} ms; the pause against the engine's own step time: "
-               "bench.snapshot_engine_step"),
+               "bench.snapshots.engine_step"),
         Figure(SECTION, "snapshot, per published batch while nobody asks: the plugin's "
                "snapshot hook (the publisher's service + published(), offloading off)",
                per_batch["hook"], "ns", "the mirror publisher's publish_encoded of the batch",
@@ -237,24 +237,24 @@ def _per_batch(plugin, service, calls: int) -> dict:
 
 
 def vllm_step(report: Report, quick: bool) -> dict | None:
-    """:mod:`bench.snapshot_engine_step` in the vLLM tier's venv, when it exists."""
+    """:mod:`bench.snapshots.engine_step` in the vLLM tier's venv, when it exists."""
     if not VENV_PYTHON.exists():
         report.notes.append(f"item 15: vLLM step loop skipped, no {VENV_PYTHON}")
         return None
-    from bench import snapshot_engine_step
+    from bench.snapshots import engine_step
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step.json"
-        command = [str(VENV_PYTHON), "-m", "bench.snapshot_engine_step", "--json", str(out)]
-        root = Path(__file__).resolve().parents[1]
+        command = [str(VENV_PYTHON), "-m", "bench.snapshots.engine_step", "--json", str(out)]
+        root = Path(__file__).resolve().parents[2]
         env = {**os.environ, "PYTHONPATH": str(root), "VLLM_TARGET_DEVICE": "cpu"}
         done = subprocess.run([*command, *(["--quick"] if quick else [])], cwd=root, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               timeout=1800)  # fmt: skip
         if done.returncode != 0:  # the other figures of the item stand
             tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
-            report.notes.append(f"item 15: bench.snapshot_engine_step failed: {tail[0]}")
+            report.notes.append(f"item 15: bench.snapshots.engine_step failed: {tail[0]}")
             return {"failed": done.stderr[-4000:]}
         details = msgspec.json.decode(out.read_bytes())
-    report.add(*snapshot_engine_step.figures(details, SECTION))
+    report.add(*engine_step.figures(details, SECTION))
     return details

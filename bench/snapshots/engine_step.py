@@ -36,7 +36,7 @@ size.
 Run (from the checkout, in the tier's venv; about 2 minutes, 40 s with --quick)::
 
     PYTHONPATH=$PWD VLLM_TARGET_DEVICE=cpu ~/.cache/kvindex/vllm-0.33.0-venv/bin/python \\
-        -m bench.snapshot_engine_step [--quick] [--json OUT]
+        -m bench.snapshots.engine_step [--quick] [--json OUT]
 
 ``python -m bench --only 15`` runs it too, when that venv exists. vLLM is
 imported only inside functions: :func:`figures` is read by the main venv.
@@ -363,7 +363,7 @@ def figures(details: dict, section: str) -> list[Figure]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.snapshot_engine_step")
+    parser = argparse.ArgumentParser(prog="python -m bench.snapshots.engine_step")
     parser.add_argument("--quick", action="store_true", help="fewer steps, a 200k-block pool")
     parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args(argv)

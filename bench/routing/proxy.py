@@ -1,7 +1,7 @@
 """Item 16's kvindex proxy: the thin router the bench puts in front of the fleet for
 kvindex's policies. For each chat completion it asks kvindex ``POST /prefix-match`` with
 ``route: "best"`` (which records the pick) and streams the request to the engine named;
-run as ``python -m bench.routing_proxy`` so it is out of the client's process, as a
+run as ``python -m bench.routing.proxy_server`` so it is out of the client's process, as a
 router is.
 """
 
@@ -23,16 +23,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from bench.routing_fleet import ROOT, Fleet, Kvindex, Server
+from bench.routing.fleet import ROOT, Fleet, Kvindex, Server
 
 
 class Proxy(Server):
-    """:func:`proxy_app` in a process of its own (``python -m bench.routing_proxy``),
+    """:func:`proxy_app` in a process of its own (``python -m bench.routing.proxy_server``),
     asking ``kvindex``: out of the client's process, as a router is."""
 
     def __init__(self, workdir: Path, name: str, kvindex: Kvindex, fleet: Fleet) -> None:
         super().__init__(workdir, name)
-        command = [sys.executable, "-m", "bench.routing_proxy", "--port", str(self.port)]
+        command = [sys.executable, "-m", "bench.routing.proxy_server", "--port", str(self.port)]
         command += ["--kvindex", kvindex.url, "--token-file", str(kvindex.token_file)]
         command += [f"--engine={e.name}={e.url}" for e in fleet.engines]
         self.command = command
@@ -100,9 +100,9 @@ def proxy_app(kvindex: str, token: str, engines: dict[str, str]) -> Starlette:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The proxy's process: ``python -m bench.routing_proxy --port P --kvindex URL
+    """The proxy's process: ``python -m bench.routing.proxy_server --port P --kvindex URL
     --token-file F --engine NAME=URL ...``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.routing_proxy")
+    parser = argparse.ArgumentParser(prog="python -m bench.routing.proxy_server")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--kvindex", required=True)
     parser.add_argument("--token-file", type=Path, required=True)
@@ -111,7 +111,3 @@ def main(argv: list[str] | None = None) -> None:
     engines = dict(e.split("=", 1) for e in args.engine)
     app = proxy_app(args.kvindex, args.token_file.read_text().strip(), engines)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
-
-
-if __name__ == "__main__":
-    main()

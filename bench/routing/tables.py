@@ -10,8 +10,8 @@ from collections import defaultdict
 from statistics import mean
 
 from bench.measure import quantile
-from bench.routing_fleet import COUNTERS, TIMED_ENGINE
-from bench.routing_workload import Sample
+from bench.routing.fleet import COUNTERS, TIMED_ENGINE
+from bench.routing.traffic import Sample
 
 HITS, QUERIES, DONE = COUNTERS
 #: what is averaged over runs, and shown: (key, column, format)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.report import Figure, Report
-from bench.snapshot_data import (
+from bench.snapshots.data import (
     BATCH,
     ENCODE,
     SECTION,

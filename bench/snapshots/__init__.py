@@ -28,7 +28,7 @@ Every figure's baseline is measured in the same run, interleaved with it:
   the plugin's whole publish wrapper with snapshots on against off, also with
   an offloading connector (``published()`` then decodes the batch's lower-tier
   events to count them). The real engine's step time with and without the plugin is
-  :mod:`bench.snapshot_engine_step`, run in the vLLM tier's venv (this item
+  :mod:`bench.snapshots.engine_step`, run in the vLLM tier's venv (this item
   runs it when that venv exists);
 - time to exact answers: a simulated engine rank
   (:class:`producer.snapshots.SelfSnapshotting` around a
@@ -41,9 +41,9 @@ Every figure's baseline is measured in the same run, interleaved with it:
   publishing the same batches whose replay buffer still holds them all
   (kvindex replays them, no snapshot).
 
-Each part is a module of its own: :mod:`bench.snapshot_size`,
-:mod:`bench.snapshot_engine_side` and :mod:`bench.snapshot_late_start`, on the
-blocks and clock of :mod:`bench.snapshot_data`; :func:`run` runs them in turn.
+Each part is a module of its own: :mod:`bench.snapshots.size`,
+:mod:`bench.snapshots.engine_side` and :mod:`bench.snapshots.late_start`, on the
+blocks and clock of :mod:`bench.snapshots.data`; :func:`run` runs them in turn.
 
 Run alone: ``python -m bench [--quick] --only 15`` (about 1.5 minutes quick, 5 full,
 on two shared cores).
@@ -52,10 +52,10 @@ on two shared cores).
 from __future__ import annotations
 
 from bench.report import Report
-from bench.snapshot_data import blocks_of
-from bench.snapshot_engine_side import engine_side, vllm_step
-from bench.snapshot_late_start import late_start
-from bench.snapshot_size import size_and_time
+from bench.snapshots.data import blocks_of
+from bench.snapshots.engine_side import engine_side, vllm_step
+from bench.snapshots.late_start import late_start
+from bench.snapshots.size import size_and_time
 
 
 def run(report: Report, quick: bool) -> dict:

@@ -10,7 +10,7 @@ at most 18% of their blocks, the whole hour 37%), so a window of it shows almost
 Instead whole sessions are sampled (a session: the requests sharing their first two ids;
 every request of the conversation trace shares the first) and time is compressed: the
 sampled requests keep the trace's order and relative arrival times, scaled to one request
-a second (:func:`bench.routing_workload.at_rate` scales that to a rung's rate).
+a second (:func:`bench.routing.traffic.at_rate` scales that to a rung's rate).
 
 Each id becomes a fixed block of :data:`BLOCK_WORDS` words (about one 32-token block of
 the tiny model: the same id always the same words, so vLLM's prefix cache sees the same
@@ -28,10 +28,10 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-from bench.routing_workload import Request, Workload
+from bench.routing.traffic import Request, Workload
 from tests.real_server.tiny_model import WORDS
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake-conversation.jsonl"
+TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake-conversation.jsonl"
 ORIGINAL_BLOCK = 512
 BLOCK_WORDS = 11
 MAX_BLOCKS = 40

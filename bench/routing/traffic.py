@@ -5,7 +5,7 @@ A :class:`Workload` is requests with arrival times for a mean rate of one reques
 second; :func:`at_rate` rescales them to the rate of a rung of the load ladder. Every
 request's text is fixed, and so is its output length (``ignore_eos``), so every policy is
 sent byte-identical requests asking for the same work. Two shapes are here; Mooncake's
-trace is :mod:`bench.routing_trace`:
+trace is :mod:`bench.routing.mooncake`:
 
 - ``chats``: chats over six Zipf-popular system prompts (a few hundred tokens each), three
   or four turns each, whose history holds canned assistant replies; a few chats open at

@@ -16,7 +16,7 @@ import time
 import httpx
 
 from bench.report import Figure, Report
-from bench.snapshot_data import SECTION, batches_of, hashes
+from bench.snapshots.data import SECTION, batches_of, hashes
 from indexer.core.events import EventBatch
 from producer.publisher import Publisher
 from producer.snapshots import SelfSnapshotting
