@@ -8,9 +8,11 @@ covered yet"): the last test holds vLLM's answers to its probes and fails until 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from indexer.core.events import CPU, GPU, BlockStored
+from indexer.core.events import CPU, GPU, AllBlocksCleared, BlockStored
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
 
 from .api_cases import check_trace_probes
@@ -72,6 +74,85 @@ def test_vllm_loads_partial_tails_from_the_cpu(name: str) -> None:
     probes = load_expected_json(name)["probes"]
     assert sum(p["cpu_prefix_tokens"] % BLOCK != 0 for p in probes) >= 10
     assert sum(p["gpu_tokens"] % BLOCK != 0 for p in probes) >= 10
+
+
+# --- vLLM's rules, walked on the trace's final residency ---------------------------
+
+M = BLOCK // UNIT  # units per block, and per CPU chunk
+
+
+class Walk:
+    """vLLM's GPU hit and CPU lookup for one probe's chain of 16-token hashes, in units,
+    over what the trace left resident: a reference of the rules docs/vllm.md states,
+    checked against vLLM's own answers below (kvindex does not apply them yet)."""
+
+    def __init__(self, held: dict, chain: list, anchor_at_full_attention: bool) -> None:
+        self.held, self.chain, self.n = held, chain, len(chain)
+        self.anchor_at_full_attention = anchor_at_full_attention  # 0.34; 0.33 not
+
+    def has(self, medium: str, group: int, unit: int) -> bool:
+        """Whether the group holds unit ``unit``'s hash (the one at its end)."""
+        return self.chain[unit - 1] in self.held.get((medium, group), ())
+
+    def blocks_run(self, medium: str, start: int) -> int:
+        """Full attention's run of whole blocks (each by its last unit) from ``start``."""
+        end = start
+        while end + M <= self.n and self.has(medium, 0, end + M):
+            end += M
+        return end
+
+    def gpu(self) -> int:
+        """Full attention's run, then a partial entry inside the next block; the hit is
+        the rightmost unit at or below that which the Mamba group holds."""
+        full = self.blocks_run(GPU, 0)
+        full = next(
+            (u for u in range(min(full + M - 1, self.n), full, -1) if self.has(GPU, 0, u)), full
+        )
+        return next((u for u in range(full, 0, -1) if self.has(GPU, 1, u)), 0)
+
+    def cpu(self, start: int) -> int:
+        """Whole chunks after ``start`` (the rightmost end of full attention's run that
+        Mamba holds, a chunk past ``start`` at least), then a tail inside the block after
+        the anchor, which both groups hold (and that block's chunk, past it)."""
+        run = self.blocks_run(CPU, start - start % M)
+        ends = range(run, start + M - 1, -M)
+        complete = next((u for u in ends if self.has(CPU, 1, u)), start)
+        anchor = complete
+        if self.anchor_at_full_attention and run - start >= M:
+            anchor = max(complete, run)
+        bridge = anchor - anchor % M + M
+        for boundary in range(min(self.n, anchor + M - 1), complete, -1):
+            if boundary <= anchor and boundary % M == 0:
+                continue
+            if boundary >= bridge and not all(self.has(CPU, g, bridge) for g in (0, 1)):
+                continue
+            if all(self.has(CPU, g, boundary) for g in (0, 1)):
+                return boundary
+        return complete
+
+
+def final_residency(name: str) -> dict:
+    """Each (medium, group)'s hashes held when the trace ends, counting copies."""
+    counts: dict = {}
+    for batch in trace_batches(name):
+        for event in batch.events:
+            assert type(event) is not AllBlocksCleared
+            table = counts.setdefault((event.medium, event.group_idx or 0), Counter())
+            table.update({h: 1 if type(event) is BlockStored else -1 for h in event.block_hashes})
+    return {where: {h for h, n in table.items() if n > 0} for where, table in counts.items()}
+
+
+@pytest.mark.parametrize("name", TAIL_TRACE_NAMES)
+def test_vllms_rules_as_docs_state_them_give_its_answers(name: str) -> None:
+    """Every probe: the GPU hit, the CPU lookup from token 0 and after the GPU hit (the
+    load asks for the prompt's whole blocks and one token more)."""
+    held, expected = final_residency(name), load_expected_json(name)
+    for probe in expected["probes"]:
+        walk = Walk(held, probe["hashes"], name.startswith("0.34"))
+        gpu = walk.gpu()
+        got = {"gpu_tokens": gpu, "cpu_prefix_tokens": walk.cpu(0), "prefix_tokens": walk.cpu(gpu)}
+        want = {k: probe[k] // UNIT for k in got}
+        assert got == want, probe["tokens"]
 
 
 @pytest.mark.xfail(
