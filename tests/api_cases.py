@@ -1,13 +1,14 @@
 """What the HTTP API's tests feed it: batches of GPU blocks and CPU chunks, an
-engine's registration body, and an answer read as vLLM's tier tokens, written
-once so every API test module builds its cases the same way."""
+engine's registration body, an answer read as vLLM's tier tokens, and a trace's
+probes checked against vLLM's answers, written once so every API test module builds
+its cases the same way."""
 
 from __future__ import annotations
 
 from indexer.core.events import BlockStored, EventBatch, RankId
 from indexer.ingest.trace import load_trace
 
-from .apikit import Api, engine
+from .apikit import Api, csv, engine
 from .conftest import load_expected_json, trace_path
 
 
@@ -66,3 +67,21 @@ async def trace_api(name: str) -> tuple[Api, dict]:
     )
     await api.consumers.apply_trace(RankId("vllm-a", 0), load_trace(trace_path(name)))
     return api, expected
+
+
+async def check_trace_probes(name: str) -> None:
+    """kvindex answers every probe of trace ``name`` as vLLM did, by tokens and by
+    hashes: its GPU hit and its own CPU lookup (the connector's), from token 0 and
+    after the GPU hit."""
+    api, expected = await trace_api(name)
+    try:
+        for probe in expected["probes"]:
+            want = {k: probe[k] for k in ("gpu_tokens", "cpu_prefix_tokens", "prefix_tokens")}
+            by_tokens, by_hashes = csv(probe["tokens"]), csv(probe["hashes"])
+            for params in ({"tokens": by_tokens}, {"block_hashes": by_hashes}):
+                answer = (await api.client.get("/prefix-match", params=params)).json()
+                prefix = answer["engines"][0]["prefix_tokens"]
+                got = _tier_tokens(answer) | {"prefix_tokens": prefix}
+                assert got == want, (params.keys(), probe)
+    finally:
+        await api.close()

@@ -31,6 +31,8 @@ FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / 
 RELEASES = {
     "0.33.0": FIXTURES,
     "0.34.0": Path(__file__).resolve().parent / "fixtures" / "vllm-0.34.0",
+    #: 0.33.0's traces that ../shared lacks (its golden data is read-only there)
+    "0.33.0-extra": Path(__file__).resolve().parent / "fixtures" / "vllm-0.33.0-extra",
 }
 CHAT_TRACES = ("chat-sha256", "chat-gpu-only", "chat-placeholders", "chat-clear")
 #: A trace is named by its name alone in 0.33.0's data, by ``RELEASE/NAME`` in a later one's.

@@ -104,7 +104,8 @@ def test_digests_convert_to_the_ints_vllm_publishes(
 def test_trace_probe_prompts_hash_as_the_engine_hashed_them(hashes) -> None:
     assert len(PROBES) > 100
     for trace, engine, probe in PROBES:
-        spec = HashSpec(engine["hash_algo"], None, engine["block_size"])
+        lookahead = engine.get("lookahead_tokens", 0)
+        spec = HashSpec(engine["hash_algo"], None, engine["block_size"], lookahead)
         assert hashes(spec, probe["tokens"]) == probe["hashes"], trace
 
 

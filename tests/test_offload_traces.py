@@ -8,8 +8,7 @@ import pytest
 
 from indexer.core.events import CPU, BlockStored
 
-from .api_cases import _tier_tokens, trace_api
-from .apikit import csv
+from .api_cases import check_trace_probes
 from .conftest import LOOKAHEAD_TRACE_NAMES, load_expected_json, trace_batches
 
 OFFLOAD_TRACE_NAMES = ("0.34.0/mamba-offload", *LOOKAHEAD_TRACE_NAMES)
@@ -59,15 +58,4 @@ PREFIX_TRACE_NAMES = tuple(f"0.34.0/chat-{n}" for n in ("sha256", "placeholders"
 async def test_offload_traces_answer_like_vllm_by_tokens_and_by_hashes(name: str) -> None:
     """vLLM's GPU hit and its own CPU lookup (the connector's) per probe: from token 0,
     and after the GPU hit (which loads nothing shorter than a chunk)."""
-    api, expected = await trace_api(name)
-    try:
-        for probe in expected["probes"]:
-            want = {k: probe[k] for k in ("gpu_tokens", "cpu_prefix_tokens", "prefix_tokens")}
-            by_tokens, by_hashes = csv(probe["tokens"]), csv(probe["hashes"])
-            for params in ({"tokens": by_tokens}, {"block_hashes": by_hashes}):
-                answer = (await api.client.get("/prefix-match", params=params)).json()
-                prefix = answer["engines"][0]["prefix_tokens"]
-                got = _tier_tokens(answer) | {"prefix_tokens": prefix}
-                assert got == want, (params.keys(), probe)
-    finally:
-        await api.close()
+    await check_trace_probes(name)

@@ -52,6 +52,9 @@ class Trace:
     eagle: bool = False  # EAGLE drafting: vLLM hashes with lookahead where it can
     prefill_chunk: int | None = None  # tokens per prefill step (None: vLLM's default)
     probes: int = 12
+    #: tokens per KV cache block, hashed every BLOCK (``--prefix-match-unit``) when
+    #: larger, one block per CPU chunk: vLLM then stores and loads partial tails
+    block: int = BLOCK
 
 
 TRACES = (
@@ -73,6 +76,18 @@ TRACES = (
     Trace("hybrid-mamba", 240, 0, False, 240, seed=6, mamba=True, prefill_chunk=128, probes=40),
     Trace("mamba-offload", 200, 48, True, 200, seed=7, mamba=True, prefill_chunk=128, probes=40),
     Trace("eagle-offload", 64, 48, True, 120, seed=8, eagle=True, probes=40),
+    Trace(
+        "mamba-partial-tail",
+        60,
+        40,
+        True,
+        80,
+        seed=9,
+        mamba=True,
+        prefill_chunk=128,
+        probes=40,
+        block=4 * BLOCK,
+    ),
 )
 
 
@@ -97,11 +112,12 @@ class _Engine:
             prefill_chunk=trace.prefill_chunk,
             mamba=trace.mamba,
             speculative_config=_drafter(model_dir) if trace.eagle else None,
+            block=trace.block,
         )
         #: tokens after a block that its hash covers (vLLM resolves it from the drafter
         #: and the connector)
         self.lookahead = self.config.num_hash_lookahead_tokens
-        executor = CpuExecutor(trace.sliding_window, trace.mamba)
+        executor = CpuExecutor(trace.sliding_window, trace.mamba, trace.block)
         kv_cache_config = plan_kv_cache(EngineCore.__new__(EngineCore), self.config, executor)
         self.scheduler = make_scheduler(self.config, kv_cache_config)
         self.stand_in = StandIn(self.scheduler)
@@ -258,7 +274,7 @@ def _engine_of(trace: Trace, lookahead: int) -> dict[str, Any]:
     engine: dict[str, Any] = {
         "block_size": BLOCK,
         "gpu_blocks": trace.gpu_blocks,
-        "blocks_per_chunk": CHUNK_BLOCKS,
+        "blocks_per_chunk": max(1, CHUNK_BLOCKS * BLOCK // trace.block),
         "cpu_chunks": trace.cpu_chunks,
         "hash_algo": "sha256",
         "offload": bool(trace.cpu_chunks),
@@ -273,7 +289,7 @@ def _engine_of(trace: Trace, lookahead: int) -> dict[str, Any]:
         if trace.mamba:
             second = {"group_idx": 1, "kind": "mamba", "sliding_window": None}
             second["mamba_cache_mode"] = "align"
-        engine["groups"] = [g | {"block_size": BLOCK} for g in (full, second)]
+        engine["groups"] = [g | {"block_size": trace.block} for g in (full, second)]
         engine["prefill_chunk_tokens"] = trace.prefill_chunk
     return engine
 

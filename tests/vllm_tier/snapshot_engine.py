@@ -29,29 +29,38 @@ NAME = "tier-snapshots"
 MAX_PROMPT = 440  # tokens; the model's context is 512
 LAYER = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
 CHUNK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 2 * CHUNK_BLOCKS  # 2 layers of K and V, fp16
-#: A Mamba layer's state, padded to an attention layer's page (one page size per pool).
-MAMBA_STATE = {
-    "shapes": ((32,),),
-    "dtypes": (torch.float16,),
-    "page_size_padded": 2 * BLOCK * 2 * 16 * 2,
-}
+
+
+def mamba_spec(block: int) -> MambaSpec:
+    """A Mamba layer ("align" mode), its state padded to an attention layer's page of
+    ``block`` tokens (one page size per pool)."""
+    return MambaSpec(
+        block_size=block,
+        mamba_cache_mode="align",
+        shapes=((32,),),
+        dtypes=(torch.float16,),
+        page_size_padded=2 * block * 2 * 16 * 2,
+    )
 
 
 class CpuExecutor:
     """The model executor's answers about the KV cache: two full-attention layers, or
     a full-attention and a sliding-window or Mamba ("align" mode) one (a hybrid model:
-    two KV cache groups)."""
+    two KV cache groups), with blocks of ``block`` tokens."""
 
-    def __init__(self, sliding_window: int | None = None, mamba: bool = False) -> None:
-        self._window, self._mamba = sliding_window, mamba
+    def __init__(
+        self, sliding_window: int | None = None, mamba: bool = False, block: int = BLOCK
+    ) -> None:
+        self._window, self._mamba, self._block = sliding_window, mamba, block
 
     def get_kv_cache_specs(self):
-        second = FullAttentionSpec(**LAYER)
+        layer = LAYER | {"block_size": self._block}
+        second = FullAttentionSpec(**layer)
         if self._window:
-            second = SlidingWindowSpec(**LAYER, sliding_window=self._window)
+            second = SlidingWindowSpec(**layer, sliding_window=self._window)
         if self._mamba:
-            second = MambaSpec(block_size=BLOCK, mamba_cache_mode="align", **MAMBA_STATE)
-        return [{"model.layers.0.self_attn.attn": FullAttentionSpec(**LAYER),
+            second = mamba_spec(self._block)
+        return [{"model.layers.0.self_attn.attn": FullAttentionSpec(**layer),
                  "model.layers.1.self_attn.attn": second}]  # fmt: skip
 
     def get_supported_kv_cache_layouts(self):
@@ -97,20 +106,23 @@ def engine_config(
     prefill_chunk: int | None = None,
     mamba: bool = False,
     speculative_config: dict | None = None,
+    block: int = BLOCK,
 ):
     """vLLM's config as ``vllm serve`` builds it for data-parallel rank ``rank``: events
     at ``base`` (replay at ``base + 2``), a CPU tier of ``cpu_chunks`` chunks through
     the ``OffloadingConnector`` (none: no connector), prefills chunked at
     ``prefill_chunk`` tokens (None: vLLM's default); ``mamba``: Mamba states cached
     in "align" mode (``--mamba-cache-mode align``; the model's second layer is one);
-    ``speculative_config``: drafting (``--speculative-config``)."""
+    ``speculative_config``: drafting (``--speculative-config``); ``block``: the KV cache
+    blocks' tokens, hashed every ``BLOCK`` tokens (``--prefix-match-unit``) when larger,
+    each block then a chunk of its own."""
     transfer = None
     if cpu_chunks:
         transfer = KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
             kv_connector_extra_config={
-                "block_size": BLOCK * CHUNK_BLOCKS,
+                "block_size": max(block, BLOCK * CHUNK_BLOCKS),
                 "cpu_bytes_to_use": cpu_chunks * CHUNK_BYTES,
                 "self_describing_kv_events": self_describing,
             },
@@ -119,7 +131,8 @@ def engine_config(
         model=str(model_dir),
         skip_tokenizer_init=True,  # nothing here tokenizes
         served_model_name=["tiny-llama"],
-        block_size=BLOCK,
+        block_size=block,
+        prefix_match_unit=BLOCK if block != BLOCK else None,
         enable_prefix_caching=True,
         prefix_caching_hash_algo="sha256",
         max_model_len=512,
