@@ -10,6 +10,7 @@ from indexer.engine_registry import ConsumerView, Registry
 from indexer.loads import LoadBoard
 from indexer.misdeclared import MisdeclaredView
 from indexer.prompts import Tokenizers
+from indexer.query import ReadPath
 from indexer.routed import MemoryRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex
@@ -18,7 +19,8 @@ from indexer.token_index import TokenIndex
 @dataclass(frozen=True, slots=True)
 class ApiContext:
     """The store (guarded: failures are 503s), the registry, the subscriber's
-    view, the learned token index, the settings and the models' tokenizers."""
+    view, the learned token index, the settings, the models' tokenizers and the read
+    path over them."""
 
     store: Store
     registry: Registry
@@ -26,6 +28,8 @@ class ApiContext:
     token_index: TokenIndex
     settings: ApiSettings
     tokenizers: Tokenizers
+    #: what prefix-match queries and routed entries are answered by
+    read_path: ReadPath
     #: the routed entries beside the store (in process unless given Redis's)
     routed: RoutedEntries = field(default_factory=MemoryRouted)
     #: the self-registered engines' leases over ``registry``

@@ -19,7 +19,6 @@ from fastapi import APIRouter, Request, Response
 from api.auth import demand_token, optional_security
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
-from api.matching import PrefixMatcher
 from api.metrics import QUERY_SECONDS, observe_answer
 from api.openapi import answers, body
 from api.parsing import (
@@ -321,7 +320,7 @@ def parse_weights(text: str) -> WeightsBody:
 
 
 def router(ctx: ApiContext) -> APIRouter:
-    matcher, settings = PrefixMatcher(ctx), ctx.settings
+    matcher, settings = ctx.read_path, ctx.settings
     routes = APIRouter(tags=["routers"], route_class=StrictQueryRoute)
 
     async def answer(q: PrefixMatchBody, request: Request) -> Response:

@@ -17,7 +17,6 @@ from fastapi import APIRouter, Request, Response
 from api.auth import require_token
 from api.context import ApiContext
 from api.errors import ApiError, ErrorBody
-from api.matching import PrefixMatcher
 from api.openapi import answers, body
 from api.operators import AUTH_REFUSAL
 from api.parsing import StrictQueryRoute, decode_body
@@ -47,7 +46,7 @@ With a token configured, the call needs `Authorization: Bearer <token>`.
 
 
 def router(ctx: ApiContext) -> APIRouter:
-    matcher, settings, routed = PrefixMatcher(ctx), ctx.settings, ctx.routed
+    matcher, settings, routed = ctx.read_path, ctx.settings, ctx.routed
     routes = APIRouter(tags=["routers"], route_class=StrictQueryRoute)
 
     def rank_of(q: RoutedBody) -> EngineSpec:

@@ -33,8 +33,6 @@ from pathlib import Path
 import uvicorn
 
 from api import ApiSettings
-from api.context import ApiContext
-from api.matching import PrefixMatcher, Query
 from bench import redis_bench
 from bench.fleet import BLOCK_SIZE, CHUNK_BLOCKS, Fleet, rank_of
 from bench.http import AllConnected, scenario
@@ -44,7 +42,8 @@ from bench.redis_bench import bulk_load, residency_batches
 from bench.report import Figure, Goal, Report
 from indexer.engine_registry import EngineRegistry, EngineSpec
 from indexer.engines.vllm.hashing import block_hashes
-from indexer.prompts import Tokenizers
+from indexer.loads import LoadBoard
+from indexer.query import LoadAwarePicker, Query, ReadPath
 from indexer.routed import MemoryRouted, RedisRouted
 from indexer.stores import MemoryStore
 from indexer.stores.redis import RedisConfig, RedisStore
@@ -136,16 +135,18 @@ def _matcher(store: MemoryStore, fleet: Fleet, routed: MemoryRouted) -> Callable
 
     asyncio.run(fill())
     settings = ApiSettings()
-    ctx = ApiContext(  # the matcher alone, over the bare store: no app around it
-        store=store,
-        registry=registry,
-        consumers=AllConnected(),
-        token_index=TokenIndex(1024, lambda engine: False),
-        settings=settings,
-        tokenizers=Tokenizers(settings.models),
-        routed=routed,
+    loads = LoadBoard(registry, store, settings.load)
+    picker = LoadAwarePicker(routed, loads, settings.routed).route
+    # the read path alone, over the bare store: no app around it
+    matcher = ReadPath(
+        store,
+        registry,
+        AllConnected(),
+        TokenIndex(1024, lambda engine: False),
+        routed,
+        picker,
+        settings.weights,
     )
-    matcher = PrefixMatcher(ctx)
 
     def call(chain: list[int]) -> object:
         coroutine = matcher.match(Query(chain=chain))

@@ -25,7 +25,7 @@ from indexer.engine_registry import ConsumerView, Registry, UnknownEngine
 from indexer.loads import LoadBoard
 from indexer.misdeclared import Misdeclared, MisdeclaredView
 from indexer.prompts import Tokenizers
-from indexer.query import learned
+from indexer.query import LoadAwarePicker, ReadPath, learned
 from indexer.routed import MemoryRouted, RoutedEntries
 from indexer.stores.base import Store
 from indexer.token_index import TokenIndex
@@ -101,6 +101,11 @@ def api_services(
         if observable:
             consumers.add_observer(checks.observe, checks.reads_tokens)
     guarded = GuardedStore(store)
+    loads = LoadBoard(registry, guarded, settings.load)
+    picker = LoadAwarePicker(routed, loads, settings.routed).route
+    read_path = ReadPath(
+        guarded, registry, consumers, token_index, routed, picker, settings.weights, misdeclared
+    )
     return ApiContext(
         guarded,
         registry,
@@ -108,10 +113,11 @@ def api_services(
         token_index,
         settings,
         tokenizers,
+        read_path,
         routed=routed,
         leases=leases,
         misdeclared=misdeclared,
-        loads=LoadBoard(registry, guarded, settings.load),
+        loads=loads,
     )
 
 

@@ -2,7 +2,7 @@
 cheapest and record the prompt as routed to it (:mod:`indexer.core.load` has the
 cost; :mod:`indexer.routed` picks and records in one atomic step).
 
-The answer says what was weighed (:class:`~api.schemas.RouteCost` per candidate),
+The answer says what was weighed (:class:`~answers.RouteCost` per candidate),
 so a router can log why a rank was picked.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from api.schemas import RouteCost
+from answers import RouteCost
 from indexer.core.events import BlockHash, RankId
 from indexer.core.load import cost
 from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
@@ -25,8 +25,9 @@ from indexer.routed import RoutedEntries
 Routed = tuple[Candidate | None, dict[RankId, int], list[RouteCost]]
 
 
-class Router:
-    """Picks for one API process: its routed entries, its load board, its rules."""
+class LoadAwarePicker:
+    """The picks of one process (a :data:`~indexer.query.matcher.Picker`): its routed
+    entries, its load board, its rules."""
 
     def __init__(self, routed: RoutedEntries, loads: LoadBoard, rules: RoutedRules) -> None:
         self._routed, self._loads, self._rules = routed, loads, rules
