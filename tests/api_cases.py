@@ -69,19 +69,26 @@ async def trace_api(name: str) -> tuple[Api, dict]:
     return api, expected
 
 
+#: vLLM's answers a trace's probe holds (``storage_prefix_tokens``: with a storage tier)
+PROBE_ANSWERS = ("gpu_tokens", "cpu_prefix_tokens", "storage_prefix_tokens", "prefix_tokens")
+
+
 async def check_trace_probes(name: str) -> None:
     """kvindex answers every probe of trace ``name`` as vLLM did, by tokens and by
-    hashes: its GPU hit and its own CPU lookup (the connector's), from token 0 and
-    after the GPU hit."""
+    hashes: its GPU hit and its own lookup (the connector's) of the CPU tier (and the
+    storage tier, where there is one), from token 0 and after the GPU hit."""
     api, expected = await trace_api(name)
     try:
         for probe in expected["probes"]:
-            want = {k: probe[k] for k in ("gpu_tokens", "cpu_prefix_tokens", "prefix_tokens")}
+            want = {k: probe[k] for k in PROBE_ANSWERS if k in probe}
             by_tokens, by_hashes = csv(probe["tokens"]), csv(probe["hashes"])
             for params in ({"tokens": by_tokens}, {"block_hashes": by_hashes}):
                 answer = (await api.client.get("/prefix-match", params=params)).json()
-                prefix = answer["engines"][0]["prefix_tokens"]
-                got = _tier_tokens(answer) | {"prefix_tokens": prefix}
-                assert got == want, (params.keys(), probe)
+                (entry,) = answer["engines"]
+                got = _tier_tokens(answer) | {
+                    "storage_prefix_tokens": entry["storage_blocks"] * answer["block_size"],
+                    "prefix_tokens": entry["prefix_tokens"],
+                }
+                assert {k: got[k] for k in want} == want, (params.keys(), probe)
     finally:
         await api.close()

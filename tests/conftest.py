@@ -49,6 +49,9 @@ HYBRID_TRACE_NAMES = (
 #: EAGLE drafting with the offloading connector: vLLM 0.34 hashes with lookahead, and
 #: its CPU stores carry the lookahead tokens (``engine.lookahead_tokens`` says how many).
 LOOKAHEAD_TRACE_NAMES = ("0.34.0/eagle-offload",)
+#: A storage tier below the CPU tier (vLLM 0.34's file-system tier): its stores, as the
+#: CPU tier's, built from the request context (``expected.storage_refcounts``: its chunks).
+STORAGE_TRACE_NAMES = ("0.34.0/storage-context",)
 
 
 def probe_answers(expected: dict) -> list[dict[str, int]]:

@@ -11,6 +11,7 @@ import pytest
 from .conftest import (
     HYBRID_TRACE_NAMES,
     LOOKAHEAD_TRACE_NAMES,
+    STORAGE_TRACE_NAMES,
     TRACE_NAMES,
     expected_path,
     load_expected_json,
@@ -33,7 +34,9 @@ def run_replay(*args: str) -> dict:
     return json.loads(replay(*args).stdout)
 
 
-@pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES + LOOKAHEAD_TRACE_NAMES)
+@pytest.mark.parametrize(
+    "name", TRACE_NAMES + HYBRID_TRACE_NAMES + LOOKAHEAD_TRACE_NAMES + STORAGE_TRACE_NAMES
+)
 def test_replay_answers_like_vllm(name: str) -> None:
     done = replay(str(trace_path(name)), "--probe", str(expected_path(name)))
     report = json.loads(done.stdout)
@@ -43,7 +46,7 @@ def test_replay_answers_like_vllm(name: str) -> None:
     assert report["blocks"] == {
         "GPU": len(expected["expected"]["gpu_refcounts"]),
         "CPU": len(expected["expected"]["cpu_refcounts"]),
-        "STORAGE": 0,
+        "STORAGE": len(expected["expected"].get("storage_refcounts", {})),
     }
     assert report["anomalies"] == {"unknown_removals": 0}
     assert report["probes"] == probe_answers(expected)

@@ -26,6 +26,7 @@ from indexer.stores.redis import RedisStore
 from .conftest import (
     HYBRID_TRACE_NAMES,
     LOOKAHEAD_TRACE_NAMES,
+    STORAGE_TRACE_NAMES,
     TRACE_NAMES,
     expected_path,
     load_expected_json,
@@ -140,10 +141,15 @@ async def test_run_takes_a_context_manager_factory_and_passes_a_sound_store() ->
 async def check_trace_state(store: Store, name: str) -> None:
     expected = load_expected_json(name)
     gpu, cpu = expected["expected"]["gpu_refcounts"], expected["expected"]["cpu_refcounts"]
-    assert await store.block_counts(RANK) == {GPU: len(gpu), CPU: len(cpu), STORAGE: 0}
-    for h in {*gpu, *cpu}:
+    storage = expected["expected"].get("storage_refcounts", {})
+    assert await store.block_counts(RANK) == {GPU: len(gpu), CPU: len(cpu), STORAGE: len(storage)}
+    for h in {*gpu, *cpu, *storage}:
         want = {m: table[h] for m, table in ((GPU, gpu), (CPU, cpu)) if h in table}
-        assert await counts(store, int(h)) == want, h
+        held = await counts(store, int(h))
+        # on STORAGE, held or not: vLLM's file-system tier rewrites a chunk's one file
+        # when it stores the chunk again (and publishes that store again)
+        on_storage = held.pop(STORAGE, 0) > 0
+        assert (held, on_storage) == (want, h in storage), h
     probes = load_expected(expected_path(name))
     answers = await answer_probes(store, RANK, probes.engine, probes.probes)
     assert answers == probe_answers(expected)
@@ -156,7 +162,9 @@ async def check_trace_state(store: Store, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", TRACE_NAMES + HYBRID_TRACE_NAMES + LOOKAHEAD_TRACE_NAMES)
+@pytest.mark.parametrize(
+    "name", TRACE_NAMES + HYBRID_TRACE_NAMES + LOOKAHEAD_TRACE_NAMES + STORAGE_TRACE_NAMES
+)
 async def test_trace_ends_in_vllms_state_and_answers(store: Store, name: str) -> None:
     trace = load_trace(trace_path(name))
     stats = await apply_trace(store, RANK, trace)

@@ -20,8 +20,17 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from tests.vllm_tier.golden_storage import (
+    add_storage_tier,
+    answering,
+    settle,
+    settle_io,
+    shut_down,
+    storage_refcounts,
+)
 from tests.vllm_tier.pool_truth import cached_copies
 from tests.vllm_tier.snapshot_engine import (
     BLOCK,
@@ -55,6 +64,7 @@ class Trace:
     #: tokens per KV cache block, hashed every BLOCK (``--prefix-match-unit``) when
     #: larger, one block per CPU chunk: vLLM then stores and loads partial tails
     block: int = BLOCK
+    storage: bool = False  # a storage tier below the CPU's (:mod:`.golden_storage`)
 
 
 TRACES = (
@@ -88,6 +98,7 @@ TRACES = (
         probes=40,
         block=4 * BLOCK,
     ),
+    Trace("storage-context", 64, 16, True, 120, seed=10, probes=40, storage=True),
 )
 
 
@@ -114,6 +125,9 @@ class _Engine:
             speculative_config=_drafter(model_dir) if trace.eagle else None,
             block=trace.block,
         )
+        if trace.storage:
+            add_storage_tier(self.config, Path(model_dir) / trace.name)
+        self.storage = trace.storage
         #: tokens after a block that its hash covers (vLLM resolves it from the drafter
         #: and the connector)
         self.lookahead = self.config.num_hash_lookahead_tokens
@@ -146,7 +160,11 @@ class _Engine:
     def serve(self, tokens: list[int]) -> None:
         self.scheduler.add_request(self.request(tokens))
         while self.scheduler.has_requests():
+            if self.storage:
+                settle_io(self.scheduler)
             self.stand_in.step()
+        if self.storage:
+            settle(self.stand_in, self.scheduler)
 
     def frames(self, timeout: float = 30.0) -> list[tuple[int, bytes]]:
         """Every batch published, as the publisher's thread sent it."""
@@ -184,7 +202,8 @@ class _Engine:
         described = scheduler._events_tracker
         counts: Counter[int] = Counter()
         ends = []
-        for key, chunk in scheduler.manager._policy.chunks.items():
+        cpu = getattr(scheduler.manager, "primary_tier", scheduler.manager)
+        for key, chunk in cpu._policy.chunks.items():
             if not chunk.is_ready:
                 continue
             end = get_offload_block_hash(key)
@@ -194,6 +213,13 @@ class _Engine:
             ends.append(str(maybe_convert_block_hash(end)))
         return {str(h): n for h, n in counts.items()}, sorted(ends)
 
+    def storage_state(self, prompts: list[list[int]]) -> dict[str, Any]:
+        """What the storage tier holds (nothing without one)."""
+        if not self.storage:
+            return {}
+        hashes = [self.request(p).block_hashes for p in prompts]
+        return {"storage_refcounts": storage_refcounts(self.scheduler, hashes)}
+
     def probe(self, tokens: list[int]) -> dict[str, Any]:
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
@@ -202,9 +228,18 @@ class _Engine:
         gpu = coordinator.find_longest_cache_hit(hashes, len(hashes) * BLOCK)[1]
         by_group = getattr(coordinator, "find_longest_cache_hit_per_group", None)
         blocks = tokens[: len(hashes) * BLOCK + self.lookahead]
-        answers = {"tokens": tokens, "gpu_tokens": gpu, "cpu_prefix_tokens": self.load(blocks, 0)}
-        if self.scheduler.connector is not None:  # and what it loads after its GPU hit
-            answers["prefix_tokens"] = gpu + self.load(blocks, gpu)
+        if self.storage:  # each tier on its own from token 0, both after the GPU hit
+            with answering(self.scheduler, storage=False):
+                answers = {"cpu_prefix_tokens": self.load(blocks, 0)}
+            with answering(self.scheduler, cpu=False):
+                answers["storage_prefix_tokens"] = self.load(blocks, 0)
+            with answering(self.scheduler):
+                answers["prefix_tokens"] = gpu + self.load(blocks, gpu)
+        else:
+            answers = {"cpu_prefix_tokens": self.load(blocks, 0)}
+            if self.scheduler.connector is not None:  # and what it loads after its GPU hit
+                answers["prefix_tokens"] = gpu + self.load(blocks, gpu)
+        answers = {"tokens": tokens, "gpu_tokens": gpu} | answers
         if by_group is not None:  # a hybrid model: each group's hit on its own too
             answers["gpu_tokens_by_group"] = list(by_group(hashes, len(hashes) * BLOCK)[1])
         return answers | {"hashes": [maybe_convert_block_hash(h) for h in hashes]}
@@ -261,11 +296,14 @@ def record(model_dir: Any, trace: Trace) -> tuple[bytes, str]:
                 **({"gpu_refcounts_by_group": by_group} if _hybrid(trace) else {}),
                 "cpu_refcounts": cpu_refcounts,
                 "cpu_chunk_end_hashes": ends,
+                **engine.storage_state(prompts),
             },
             "probes": [engine.probe(tokens) for tokens in asked],
         }
     finally:
         engine.publisher.shutdown()
+        if engine.storage:
+            shut_down(engine.scheduler)
     return msgspec.msgpack.encode([list(f) for f in frames]), json.dumps(expected)
 
 
@@ -283,6 +321,8 @@ def _engine_of(trace: Trace, lookahead: int) -> dict[str, Any]:
     }
     if trace.eagle:
         engine["lookahead_tokens"] = lookahead
+    if trace.storage:
+        engine["storage"] = "fs"
     if _hybrid(trace):
         full = {"group_idx": 0, "kind": "full_attention", "sliding_window": None}
         second = {"group_idx": 1, "kind": "sliding_window", "sliding_window": trace.sliding_window}
