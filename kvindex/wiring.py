@@ -21,7 +21,7 @@ from api.settings import ApiSettings
 from indexer import metrics
 from indexer.announcements import Leases
 from indexer.core.events import EventBatch, RankId
-from indexer.engine_registry import ConsumerView, Registry, UnknownEngine
+from indexer.engine_registry import ConsumerView, EngineSpec, Registry, UnknownEngine
 from indexer.loads import LoadBoard
 from indexer.misdeclared import Misdeclared, MisdeclaredView
 from indexer.prompts import Tokenizers
@@ -42,23 +42,20 @@ class Observable(Protocol):
     ) -> None: ...
 
 
-def _learns_from(registry: Registry) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
-    """Learn tokens only for registered engines whose hashes cannot be recomputed, and
-    the LoRA adapters' tokens of engines whose LoRA hashes cannot be."""
+def _per_engine(registry: Registry, rule: Callable[[EngineSpec], bool]) -> Callable[[str], bool]:
+    """``rule`` of a registered engine's spec, by name; False for one not registered."""
 
-    def learns(engine: str) -> bool:
+    def applies(engine: str) -> bool:
         try:
-            return learned(registry.get(engine))
+            return rule(registry.get(engine))
         except UnknownEngine:
             return False
 
-    def learns_lora(engine: str) -> bool:
-        try:
-            return registry.get(engine).engine_adapter.lora_learned
-        except UnknownEngine:
-            return False
+    return applies
 
-    return learns, learns_lora
+
+def _lora_learned(spec: EngineSpec) -> bool:
+    return spec.engine_adapter.lora_learned
 
 
 def api_services(
@@ -84,7 +81,11 @@ def api_services(
     batches ``consumers`` reports (API replicas read the workers' instead)."""
     observable = isinstance(consumers, Observable)
     if token_index is None:
-        token_index = TokenIndex(settings.token_index_capacity, *_learns_from(registry))
+        token_index = TokenIndex(
+            settings.token_index_capacity,
+            learns=_per_engine(registry, learned),  # engines whose hashes are not computed
+            learns_lora=_per_engine(registry, _lora_learned),  # and LoRA stores, where not
+        )
         if observable:
             consumers.add_observer(token_index.observe, token_index.reads_tokens)
     if tokenizers is None:
