@@ -47,14 +47,20 @@ class Rebuilds:
         (raw,) = await self._client.execute([("HGET", self._key, rank_field(rank))])
         return None if raw is None else _decode(raw)
 
-    async def all(self) -> dict[RankId, Rebuild]:
-        """Every rebuild under way or left unfinished, by rank."""
-        (fields,) = await self._client.execute([("HGETALL", self._key)])
+    def reading(self) -> tuple:
+        """The command reading every rebuild, to send in a caller's pipeline (its answer
+        goes to :meth:`read`)."""
+        return ("HGETALL", self._key)
+
+    @staticmethod
+    def read(fields: Mapping[bytes, bytes]) -> dict[RankId, Rebuild]:
+        """Every rebuild under way or left unfinished, by rank, from :meth:`reading`'s answer."""
         found = ((parse_rank_field(name), raw) for name, raw in fields.items())
         return {rank: _decode(raw) for rank, raw in found if rank is not None}
 
-    async def keep(self, ranks: Mapping[RankId, Rebuild | None]) -> None:
-        """Record each rank's rebuild; None: it has none (any recorded one is deleted)."""
+    def keeping(self, ranks: Mapping[RankId, Rebuild | None]) -> list[tuple]:
+        """The commands recording each rank's rebuild (None: it has none, any recorded one
+        is deleted), to send in a caller's pipeline."""
         under_way = {rank_field(r): _encode(b) for r, b in ranks.items() if b is not None}
         ended = [rank_field(r) for r, b in ranks.items() if b is None]
         commands: list[tuple] = []
@@ -62,5 +68,9 @@ class Rebuilds:
             commands.append(("HSET", self._key, *(x for kv in under_way.items() for x in kv)))
         if ended:
             commands.append(("HDEL", self._key, *ended))
-        if commands:
+        return commands
+
+    async def keep(self, ranks: Mapping[RankId, Rebuild | None]) -> None:
+        """Record each rank's rebuild now (:meth:`keeping`)."""
+        if commands := self.keeping(ranks):
             await self._client.execute(commands)

@@ -39,12 +39,13 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(list[Published]).decode
 
 
-async def publish(
+def publishing(
     client: RedisClient, worker: str, statuses: Sequence[Published], ttl: float
-) -> None:
-    """Replace the worker's published statuses; they expire after ``ttl`` seconds."""
+) -> tuple:
+    """The command replacing the worker's published statuses, which expire after ``ttl``
+    seconds (to send in the worker's pipeline)."""
     value, key = _encode(list(statuses)), client.layout.status_key(worker)
-    await client.execute([("SET", key, value, "PX", round(ttl * 1000))])
+    return ("SET", key, value, "PX", round(ttl * 1000))
 
 
 class StatusBoard:
@@ -74,8 +75,9 @@ class StatusBoard:
         forgotten = self._forgotten
         workers = await live_workers(self._client)
         status_key = self._client.layout.status_key
-        blobs = await self._client.execute([("GET", status_key(worker)) for worker in workers])
-        rebuilding = await self._rebuilds.all()
+        reads = [("GET", status_key(worker)) for worker in workers]
+        *blobs, rebuilds = await self._client.execute([*reads, self._rebuilds.reading()])
+        rebuilding = Rebuilds.read(rebuilds)
         if forgotten != self._forgotten:
             return
         ranks: dict[tuple[str, int], Published] = {}

@@ -53,7 +53,7 @@ import msgspec
 from indexer.cluster.leases import Leases, record
 from indexer.cluster.rebuilds import Rebuilds
 from indexer.cluster.redis_registry import RedisRegistry
-from indexer.cluster.status_board import Published, publish
+from indexer.cluster.status_board import Published, publishing
 from indexer.core.events import RankId
 from indexer.engine_registry import EngineSpec, RankStatus
 from indexer.ingest.rank_consumer import RankConsumer
@@ -310,8 +310,8 @@ class Worker:
         owned = list(self._owned.items())
         entries = [Published(rank.engine, o.token, self._status(o)) for rank, o in owned]
         ttl = max(3 * self._settings.status_interval, self._ttl)
-        await publish(self._redis, self.id, entries, ttl)
-        await self._rebuilds.keep({rank: o.consumer.rebuild for rank, o in owned})
+        rebuilds = self._rebuilds.keeping({rank: o.consumer.rebuild for rank, o in owned})
+        await self._redis.execute([publishing(self._redis, self.id, entries, ttl), *rebuilds])
 
     def _status(self, owned: _Owned) -> RankStatus:
         """A rank's status as published; flagged if claimed before the store's last loss
