@@ -2,10 +2,11 @@
 
 Some engines' hashes cannot be recomputed here: xxhash without
 ``PYTHONHASHSEED`` seeds every chain with per-process random bytes, an
-engine may not declare its algorithm at all, and SGLang names a LoRA adapter
-in its hashes by an internal id (only those stores are learned from it). Their GPU ``BlockStored``
-events still carry what defines each block — the parent hash, the block's
-token ids and its extra keys — next to the hash the engine computed.
+engine may not declare its algorithm at all, and SGLang names a LoRA
+adapter in its hashes by an internal id (only those stores are learned from
+it). Their GPU ``BlockStored`` events still carry what defines each block —
+the parent hash, the block's token ids and its extra keys — next to the hash
+the engine computed.
 Remembering ``(rank, parent, tokens, extra keys) -> hash`` lets a ``tokens``
 query walk a prompt block by block, with no hash algorithm involved, and
 stop at the first block no event described. An engine hashing with lookahead

@@ -161,8 +161,9 @@ class ReadPath:
             )
         if any(lookup.rank is not None for lookup in lookups):
             raise QueryRefused(
-                f"engine {spec.name!r}: its block hashes cannot be computed from tokens"
-                " (no reproducible hash_algo and hash_seed): give block_hashes",
+                f"engine {spec.name!r}: its block hashes cannot be computed from these tokens"
+                " (no reproducible hash_algo and hash_seed, or a LoRA adapter its hashes name"
+                " by an id its events do not state): give block_hashes",
             )
         return lookups[0].chain
 
