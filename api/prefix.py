@@ -42,6 +42,7 @@ from api.schemas import (
 )
 from api.settings import ApiSettings
 from indexer.core.matching import TierWeights
+from indexer.engine_registry import EngineSpec
 from indexer.engines.base import MMFeature
 from indexer.engines.rendering import (
     ChatOptions,
@@ -185,13 +186,13 @@ async def to_query(
     q: PrefixMatchBody,
     settings: ApiSettings,
     tokenizers: Tokenizers,
-    adapters: Callable[[], Collection[str]] = tuple,
+    engines: Callable[[], Collection[EngineSpec]] = tuple,
 ) -> MatchQuery:
     """Which chain a request is about, as the matcher takes it: the one parse every
     route taking a prompt calls. ``prompt``/``messages`` become tokens as the model's
     server makes them (off the event loop), and as the server of each other engine
-    adapter ``adapters()`` names does (engines of a mixed fleet each take their own),
-    then go the way of ``tokens``."""
+    adapter of ``engines()`` (those the query selects) does (engines of a mixed fleet
+    each take their own), then go the way of ``tokens``."""
     given = [name for name in PROMPT_FIELDS if getattr(q, name) is not None]
     if len(given) != 1:
         got = " and ".join(given) or "none"
@@ -202,8 +203,10 @@ async def to_query(
     tokens = q.tokens
     others: dict[str, list[int]] = {}
     if given[0] in ("prompt", "messages", "input"):
+        if q.messages is not None and q.tools == [] and serve_empty_tools(engines()):
+            q = msgspec.structs.replace(q, tools=None, tool_choice=choice_without_tools(q))
         tokens = await _rendered(q, tokenizers)
-        for adapter in sorted(set(adapters()) - {tokenizers.adapter(q.model)}):
+        for adapter in sorted({s.adapter for s in engines()} - {tokenizers.adapter(q.model)}):
             others[adapter] = await _rendered(q, tokenizers, adapter)
     chain = prompt = None
     rendered: dict[str, Prompt] = {}
@@ -244,6 +247,21 @@ async def _rendered(
         )
     except PromptRefused as e:
         raise ApiError(e.status, str(e)) from None
+
+
+def serve_empty_tools(specs: Collection[EngineSpec]) -> bool:
+    """Whether a chat's ``tools: []`` is served as no tools, not refused: vLLM does so
+    since 0.34 (0.33 refuses it, and other adapters' servers take no tools), so when the
+    query selects engines, all vLLM's of no older release announced."""
+    return bool(specs) and all(
+        spec.adapter == "vllm" and not spec.released_before(0, 34) for spec in specs
+    )
+
+
+def choice_without_tools(q: PrefixMatchBody) -> str | dict | None:
+    """The tool choice of a chat whose ``tools: []`` is served: vLLM 0.34 takes
+    ``"auto"`` and ``"required"`` as ``"none"`` then."""
+    return "none" if q.tool_choice in ("auto", "required") else q.tool_choice
 
 
 def chat_options(q: PrefixMatchBody) -> ChatOptions:
@@ -328,7 +346,7 @@ def router(ctx: ApiContext) -> APIRouter:
             demand_token(settings.auth_token, request)
         started = time.perf_counter()
         query = await to_query(
-            q, settings, ctx.tokenizers, lambda: matcher.adapters(q.model, q.engines)
+            q, settings, ctx.tokenizers, lambda: matcher.selected(q.model, q.engines)
         )
         result = await matcher.match(query)
         by = next(name for name in PROMPT_FIELDS if getattr(q, name) is not None)

@@ -87,8 +87,7 @@ def router(ctx: ApiContext) -> APIRouter:
         ttl = routed_ttl(q.ttl_ms, settings)
         prompt = {name: getattr(q, name) for name in _PROMPT}
         # rendered as the engine's server renders it, whatever the model's adapter
-        adapters = lambda: (spec.adapter,)  # noqa: E731
-        query = await to_query(PrefixMatchBody(**prompt), settings, ctx.tokenizers, adapters)
+        query = await to_query(PrefixMatchBody(**prompt), settings, ctx.tokenizers, lambda: (spec,))
         chain = matcher.chain_of(query, spec)
         bound = settings.routed.bound(None if spec.events else spec.gpu_blocks)
         new = await routed.record(RankId(spec.name, q.dp_rank), chain, ttl, bound)

@@ -23,8 +23,10 @@ from typing import Annotated, Literal, Protocol
 import msgspec
 
 from indexer.core.addresses import check_topic_and_replay
+from indexer.core.large_blocks import LargeBlocks
 from indexer.engines import catalog
 from indexer.engines.base import EngineAdapter
+from indexer.kv_groups import KVGroup, Positive, check_kv_groups, large_blocks
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
 # Checked by EngineSpec.__post_init__, which says what was expected; the
@@ -38,7 +40,10 @@ Endpoint = Annotated[
         extra_json_schema={"pattern": f"^({_TCP.pattern}|{_PATH.pattern})$"},
     ),
 ]
-Positive = Annotated[int, msgspec.Meta(ge=1)]
+_RELEASE = re.compile(r"(\d+)\.(\d+)")
+Release = Annotated[
+    str, msgspec.Meta(pattern=r"^\d+\.\d+", max_length=64, description="such as 0.34.0")
+]
 LookaheadTokens = Annotated[
     int,
     msgspec.Meta(
@@ -99,17 +104,6 @@ REUSE_REPORTS = {
 }
 
 
-class KVGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One KV cache group of the engine's model; declared, its events are checked."""
-
-    #: vLLM's ``kv_cache_spec_kind`` (``full_attention``, ``sliding_window``, ``mamba``...).
-    kind: str
-    #: The window in tokens, for ``sliding_window`` groups only.
-    sliding_window: Positive | None = None
-    #: The group's block size; null: the engine's (no other is supported).
-    block_size: Positive | None = None
-
-
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One engine as declared (vLLM's ``--kv-events-config``): ``POST /engines``'s body.
     ``block_size`` is never assumed: vLLM's default changed (16 in 0.33, 64 in 0.34)
@@ -135,7 +129,8 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hash_seed: str | None = None
     #: vLLM's ``num_hash_lookahead_tokens``: tokens after a block its hash covers (EAGLE).
     lookahead_tokens: LookaheadTokens = 0
-    #: Blocks per offload chunk of the CPU and storage tiers; null: learned from events.
+    #: Blocks per offload chunk of the CPU and storage tiers (the groups' blocks, where
+    #: they are larger than ``block_size``); null: learned from events.
     blocks_per_chunk: Positive | None = None
     #: True: kvindex binds (within ``subscriber.bind``), the engine connects to it.
     bind: bool = False
@@ -153,6 +148,9 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     url: str | None = None
     #: Where rank 0 answers snapshots (the vLLM plugin): asked when replay cannot help.
     snapshot_endpoint: Endpoint | None = None
+    #: The engine's release (the vLLM plugin announces vLLM's version): rules that changed
+    #: between releases follow it (docs/vllm.md); null: the newest release's rules.
+    release: Release | None = None
 
     def __post_init__(self) -> None:
         if self.kv_groups:
@@ -198,21 +196,17 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Where one rank answers snapshots (None: it does not)."""
         return self.engine_adapter.rank_endpoint(self.snapshot_endpoint, dp_rank)
 
+    def released_before(self, major: int, minor: int) -> bool:
+        """Whether the engine announced a release older than ``major.minor``."""
+        found = _RELEASE.match(self.release or "")  # the field's pattern: a match if set
+        return found is not None and (int(found[1]), int(found[2])) < (major, minor)
 
-def check_kv_groups(groups: list[KVGroup], block_size: int) -> None:
-    """Raise ValueError for groups kvindex cannot match as vLLM does."""
-    for i, group in enumerate(groups):
-        if group.block_size not in (None, block_size):
-            raise ValueError(
-                f"kv_groups[{i}]: block_size {group.block_size} differs from the engine's"
-                f" block_size {block_size}; kvindex matches KV groups of one block size only"
-                " (vLLM aligns hits across sizes to their least common multiple)"
-            )
-        if (group.kind == "sliding_window") != (group.sliding_window is not None):
-            raise ValueError(
-                f"kv_groups[{i}]: a sliding_window group needs its sliding_window (tokens),"
-                " and only such a group has one"
-            )
+    @property
+    def large_blocks(self) -> LargeBlocks | None:
+        """The engine's shape when its groups' blocks span several hash blocks (None:
+        they do not, or no group is declared)."""
+        anchored = not self.released_before(0, 34)
+        return large_blocks(self.kv_groups, self.block_size, self.blocks_per_chunk, anchored)
 
 
 class BindRefused(ValueError):

@@ -30,7 +30,7 @@ async def test_engines_are_registered_inspected_and_removed(api: Api) -> None:
     assert created.status_code == 201
     defaults = {"bind": False, "kv_groups": None, "adapter": "vllm", "events": True}
     defaults |= {"reuse_reports": "capped", "lookahead_tokens": 0, "url": None}
-    defaults |= {"snapshot_endpoint": None}
+    defaults |= {"snapshot_endpoint": None, "release": None}
     assert created.json() == ENGINE_BODY | defaults | {"gpu_blocks": None, "hash_seed_set": False}
     assert (await api.client.post("/engines", json=ENGINE_BODY)).status_code == 409
     assert [e["name"] for e in (await api.client.get("/engines")).json()] == ["vllm-a"]

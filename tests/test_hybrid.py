@@ -17,9 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer.core.events import CPU, GPU, LOWER_TIERS, STORAGE, AllBlocksCleared, EventBatch, RankId
+from indexer.core.large_blocks import LargeBlocks
 from indexer.core.matching import PrefixMatch
 from indexer.core.residency import RankResidency, plan_batch
-from indexer.engine_registry import EngineSpec, KVGroup
+from indexer.engine_registry import EngineSpec
+from indexer.kv_groups import KVGroup
 from indexer.stores import Store, apply_events
 from indexer.stores.redis import RedisStore
 from producer.publisher import Publisher
@@ -316,12 +318,32 @@ def test_groups_of_another_block_size_are_refused_naming_the_limit() -> None:
         msgspec.convert(body | {"kv_groups": [{"kind": "sliding_window"}]}, EngineSpec)
     spec = msgspec.convert(body | {"kv_groups": SLIDING}, EngineSpec)
     assert spec.kv_groups[1] == KVGroup("sliding_window", 64)
+    assert spec.large_blocks is None
 
 
-async def test_registering_groups_of_another_block_size_is_a_422() -> None:
+def test_blocks_a_multiple_of_the_hash_unit_are_taken_for_full_attention_and_mamba() -> None:
+    """A hybrid Mamba model's blocks of 64 hashed every 16: matched by the rules of
+    blocks larger than the hash block, anchored as the announced release does."""
+    body = {"name": "a", "endpoint": "tcp://127.0.0.1:5557", "block_size": 16}
+    groups = [{"kind": "full_attention", "block_size": 64}, {"kind": "mamba", "block_size": 64}]
+    spec = msgspec.convert(body | {"kv_groups": groups, "blocks_per_chunk": 1}, EngineSpec)
+    assert spec.large_blocks == LargeBlocks(4, 1, (0,), (1,), anchor_at_full_attention=True)
+    older = msgspec.convert(body | {"kv_groups": groups, "release": "0.33.0"}, EngineSpec)
+    assert older.large_blocks == LargeBlocks(4, None, (0,), (1,), anchor_at_full_attention=False)
+    for refused in (
+        [{"kind": "mamba", "block_size": 24}],
+        [{"kind": "sliding_window", "sliding_window": 64, "block_size": 32}],
+    ):
+        with pytest.raises(msgspec.ValidationError, match="only as a multiple of it"):
+            msgspec.convert(body | {"kv_groups": refused}, EngineSpec)
+    with pytest.raises(msgspec.ValidationError, match="release"):
+        msgspec.convert(body | {"release": "latest"}, EngineSpec)
+
+
+async def test_registering_groups_kvindex_cannot_match_is_a_422() -> None:
     api = Api()
     body = {"name": "a", "endpoint": "tcp://10.0.0.1:5557", "block_size": 16}
-    body["kv_groups"] = [{"kind": "mamba", "block_size": 32}]
+    body["kv_groups"] = [{"kind": "full_attention"}, {"kind": "mamba", "block_size": 32}]
     refused = await api.client.post("/engines", json=body)
     assert refused.status_code == 422
     assert "one block size only" in refused.json()["error"]

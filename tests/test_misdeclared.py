@@ -17,9 +17,9 @@ import pytest
 
 from indexer import metrics
 from indexer.core.events import BlockStored, EventBatch
-from indexer.engine_registry import KVGroup
 from indexer.engines import catalog
 from indexer.engines.base import Prompt
+from indexer.kv_groups import KVGroup
 from producer.publisher import Publisher
 from producer.sim import SimConfig, SimEngine
 from producer.workload import Workload, WorkloadConfig

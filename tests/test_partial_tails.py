@@ -2,8 +2,8 @@
 every 16 (``--prefix-match-unit 16``) and the offloading connector at one block per
 chunk, in vLLM's own traces (``mamba-partial-tail``, 0.34.0's and 0.33.0's).
 
-What vLLM publishes is pinned here; kvindex does not map it yet (docs/vllm.md, "Not
-covered yet"): the last test holds vLLM's answers to its probes and fails until it does.
+What vLLM publishes is pinned here, then kvindex's answers to vLLM's probes: the rule of
+:mod:`indexer.core.large_blocks` alone, and the whole read path by tokens and by hashes.
 """
 
 from __future__ import annotations
@@ -12,11 +12,17 @@ from collections import Counter
 
 import pytest
 
-from indexer.core.events import CPU, GPU, AllBlocksCleared, BlockStored
+from indexer.core.events import CPU, GPU, AllBlocksCleared, BlockStored, RankId
+from indexer.core.large_blocks import LargeBlocks, large_block_match
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
+from indexer.ingest.trace import load_trace
+from indexer.kv_groups import KVGroup
+from indexer.stores.redis import RedisStore
 
 from .api_cases import check_trace_probes
-from .conftest import load_expected_json, trace_batches
+from .apikit import Api, engine
+from .conftest import load_expected_json, redis_config, trace_batches, trace_path
+from .servers import RedisServer
 
 TAIL_TRACE_NAMES = ("0.34.0/mamba-partial-tail", "0.33.0-extra/mamba-partial-tail")
 UNIT, BLOCK = 16, 64  # tokens per hash, per KV cache block (and per CPU chunk)
@@ -78,58 +84,6 @@ def test_vllm_loads_partial_tails_from_the_cpu(name: str) -> None:
 
 # --- vLLM's rules, walked on the trace's final residency ---------------------------
 
-M = BLOCK // UNIT  # units per block, and per CPU chunk
-
-
-class Walk:
-    """vLLM's GPU hit and CPU lookup for one probe's chain of 16-token hashes, in units,
-    over what the trace left resident: a reference of the rules docs/vllm.md states,
-    checked against vLLM's own answers below (kvindex does not apply them yet)."""
-
-    def __init__(self, held: dict, chain: list, anchor_at_full_attention: bool) -> None:
-        self.held, self.chain, self.n = held, chain, len(chain)
-        self.anchor_at_full_attention = anchor_at_full_attention  # 0.34; 0.33 not
-
-    def has(self, medium: str, group: int, unit: int) -> bool:
-        """Whether the group holds unit ``unit``'s hash (the one at its end)."""
-        return self.chain[unit - 1] in self.held.get((medium, group), ())
-
-    def blocks_run(self, medium: str, start: int) -> int:
-        """Full attention's run of whole blocks (each by its last unit) from ``start``."""
-        end = start
-        while end + M <= self.n and self.has(medium, 0, end + M):
-            end += M
-        return end
-
-    def gpu(self) -> int:
-        """Full attention's run, then a partial entry inside the next block; the hit is
-        the rightmost unit at or below that which the Mamba group holds."""
-        full = self.blocks_run(GPU, 0)
-        full = next(
-            (u for u in range(min(full + M - 1, self.n), full, -1) if self.has(GPU, 0, u)), full
-        )
-        return next((u for u in range(full, 0, -1) if self.has(GPU, 1, u)), 0)
-
-    def cpu(self, start: int) -> int:
-        """Whole chunks after ``start`` (the rightmost end of full attention's run that
-        Mamba holds, a chunk past ``start`` at least), then a tail inside the block after
-        the anchor, which both groups hold (and that block's chunk, past it)."""
-        run = self.blocks_run(CPU, start - start % M)
-        ends = range(run, start + M - 1, -M)
-        complete = next((u for u in ends if self.has(CPU, 1, u)), start)
-        anchor = complete
-        if self.anchor_at_full_attention and run - start >= M:
-            anchor = max(complete, run)
-        bridge = anchor - anchor % M + M
-        for boundary in range(min(self.n, anchor + M - 1), complete, -1):
-            if boundary <= anchor and boundary % M == 0:
-                continue
-            if boundary >= bridge and not all(self.has(CPU, g, bridge) for g in (0, 1)):
-                continue
-            if all(self.has(CPU, g, boundary) for g in (0, 1)):
-                return boundary
-        return complete
-
 
 def final_residency(name: str) -> dict:
     """Each (medium, group)'s hashes held when the trace ends, counting copies."""
@@ -143,22 +97,52 @@ def final_residency(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", TAIL_TRACE_NAMES)
-def test_vllms_rules_as_docs_state_them_give_its_answers(name: str) -> None:
+def test_the_cores_rule_gives_vllms_answers_on_what_the_trace_left(name: str) -> None:
     """Every probe: the GPU hit, the CPU lookup from token 0 and after the GPU hit (the
-    load asks for the prompt's whole blocks and one token more)."""
+    load asks for the prompt's whole blocks and one token more), by the rule alone."""
     held, expected = final_residency(name), load_expected_json(name)
+    shape = LargeBlocks(BLOCK // UNIT, 1, (0,), (1,), name.startswith("0.34"))
     for probe in expected["probes"]:
-        walk = Walk(held, probe["hashes"], name.startswith("0.34"))
-        gpu = walk.gpu()
-        got = {"gpu_tokens": gpu, "cpu_prefix_tokens": walk.cpu(0), "prefix_tokens": walk.cpu(gpu)}
-        want = {k: probe[k] // UNIT for k in got}
-        assert got == want, probe["tokens"]
+        match = large_block_match(probe["hashes"], held, shape)
+        got = {
+            "gpu_tokens": match.gpu_blocks,
+            "cpu_prefix_tokens": match.cpu_blocks,
+            "prefix_tokens": match.prefix_blocks,
+        }
+        assert got == {k: probe[k] // UNIT for k in got}, probe["tokens"]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="issue 35 item 5: kvindex does not map them"
-)
 @pytest.mark.parametrize("name", TAIL_TRACE_NAMES)
 async def test_partial_tail_traces_answer_like_vllm_by_tokens_and_by_hashes(name: str) -> None:
-    """vLLM's GPU hit and its own CPU lookup, from token 0 and after the GPU hit."""
+    """vLLM's GPU hit and its own CPU lookup, from token 0 and after the GPU hit, with the
+    engine declared as the plugin announces it (groups of 64, hash unit 16, release)."""
     await check_trace_probes(name)
+
+
+async def test_a_partial_tail_trace_answers_like_vllm_over_a_redis_cluster(
+    redis_cluster: RedisServer,
+) -> None:
+    """The same read path over a Redis Cluster: what ranks hold of a chain, read there."""
+    store = RedisStore(redis_config(redis_cluster.url, True))
+    try:
+        await check_trace_probes(TAIL_TRACE_NAMES[0], store)
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("seed", [None, "another"])
+async def test_blocks_of_64_and_partial_entries_contradict_nothing_declared(seed) -> None:
+    """The misdeclared checks take both sizes the groups publish, and still hash the
+    64-token blocks' tokens (their last unit's hash): a wrong seed is found."""
+    api = Api()
+    groups = [KVGroup("full_attention", None, BLOCK), KVGroup("mamba", None, BLOCK)]
+    spec = engine("vllm-a", block_size=UNIT, blocks_per_chunk=1, kv_groups=groups, hash_seed=seed)
+    try:
+        await api.add(spec)
+        await api.consumers.apply_trace(
+            RankId("vllm-a", 0), load_trace(trace_path(TAIL_TRACE_NAMES[0]))
+        )
+        found = (await api.client.get("/engines/vllm-a")).json()["misdeclared"]
+        assert [reason.split(":")[0] for reason in found] == ([] if seed is None else ["hash"])
+    finally:
+        await api.close()

@@ -273,3 +273,26 @@ def test_a_responses_request_renders_alike_every_time() -> None:
     first = POOL.tokens_now("hermes-named.plain", responses=request)
     assert POOL.tokens_now("hermes-named.plain", responses=request) == first
     assert items[1] == {"role": "assistant"}
+
+
+async def test_an_empty_tool_list_is_no_tools_for_vllm_0_34_and_refused_for_0_33() -> None:
+    """vLLM 0.34 serves a chat's ``tools: []`` as none (``"auto"`` and ``"required"`` as
+    ``"none"``); 0.33 refuses it. The engines a query selects decide: served only when
+    all are vLLM engines announcing no older release."""
+    new, unsaid = engine("new", release="0.34.0"), engine("unsaid")
+    old = engine("old", release="0.33.0")
+
+    async def tokens(specs: tuple, **fields) -> list[int]:
+        body = msgspec.convert({"model": HERMES, "messages": ASK, **fields}, PrefixMatchBody)
+        query = await to_query(body, SETTINGS, POOL, lambda: specs)
+        assert query.prompt is not None
+        return list(query.prompt.tokens)
+
+    plain = await tokens((new,))
+    for choice in (None, "auto", "required", "none"):
+        assert await tokens((new,), tools=[], tool_choice=choice) == plain, choice
+    assert await tokens((new, unsaid), tools=[]) == plain
+    for specs in ((old,), (new, old), ()):
+        with pytest.raises(ApiError) as refused:
+            await tokens(specs, tools=[])
+        assert refused.value.status == 400 and refused.value.message.startswith("tools: ")

@@ -296,6 +296,7 @@ class GroupDeclaration:
     def __init__(self, groups: Sequence[tuple[str, int | None, int]], block_size: int) -> None:
         self.block_size = block_size
         self.kinds = {i: _kind_key(k, w, b) for i, (k, w, b) in enumerate(groups)}
+        self.sizes = {i: b for i, (_, _, b) in enumerate(groups)}
         self.events = [
             BlockStored(
                 [],
@@ -327,7 +328,7 @@ class GroupDeclaration:
         for group, kind, window, size in sorted(new, key=repr):
             seen, declared = _kind_key(kind, window, size), self.kinds.get(group)
             agrees = declared is not None and (refines(declared, seen) or refines(seen, declared))
-            if not agrees or size not in (0, self.block_size):
+            if not agrees or size not in (0, self.block_size, self.sizes.get(group)):
                 found.append(
                     {"group_idx": group, "declared": declared, "seen": seen, "block_size": size}
                 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
@@ -20,7 +20,8 @@ import msgspec
 
 from answers import EngineMatch, PrefixMatchResponse, RankRef, RouteCost
 from indexer.core.events import BlockHash, RankId
-from indexer.core.matching import PrefixMatch, TierWeights
+from indexer.core.large_blocks import LargeBlocks, large_block_match
+from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
 from indexer.core.routed import Candidate
 from indexer.engine_registry import (
     ConsumerView,
@@ -66,9 +67,26 @@ Picker = Callable[
 
 @dataclass(frozen=True, slots=True)
 class _Lookup:
+    """One chain looked up for some engines: each by its blocks per chunk, or by its
+    shape where its blocks span several hash blocks (``shapes``)."""
+
     chain: list[BlockHash]
     chunk_blocks: dict[str, int | None]
     rank: RankId | None = None  # keep only this rank's answer: its chain is its own
+    shapes: dict[str, LargeBlocks] = field(default_factory=dict)
+
+    def add(self, spec: EngineSpec) -> _Lookup:
+        shape = spec.large_blocks
+        if shape is None:
+            self.chunk_blocks[spec.name] = spec.blocks_per_chunk
+        else:
+            self.shapes[spec.name] = shape
+        return self
+
+    @property
+    def engines(self) -> set[str]:
+        """The engines whose answers the lookup gives."""
+        return self.chunk_blocks.keys() | self.shapes.keys()
 
 
 class ReadPath:
@@ -103,12 +121,11 @@ class ReadPath:
         specs = self._select(query.model, query.engines)
         if query.prompt is None:
             assert query.chain is not None
-            chunks = {
-                s.name: s.blocks_per_chunk
-                for s in specs
-                if self.block_size(s, query.overrides.block_size) is not None
-            }
-            lookups = [_Lookup(query.chain, chunks)]
+            lookup = _Lookup(query.chain, {})
+            for spec in specs:
+                if self.block_size(spec, query.overrides.block_size) is not None:
+                    lookup.add(spec)
+            lookups = [lookup]
         else:
             lookups = self._token_lookups(query, specs)
         # Statuses before the store call: an engine removed meanwhile has none after.
@@ -174,9 +191,9 @@ class ReadPath:
         runs: dict[RankId, int] = {}
         starts = {rank: m.gpu_blocks for rank, m in found.items() if m.gpu_blocks}
         for lookup in lookups:
-            if not lookup.chain or not lookup.chunk_blocks:
+            if not lookup.chain or not lookup.engines:
                 continue
-            got = await self._routed.lookup(lookup.chain, starts, lookup.chunk_blocks.keys())
+            got = await self._routed.lookup(lookup.chain, starts, lookup.engines)
             if lookup.rank is None:
                 runs.update(got)
             elif lookup.rank in got:
@@ -194,7 +211,7 @@ class ReadPath:
     ) -> Picked:
         """Every rank of the selected engines is a candidate, in (engine, rank) order,
         with whether its view is degraded."""
-        chains = [lookup for lookup in lookups if lookup.chain and lookup.chunk_blocks]
+        chains = [lookup for lookup in lookups if lookup.chain and lookup.engines]
         if not chains:
             return None, {}, []
         if len(chains) > 1 or chains[0].rank is not None:
@@ -206,7 +223,7 @@ class ReadPath:
         ranks = [
             (spec, dp_rank, degraded)
             for spec in sorted(specs, key=_name)
-            if spec.name in lookup.chunk_blocks
+            if spec.name in lookup.engines
             for dp_rank, degraded in enumerate(flags[spec.name])
         ]
         return await self._pick(lookup.chain, ranks, found, weights, query.ttl)
@@ -238,9 +255,9 @@ class ReadPath:
             return override or spec.block_size
         return self._misdeclared.block_size(spec.name)
 
-    def adapters(self, model: str | None, engines: Sequence[str] | None) -> set[str]:
-        """The adapters of the engines a query with this model and engines is about."""
-        return {spec.adapter for spec in self._select(model, engines)}
+    def selected(self, model: str | None, engines: Sequence[str] | None) -> list[EngineSpec]:
+        """The engines a query with this model and engines is about."""
+        return self._select(model, engines)
 
     def _token_lookups(self, query: Query, specs: list[EngineSpec]) -> list[_Lookup]:
         overrides = query.overrides
@@ -269,7 +286,7 @@ class ReadPath:
             if lookup is None:
                 computer = computers.setdefault(id(prompt), ChainComputer(prompt))
                 lookup = shared[key] = _Lookup(computer.chain(hashing, as_bytes), {})
-            lookup.chunk_blocks[spec.name] = spec.blocks_per_chunk
+            lookup.add(spec)
         return [*shared.values(), *lookups]
 
     def _hashers_of(self, overrides: Overrides) -> dict[str, _Hasher]:
@@ -297,22 +314,36 @@ class ReadPath:
                 adapter=spec.engine_adapter,
                 lookahead_tokens=spec.lookahead_tokens,
             )
-            lookups.append(_Lookup(chain, {spec.name: spec.blocks_per_chunk}, rank))
+            lookups.append(_Lookup(chain, {}, rank).add(spec))
         return lookups
 
     async def _run(self, lookups: list[_Lookup]) -> dict[RankId, PrefixMatch]:
-        lookups = [lookup for lookup in lookups if lookup.chain and lookup.chunk_blocks]
-        calls = [self._store.prefix_match(lookup.chain, lookup.chunk_blocks) for lookup in lookups]
+        calls, called = [], []
+        for lookup in lookups:
+            if lookup.chain and lookup.chunk_blocks:
+                calls.append(self._store.prefix_match(lookup.chain, lookup.chunk_blocks))
+                called.append(lookup)
+            if lookup.chain and lookup.shapes:
+                calls.append(self._large_blocks_match(lookup))
+                called.append(lookup)
         # One lookup (a fleet hashing alike) is awaited in place: gather would make it a
         # task, a trip through the event loop that cost as much as an embedded match.
         answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
         found: dict[RankId, PrefixMatch] = {}
-        for lookup, answer in zip(lookups, answers, strict=True):
+        for lookup, answer in zip(called, answers, strict=True):
             if lookup.rank is None:
                 found.update(answer)
             elif lookup.rank in answer:
                 found[lookup.rank] = answer[lookup.rank]
         return found
+
+    async def _large_blocks_match(self, lookup: _Lookup) -> dict[RankId, PrefixMatch]:
+        """The answers of engines whose blocks span several hash blocks, by the rule of
+        :mod:`indexer.core.large_blocks` on what their ranks hold of the chain."""
+        chain, shapes = lookup.chain, lookup.shapes
+        held = await self._store.chain_residency(chain, shapes.keys())
+        found = {rank: large_block_match(chain, h, shapes[rank.engine]) for rank, h in held.items()}
+        return {rank: match for rank, match in found.items() if match != NO_MATCH}
 
     def _answer(
         self,

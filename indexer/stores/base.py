@@ -158,6 +158,13 @@ class Store(Protocol):
         (callers that list every rank fill in the zeros).
         """
 
+    async def chain_residency(
+        self, chain: Sequence[BlockHash], engines: Collection[str]
+    ) -> dict[RankId, dict[tuple[str, int], set[BlockHash]]]:
+        """The hashes of ``chain`` each rank of ``engines`` holds, by (medium, group_idx),
+        every ownership together: what rules no prefix match states are walked on
+        (:mod:`indexer.core.large_blocks`). Ranks holding none are left out."""
+
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         """Distinct resident hashes per medium (all three media present)."""
 

@@ -24,7 +24,9 @@ what the engine does, not what an operator typed:
 - offload chunk size: with vLLM's ``OffloadingConnector``, the
   ``blocks_per_chunk`` vLLM computes from ``kv_connector_extra_config``;
 - GPU capacity: ``kv_cache_config.num_blocks``, the blocks of the rank's
-  pool (kvindex bounds what a rank may hold on GPU by it).
+  pool (kvindex bounds what a rank may hold on GPU by it);
+- release: ``vllm.__version__`` (where a partial tail is anchored, and whether
+  ``tools: []`` is refused, changed in 0.34).
 
 vLLM is imported here only inside functions: kvindex never depends on it.
 """
@@ -92,8 +94,16 @@ def announcement(vllm_config: Any, kv_cache_config: Any, settings: PluginSetting
         "gpu_blocks": kv_cache_config.num_blocks,
         "snapshot_endpoint": _snapshot_endpoint(stream, reuse_reports, bind, settings),
         "url": settings.engine_url,  # where route: "best" reads the engine's load
+        "release": _release(),
     }
     return Announcement(spec, seeded=seed is not None or algo.startswith("xxhash"))
+
+
+def _release() -> str:
+    """vLLM's version: the rules that changed between releases follow it in kvindex."""
+    import vllm
+
+    return vllm.__version__
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ TRACES = (
 )
 
 
-class _Engine:
+class Engine:
     """One engine of a trace, stepped on the caller's thread."""
 
     def __init__(self, model_dir: Any, trace: Trace) -> None:
@@ -133,6 +133,7 @@ class _Engine:
         self.lookahead = self.config.num_hash_lookahead_tokens
         executor = CpuExecutor(trace.sliding_window, trace.mamba, trace.block)
         kv_cache_config = plan_kv_cache(EngineCore.__new__(EngineCore), self.config, executor)
+        self.kv_cache_config = kv_cache_config
         self.scheduler = make_scheduler(self.config, kv_cache_config)
         self.stand_in = StandIn(self.scheduler)
         hash_fn = get_hash_fn_by_name("sha256")
@@ -264,11 +265,12 @@ class _Engine:
         return hit
 
 
-def record(model_dir: Any, trace: Trace) -> tuple[bytes, str]:
-    """``NAME.frames.msgpack`` and ``NAME.expected.json`` of ``trace``."""
+def record(model_dir: Any, trace: Trace, engine: Engine | None = None) -> tuple[bytes, str]:
+    """``NAME.frames.msgpack`` and ``NAME.expected.json`` of ``trace`` (``engine``: the
+    trace's engine made already, whose config a test reads too)."""
     import msgspec
 
-    engine = _Engine(model_dir, trace)
+    engine = engine or Engine(model_dir, trace)
     chats = Chats(seed=trace.seed)
     prompts = []
     try:

@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 import httpx
 import pytest
 import torch
+import vllm
 from vllm.config import KVEventsConfig, KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.engine.core import EngineCore
@@ -152,6 +153,7 @@ def test_kvindex_registers_the_engines_real_config(serve, model_dir, monkeypatch
     assert engine["lookahead_tokens"] == config.num_hash_lookahead_tokens == 0  # a KV connector
     assert engine["dp_ranks"] == config.parallel_config.data_parallel_size == 2
     assert engine["gpu_blocks"] == core.kv_cache_config.num_blocks  # bounds a rank's GPU blocks
+    assert engine["release"] == vllm.__version__  # rules that changed between releases follow it
     # the plugin's stream without reuse reports, beside vLLM's (ports + 1000)
     assert engine["reuse_reports"] == "filtered"
     assert engine["endpoint"] == beside(events.endpoint)

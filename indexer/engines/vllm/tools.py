@@ -18,7 +18,8 @@ which tools the template sees, and in what shape, decides the tokens:
   one), any other field dropped.
 
 vLLM 0.34 treats ``tools: []`` as no tools (``"auto"``/``"required"`` then
-``"none"``); 0.33's refusal is kept here.
+``"none"``); 0.33's refusal is kept here, and a query whose engines all run 0.34
+or later (``api.prefix.serve_empty_tools``) reaches it without the empty list.
 """
 
 from __future__ import annotations

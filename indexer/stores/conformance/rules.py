@@ -84,6 +84,23 @@ async def forget_drops_everything_about_the_rank(store: Store) -> None:
     expect(await counts(store, 2), {GPU: 1}, "a rank registered again starts from nothing")
 
 
+@check
+async def chain_residency_lists_a_chains_hashes_by_medium_and_group(store: Store) -> None:
+    """Each rank of the engines asked, by (medium, group): every ownership together,
+    removed and cleared hashes gone, other engines' ranks and hashes off the chain not
+    read."""
+    other = RankId("engine-b", 0)
+    await apply(store, 0, stored([1, 2, 9]), stored([2], CPU, owner="a"), stored([3], CPU))
+    await apply(store, 1, stored([1], group=1, kind="mamba"), stored([4], STORAGE), removed([2]))
+    await apply(store, 0, stored([1, 2]), rank=other)
+    held = {(GPU, 0): {1}, (CPU, 0): {2, 3}, (GPU, 1): {1}, (STORAGE, 0): {4}}
+    expect(await store.chain_residency([1, 2, 3, 4], ENGINE), {RANK: held}, "one engine's")
+    both = {RANK: held, other: {(GPU, 0): {1, 2}}}
+    expect(await store.chain_residency([4, 3, 2, 1], {*ENGINE, "engine-b"}), both, "both's")
+    await store.clear(RANK, [CPU, STORAGE])
+    expect(await store.chain_residency([2, 3, 4, 5], ENGINE), {}, "after a clear")
+
+
 # --- residency rules ----------------------------------------------------------
 
 

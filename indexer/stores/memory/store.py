@@ -130,6 +130,20 @@ class MemoryStore:
             for rank, match in matched.items()
         }
 
+    async def chain_residency(
+        self, chain: Sequence[BlockHash], engines: Collection[str]
+    ) -> dict[RankId, dict[tuple[str, int], set[BlockHash]]]:
+        found: dict[RankId, dict[tuple[str, int], set[BlockHash]]] = {}
+        for rank, state in self._ranks.items():
+            if rank.engine not in engines:
+                continue
+            for tier, table in state.tables.items():
+                held = {h for h in chain if table.counts.get(h, 0) > 0}
+                if held:
+                    found.setdefault(rank, {}).setdefault((tier.medium, tier.group_idx), set())
+                    found[rank][tier.medium, tier.group_idx] |= held
+        return found
+
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         state = self._ranks.get(rank)
         return {m: state.distinct_blocks(m) if state else 0 for m in MEDIA}

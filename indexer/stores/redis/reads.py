@@ -10,7 +10,7 @@ can change any rank's answer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 from indexer.core.events import GPU, MEDIA, BlockHash, RankId
 from indexer.core.hybrid import group_rules, hybrid_match, is_scored
@@ -124,6 +124,31 @@ class RedisReads:
             blocks = await self._run([("HGETALL", k) for k in keys[fetched : fetched + window]])
         found = ((rank, m.match(chain, fetched)) for rank, m in matchers.items())
         return {rank: match for rank, match in found if match != NO_MATCH}
+
+    async def chain_residency(
+        self, chain: Sequence[BlockHash], engines: Collection[str]
+    ) -> dict[RankId, dict[tuple[str, int], set[BlockHash]]]:
+        sealed = self._losses.seal()
+        reply, *blocks = await self._run(
+            [
+                ("HGETALL", self.layout.meta_key),
+                *(("HGETALL", self.layout.block_key(h)) for h in chain),
+            ]
+        )
+        await self._losses.vouch(sealed, reply.get(b"#store"), reply.get(b"#w"))
+        where = {
+            str(t.tid).encode(): (rank, (t.medium, t.group))
+            for rank, meta in parse_metas(reply).items()
+            if rank.engine in engines
+            for t in meta.tiers
+        }
+        found: dict[RankId, dict[tuple[str, int], set[BlockHash]]] = {}
+        for h, fields in zip(chain, blocks, strict=True):
+            for tid in fields:
+                if tid in where:
+                    rank, tier = where[tid]
+                    found.setdefault(rank, {}).setdefault(tier, set()).add(h)
+        return found
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
         _, meta = await self._peek_meta(rank)
