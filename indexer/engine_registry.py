@@ -58,6 +58,12 @@ HASH_ALGOS = catalog.hash_algos()
 _MAX_PORT = 65535
 
 
+def released_before(release: str | None, major: int, minor: int) -> bool:
+    """Whether ``release`` (None: not announced) is older than ``major.minor``."""
+    found = _RELEASE.match(release or "")  # the field's pattern: a match if set
+    return found is not None and (int(found[1]), int(found[2])) < (major, minor)
+
+
 def check_endpoint(field: str, endpoint: str, dp_ranks: int) -> None:
     """Raise ValueError for an endpoint ZMQ cannot use, or whose last rank's
     port (``port + dp_ranks - 1``) is not a port."""
@@ -198,8 +204,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def released_before(self, major: int, minor: int) -> bool:
         """Whether the engine announced a release older than ``major.minor``."""
-        found = _RELEASE.match(self.release or "")  # the field's pattern: a match if set
-        return found is not None and (int(found[1]), int(found[2])) < (major, minor)
+        return released_before(self.release, major, minor)
 
     @property
     def large_blocks(self) -> LargeBlocks | None:

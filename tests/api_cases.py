@@ -71,7 +71,7 @@ async def trace_api(name: str, store: Store | None = None) -> tuple[Api, dict]:
                 for g in cfg.get("groups", ())
             ]
             or None,
-            release=(name.rpartition("/")[0] or "0.33.0").removesuffix("-extra"),
+            release=cfg.get("release"),
         )
     )
     await api.consumers.apply_trace(RankId("vllm-a", 0), load_trace(trace_path(name)))

@@ -52,6 +52,8 @@ LOOKAHEAD_TRACE_NAMES = ("0.34.0/eagle-offload",)
 #: A storage tier below the CPU tier (vLLM 0.34's file-system tier): its stores, as the
 #: CPU tier's, built from the request context (``expected.storage_refcounts``: its chunks).
 STORAGE_TRACE_NAMES = ("0.34.0/storage-context",)
+#: blocks of 64 tokens hashed every 16 (partial tails), as each release records them
+TAIL_TRACE_NAMES = ("0.34.0/mamba-partial-tail", "0.33.0-extra/mamba-partial-tail")
 
 
 def probe_answers(expected: dict) -> list[dict[str, int]]:

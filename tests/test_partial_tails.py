@@ -21,10 +21,15 @@ from indexer.stores.redis import RedisStore
 
 from .api_cases import check_trace_probes
 from .apikit import Api, engine
-from .conftest import load_expected_json, redis_config, trace_batches, trace_path
+from .conftest import (
+    TAIL_TRACE_NAMES,
+    load_expected_json,
+    redis_config,
+    trace_batches,
+    trace_path,
+)
 from .servers import RedisServer
 
-TAIL_TRACE_NAMES = ("0.34.0/mamba-partial-tail", "0.33.0-extra/mamba-partial-tail")
 UNIT, BLOCK = 16, 64  # tokens per hash, per KV cache block (and per CPU chunk)
 
 

@@ -12,6 +12,7 @@ from .conftest import (
     HYBRID_TRACE_NAMES,
     LOOKAHEAD_TRACE_NAMES,
     STORAGE_TRACE_NAMES,
+    TAIL_TRACE_NAMES,
     TRACE_NAMES,
     expected_path,
     load_expected_json,
@@ -35,7 +36,12 @@ def run_replay(*args: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name", TRACE_NAMES + HYBRID_TRACE_NAMES + LOOKAHEAD_TRACE_NAMES + STORAGE_TRACE_NAMES
+    "name",
+    TRACE_NAMES
+    + HYBRID_TRACE_NAMES
+    + LOOKAHEAD_TRACE_NAMES
+    + STORAGE_TRACE_NAMES
+    + TAIL_TRACE_NAMES,
 )
 def test_replay_answers_like_vllm(name: str) -> None:
     done = replay(str(trace_path(name)), "--probe", str(expected_path(name)))

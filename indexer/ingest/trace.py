@@ -16,9 +16,12 @@ from pathlib import Path
 import msgspec
 
 from indexer.core.events import MEDIA, RankId
+from indexer.core.large_blocks import LargeBlocks
 from indexer.core.matching import NO_MATCH
+from indexer.engine_registry import released_before
 from indexer.engines import catalog
-from indexer.stores.base import Store, apply_events
+from indexer.kv_groups import KVGroup, large_blocks
+from indexer.stores.base import Store, apply_events, match_chain
 
 Trace = list[tuple[int, bytes]]
 #: A trace whose payloads are views of the file (:func:`map_trace`) or bytes.
@@ -53,6 +56,7 @@ class Probe(msgspec.Struct):
 
 class TraceGroup(msgspec.Struct):
     kind: str
+    block_size: int | None = None  # None: the engine's
 
 
 class TraceEngine(msgspec.Struct):
@@ -60,6 +64,15 @@ class TraceEngine(msgspec.Struct):
     blocks_per_chunk: int | None = None
     #: the model's KV groups in order (hybrid traces): which one is full attention
     groups: list[TraceGroup] = []
+    #: the vLLM release that recorded the trace (None: the newest's rules)
+    release: str | None = None
+
+    @property
+    def large_blocks(self) -> LargeBlocks | None:
+        """The engine's shape if its groups' blocks span several hash blocks."""
+        groups = [KVGroup(g.kind, None, g.block_size) for g in self.groups]
+        anchored = not released_before(self.release, 0, 34)
+        return large_blocks(groups, self.block_size, self.blocks_per_chunk, anchored)
 
     @property
     def full_attention_group(self) -> int:
@@ -129,10 +142,12 @@ async def answer_probes(
     """vLLM's answers per probe: GPU hit tokens, CPU chunk-aligned tokens, and the
     full-attention groups' own GPU hit (vLLM's hit for a model that is not hybrid)."""
     answers = []
-    size = engine.block_size
+    size, shape = engine.block_size, engine.large_blocks
+    chunk_blocks = {} if shape else {rank.engine: engine.blocks_per_chunk}
+    shapes = {rank.engine: shape} if shape else {}
     for probe in probes:
         chain = [int(h) for h in probe.hashes]
-        found = await store.prefix_match(chain, {rank.engine: engine.blocks_per_chunk})
+        found = await match_chain(store, chain, chunk_blocks, shapes)
         match = found.get(rank, NO_MATCH)
         answers.append(
             {

@@ -20,8 +20,8 @@ import msgspec
 
 from answers import EngineMatch, PrefixMatchResponse, RankRef, RouteCost
 from indexer.core.events import BlockHash, RankId
-from indexer.core.large_blocks import LargeBlocks, large_block_match
-from indexer.core.matching import NO_MATCH, PrefixMatch, TierWeights
+from indexer.core.large_blocks import LargeBlocks
+from indexer.core.matching import PrefixMatch, TierWeights
 from indexer.core.routed import Candidate
 from indexer.engine_registry import (
     ConsumerView,
@@ -37,7 +37,7 @@ from indexer.query.chains import ChainComputer, Overrides, Prompt, Query
 from indexer.query.errors import QueryRefused
 from indexer.query.rows import ENGINES, ZeroRows, degraded_flags, entries, rank_order
 from indexer.routed import RoutedEntries
-from indexer.stores.base import Store
+from indexer.stores.base import Store, match_chain
 from indexer.token_index import TokenIndex
 
 _name = attrgetter("name")
@@ -318,14 +318,11 @@ class ReadPath:
         return lookups
 
     async def _run(self, lookups: list[_Lookup]) -> dict[RankId, PrefixMatch]:
-        calls, called = [], []
-        for lookup in lookups:
-            if lookup.chain and lookup.chunk_blocks:
-                calls.append(self._store.prefix_match(lookup.chain, lookup.chunk_blocks))
-                called.append(lookup)
-            if lookup.chain and lookup.shapes:
-                calls.append(self._large_blocks_match(lookup))
-                called.append(lookup)
+        called = [lookup for lookup in lookups if lookup.chain and lookup.engines]
+        calls = [
+            match_chain(self._store, lookup.chain, lookup.chunk_blocks, lookup.shapes)
+            for lookup in called
+        ]
         # One lookup (a fleet hashing alike) is awaited in place: gather would make it a
         # task, a trip through the event loop that cost as much as an embedded match.
         answers = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
@@ -336,14 +333,6 @@ class ReadPath:
             elif lookup.rank in answer:
                 found[lookup.rank] = answer[lookup.rank]
         return found
-
-    async def _large_blocks_match(self, lookup: _Lookup) -> dict[RankId, PrefixMatch]:
-        """The answers of engines whose blocks span several hash blocks, by the rule of
-        :mod:`indexer.core.large_blocks` on what their ranks hold of the chain."""
-        chain, shapes = lookup.chain, lookup.shapes
-        held = await self._store.chain_residency(chain, shapes.keys())
-        found = {rank: large_block_match(chain, h, shapes[rank.engine]) for rank, h in held.items()}
-        return {rank: match for rank, match in found.items() if match != NO_MATCH}
 
     def _answer(
         self,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from indexer.core.events import MEDIA, BlockHash, EventBatch, RankId
-from indexer.core.matching import PrefixMatch
+from indexer.core.large_blocks import LargeBlocks, large_block_match
+from indexer.core.matching import NO_MATCH, PrefixMatch
 from indexer.core.residency import Op, plan_batch
 from indexer.core.snapshot import NOTHING_PUBLISHED, Snapshot, plan_snapshot
 from indexer.errors import StoreUnavailable
@@ -205,6 +206,25 @@ def apply_events(
     ``hold_gpu``: as for :func:`~indexer.core.residency.plan_batch`."""
     ops = plan_batch(batch, hold_gpu=hold_gpu)
     return store.apply(rank, seq, batch.ts, ops, fence=fence)
+
+
+async def match_chain(
+    store: Store,
+    chain: Sequence[BlockHash],
+    chunk_blocks: Mapping[str, int | None],
+    shapes: Mapping[str, LargeBlocks],
+) -> dict[RankId, PrefixMatch]:
+    """Each rank's match of ``chain``: the engines of ``chunk_blocks`` by the store's
+    prefix match, those of ``shapes`` (blocks larger than the hash block) by the rule of
+    :mod:`indexer.core.large_blocks` on what their ranks hold of it."""
+    if not shapes:
+        return await store.prefix_match(chain, chunk_blocks)
+    found = await store.prefix_match(chain, chunk_blocks) if chunk_blocks else {}
+    for rank, held in (await store.chain_residency(chain, shapes.keys())).items():
+        match = large_block_match(chain, held, shapes[rank.engine])
+        if match != NO_MATCH:
+            found[rank] = match
+    return found
 
 
 async def apply_snapshot(

@@ -20,6 +20,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +321,7 @@ def _engine_of(trace: Trace, lookahead: int) -> dict[str, Any]:
         "offload": bool(trace.cpu_chunks),
         "self_describing": trace.self_describing,
         "dp_rank": 0,
+        "release": version("vllm"),  # the rules that changed between releases follow it
     }
     if trace.eagle:
         engine["lookahead_tokens"] = lookahead
