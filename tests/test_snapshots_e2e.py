@@ -24,7 +24,7 @@ from producer.sim import SimConfig, SimEngine
 from producer.snapshots import SelfSnapshotting
 from producer.workload import Workload
 
-from .conftest import free_ports
+from .conftest import WAIT_WITHIN, free_ports
 from .test_e2e import WORKLOAD, serving, truth, until
 
 pytestmark = pytest.mark.slow
@@ -102,7 +102,7 @@ async def exact_at(client: httpx.AsyncClient, engine: Engine, restores: int) -> 
             and not state["degraded"]
         )
 
-    await until(settled, 30, f"the rank restored {restores} time(s) and caught up")
+    await until(settled, WAIT_WITHIN, f"the rank restored {restores} time(s) and caught up")
     for tokens in engine.probes():
         response = await client.post("/prefix-match", json={"tokens": list(tokens)})
         assert response.status_code == 200, response.text
