@@ -26,7 +26,7 @@ from indexer.core.addresses import check_topic_and_replay
 from indexer.core.large_blocks import LargeBlocks
 from indexer.engines import catalog
 from indexer.engines.base import EngineAdapter
-from indexer.kv_groups import KVGroup, Positive, check_kv_groups, large_blocks
+from indexer.kv_groups import KVGroup, Positive, check_kv_groups, large_blocks, released_before
 
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")]
 # Checked by EngineSpec.__post_init__, which says what was expected; the
@@ -40,7 +40,6 @@ Endpoint = Annotated[
         extra_json_schema={"pattern": f"^({_TCP.pattern}|{_PATH.pattern})$"},
     ),
 ]
-_RELEASE = re.compile(r"(\d+)\.(\d+)")
 Release = Annotated[
     str, msgspec.Meta(pattern=r"^\d+\.\d+", max_length=64, description="such as 0.34.0")
 ]
@@ -56,12 +55,6 @@ LookaheadTokens = Annotated[
 #: Every hash algorithm some engine adapter reproduces.
 HASH_ALGOS = catalog.hash_algos()
 _MAX_PORT = 65535
-
-
-def released_before(release: str | None, major: int, minor: int) -> bool:
-    """Whether ``release`` (None: not announced) is older than ``major.minor``."""
-    found = _RELEASE.match(release or "")  # the field's pattern: a match if set
-    return found is not None and (int(found[1]), int(found[2])) < (major, minor)
 
 
 def check_endpoint(field: str, endpoint: str, dp_ranks: int) -> None:
@@ -210,8 +203,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def large_blocks(self) -> LargeBlocks | None:
         """The engine's shape when its groups' blocks span several hash blocks (None:
         they do not, or no group is declared)."""
-        anchored = not self.released_before(0, 34)
-        return large_blocks(self.kv_groups, self.block_size, self.blocks_per_chunk, anchored)
+        return large_blocks(self.kv_groups, self.block_size, self.blocks_per_chunk, self.release)
 
 
 class BindRefused(ValueError):

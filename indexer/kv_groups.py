@@ -3,6 +3,7 @@ blocks they give it (:mod:`indexer.core.large_blocks` where they span several ha
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import msgspec
@@ -11,6 +12,7 @@ from indexer.core.hybrid import MAMBA, is_scored
 from indexer.core.large_blocks import LargeBlocks
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+_RELEASE = re.compile(r"(\d+)\.(\d+)")
 
 
 class KVGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -51,15 +53,21 @@ def check_kv_groups(groups: list[KVGroup], block_size: int) -> None:
             )
 
 
+def released_before(release: str | None, major: int, minor: int) -> bool:
+    """Whether ``release`` (None: not announced) is older than ``major.minor``."""
+    found = _RELEASE.match(release or "")  # a release field's pattern: a match if set
+    return found is not None and (int(found[1]), int(found[2])) < (major, minor)
+
+
 def large_blocks(
     groups: list[KVGroup] | None,
     block_size: int | None,
     blocks_per_chunk: int | None,
-    anchored: bool,
+    release: str | None,
 ) -> LargeBlocks | None:
     """The shape of an engine whose groups' blocks span several hash blocks of
-    ``block_size`` tokens (None: they do not, or no group is declared); ``anchored``:
-    tails anchored at full attention's run (vLLM 0.34 on)."""
+    ``block_size`` tokens (None: they do not, or no group is declared), with tails
+    anchored as its ``release`` does (vLLM 0.34 on at full attention's run)."""
     if not groups or block_size is None or (groups[0].block_size or block_size) == block_size:
         return None
     scored = tuple(i for i, g in enumerate(groups) if is_scored(g.kind))
@@ -68,5 +76,5 @@ def large_blocks(
         blocks_per_chunk,
         scored,
         tuple(i for i in range(len(groups)) if i not in scored),
-        anchor_at_full_attention=anchored,
+        anchor_at_full_attention=not released_before(release, 0, 34),
     )

@@ -18,7 +18,6 @@ import msgspec
 from indexer.core.events import MEDIA, RankId
 from indexer.core.large_blocks import LargeBlocks
 from indexer.core.matching import NO_MATCH
-from indexer.engine_registry import released_before
 from indexer.engines import catalog
 from indexer.kv_groups import KVGroup, large_blocks
 from indexer.stores.base import Store, apply_events, match_chain
@@ -71,8 +70,7 @@ class TraceEngine(msgspec.Struct):
     def large_blocks(self) -> LargeBlocks | None:
         """The engine's shape if its groups' blocks span several hash blocks."""
         groups = [KVGroup(g.kind, None, g.block_size) for g in self.groups]
-        anchored = not released_before(self.release, 0, 34)
-        return large_blocks(groups, self.block_size, self.blocks_per_chunk, anchored)
+        return large_blocks(groups, self.block_size, self.blocks_per_chunk, self.release)
 
     @property
     def full_attention_group(self) -> int:
