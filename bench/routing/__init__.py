@@ -64,8 +64,10 @@ PEERS = (
 )
 #: the load ladder, requests a second per engine: up to where round robin saturates
 LADDER = (0.5, 1.0, 1.5)
-#: requests a run (trace, shared-prefix questions a user, chats and burst), quick and full
-QUICK = {"engines": 4, "trace": 48, "questions": 1, "chats": (40, 8), "runs": 1}
+#: requests a run (trace, shared-prefix questions a user, chats and burst), quick and full;
+#: quick's trace is 36 requests (20 whole sessions) so that the quick item, 30 runs, fits
+#: in 15 minutes with the fleet's start
+QUICK = {"engines": 4, "trace": 36, "questions": 1, "chats": (40, 8), "runs": 1}
 FULL = {"engines": 8, "trace": 160, "questions": 2, "chats": (128, 16), "runs": 3}
 
 
@@ -120,13 +122,14 @@ class Bench:
             index.stop()
 
     def launch(self, index: Kvindex, proxy: Proxy) -> None:
+        proxy.spawn()  # it starts while kvindex does: it asks kvindex only once requests come
         index.launch()
         ranks = index.settled()
         warm = {n: r["blocks"]["GPU"] for n, r in ranks.items() if r["blocks"]["GPU"]}
         if warm or not all(r["connected"] for r in ranks.values()):
             progress(f"kvindex not cold at the start: GPU blocks {warm}, ranks {ranks}")
         index.prefix_match([{"role": "user", "content": "hello"}])  # its tokenizer is loaded
-        proxy.launch()
+        proxy.wait_ready()
 
     def policies(self, variants: dict[str, dict], only: set[str] | None) -> dict[str, Callable]:
         """Each policy's run of a workload."""
@@ -142,8 +145,10 @@ class Bench:
         """One policy's run at ``rate``: a row, and its self-check."""
         key = {"policy": policy, "run": run, "rate": rate, "workload": workload.name}
         progress(f"{workload.name} at {rate:g} req/s, run {run}: {policy} ...")
+        started = time.monotonic()
         try:
             result = measure(at_rate(workload, rate))
+            result["run_s"] = time.monotonic() - started  # with the reset, launch and stop
         except Exception as e:  # one failing router must not cost the others their rows
             progress(f"{policy} FAILED: {type(e).__name__}: {e}")
             self.rows.append(key | {"failed": f"{type(e).__name__}: {e}"})
@@ -157,7 +162,7 @@ class Bench:
             f"{policy}: hit rate {result['hit_rate']:.3f}, TTFT p50/p90/p99 "
             f"{result['ttft_p50_ms']:.0f}/{result['ttft_p90_ms']:.0f}/"
             f"{result['ttft_p99_ms']:.0f} ms, {result['output_tokens_per_s']:.0f} tok/s, "
-            f"per engine {list(result['requests_per_engine'].values())}"
+            f"per engine {list(result['requests_per_engine'].values())}, {result['run_s']:.0f} s"
             + (f", {len(result['errors'])} errors" if result["errors"] else "")
         )
 

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -226,11 +227,15 @@ class Fleet:
     def reset(self) -> None:
         """Empty every prefix cache, then step every engine once: vLLM queues the reset's
         ``AllBlocksCleared`` event and publishes it only with its next step's events, so
-        until a request comes a kvindex (or kv_aware router) would still see the blocks."""
-        for engine in self.engines:
+        until a request comes a kvindex (or kv_aware router) would still see the blocks.
+        The engines at once: one after the other it took seconds of every run."""
+
+        def reset(engine: Engine) -> None:
             engine.reset_prefix_cache()
-        for engine in self.engines:
             engine.warm_up()
+
+        with ThreadPoolExecutor(len(self.engines)) as pool:
+            list(pool.map(reset, self.engines))
 
     def counters(self) -> dict[str, dict[str, float]]:
         return {e.name: counters(e.url) for e in self.engines}
@@ -251,7 +256,13 @@ class Server:
         self.env = environment()
 
     def launch(self) -> None:
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
         self.process.spawn(self.command, self.env)
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + 120
         while not self.ready():
             if self.process.proc.poll() is not None or time.monotonic() > deadline:
