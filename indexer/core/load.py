@@ -48,12 +48,12 @@ class LoadRules:
 
     #: False: the pick is the best score alone, load ignored.
     enabled: bool = True
-    #: Blocks of prefill each block queued ahead on a rank is worth (bench item 16's sweep
+    #: Blocks of prefill each block queued ahead on a rank is worth (bench item 16's runs
     #: on timed engines, docs/bench/routing.md): raise it to spread long misses sooner.
-    per_block: float = 0.5
+    per_block: float = 0.25
     #: Blocks of prefill one request queued on a rank is worth: raise it to spread
-    #: bursts sooner.
-    per_request: float = 2.0
+    #: bursts sooner (at the cost of the hits a burst sharing a prefix would have).
+    per_request: float = 1.0
     #: How much more an uncached block costs on a full cache (where it evicts one).
     pressure: float = 0.5
     #: Seconds between scrapes of each engine's ``/metrics``. A scrape reads tens of
