@@ -140,8 +140,8 @@ class MemoryStore:
             for tier, table in state.tables.items():
                 held = {h for h in chain if table.counts.get(h, 0) > 0}
                 if held:
-                    found.setdefault(rank, {}).setdefault((tier.medium, tier.group_idx), set())
-                    found[rank][tier.medium, tier.group_idx] |= held
+                    by_tier = found.setdefault(rank, {})
+                    by_tier.setdefault((tier.medium, tier.group_idx), set()).update(held)
         return found
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:

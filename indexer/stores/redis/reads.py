@@ -81,8 +81,7 @@ class RedisReads:
         reply, fields = await self._run(
             [("HGETALL", self.layout.meta_key), ("HGETALL", self.layout.block_key(block_hash))]
         )
-        metas = parse_metas(reply)
-        where = {str(t.tid).encode(): (rank, t) for rank, meta in metas.items() for t in meta.tiers}
+        where = _tiers_by_id(parse_metas(reply))
         found = []
         for tid, count in fields.items():
             if tid in where:
@@ -136,18 +135,13 @@ class RedisReads:
             ]
         )
         await self._losses.vouch(sealed, reply.get(b"#store"), reply.get(b"#w"))
-        where = {
-            str(t.tid).encode(): (rank, (t.medium, t.group))
-            for rank, meta in parse_metas(reply).items()
-            if rank.engine in engines
-            for t in meta.tiers
-        }
+        where = _tiers_by_id(parse_metas(reply), engines)
         found: dict[RankId, dict[tuple[str, int], set[BlockHash]]] = {}
         for h, fields in zip(chain, blocks, strict=True):
             for tid in fields:
                 if tid in where:
-                    rank, tier = where[tid]
-                    found.setdefault(rank, {}).setdefault(tier, set()).add(h)
+                    rank, t = where[tid]
+                    found.setdefault(rank, {}).setdefault((t.medium, t.group), set()).add(h)
         return found
 
     async def block_counts(self, rank: RankId) -> dict[str, int]:
@@ -181,6 +175,18 @@ class RedisReads:
         sealed = self._losses.seal()
         ((identity, writes),) = await self._run([("HMGET", self.layout.meta_key, "#store", "#w")])
         await self._losses.vouch(sealed, identity, writes)
+
+
+def _tiers_by_id(
+    metas: Mapping[RankId, RankMeta], engines: Collection[str] | None = None
+) -> dict[bytes, tuple[RankId, TierId]]:
+    """Each live tier of the ranks (of ``engines``, if given) by its field in a block hash."""
+    return {
+        str(t.tid).encode(): (rank, t)
+        for rank, meta in metas.items()
+        if engines is None or rank.engine in engines
+        for t in meta.tiers
+    }
 
 
 class _RankMatch:
