@@ -203,11 +203,10 @@ async def to_query(
     tokens = q.tokens
     others: dict[str, list[int]] = {}
     if given[0] in ("prompt", "messages", "input"):
-        if q.messages is not None and q.tools == [] and serve_empty_tools(engines()):
-            q = msgspec.structs.replace(q, tools=None, tool_choice=choice_without_tools(q))
-        tokens = await _rendered(q, tokenizers)
+        served = q.tools == [] and _empty_tools_served(engines())
+        tokens = await _rendered(q, tokenizers, None, served)
         for adapter in sorted({s.adapter for s in engines()} - {tokenizers.adapter(q.model)}):
-            others[adapter] = await _rendered(q, tokenizers, adapter)
+            others[adapter] = await _rendered(q, tokenizers, adapter, served)
     chain = prompt = None
     rendered: dict[str, Prompt] = {}
     if tokens is not None:
@@ -235,36 +234,28 @@ async def to_query(
 
 
 async def _rendered(
-    q: PrefixMatchBody, tokenizers: Tokenizers, adapter: str | None = None
+    q: PrefixMatchBody, tokenizers: Tokenizers, adapter: str | None, empty_tools_served: bool
 ) -> list[int]:
     """The tokens the server of ``model`` (of engine adapter ``adapter``, if given) makes
     of the request's ``prompt``, ``messages`` or ``input``."""
     try:
         if q.input is not None:
             return await tokenizers.tokens(q.model, responses=responses_request(q), adapter=adapter)
+        options = chat_options(q, empty_tools_served)
         return await tokenizers.tokens(
-            q.model, prompt=q.prompt, messages=q.messages, options=chat_options(q), adapter=adapter
+            q.model, prompt=q.prompt, messages=q.messages, options=options, adapter=adapter
         )
     except PromptRefused as e:
         raise ApiError(e.status, str(e)) from None
 
 
-def serve_empty_tools(specs: Collection[EngineSpec]) -> bool:
-    """Whether a chat's ``tools: []`` is served as no tools, not refused: vLLM does so
-    since 0.34 (0.33 refuses it, and other adapters' servers take no tools), so when the
-    query selects engines, all vLLM's of no older release announced."""
-    return bool(specs) and all(
-        spec.adapter == "vllm" and not spec.released_before(0, 34) for spec in specs
-    )
+def _empty_tools_served(specs: Collection[EngineSpec]) -> bool:
+    """Whether a chat's ``tools: []`` is served as no tools: when the query asks about
+    engines and every one's server serves it so (else it is refused, as vLLM 0.33 does)."""
+    return bool(specs) and all(spec.serves_empty_tools() for spec in specs)
 
 
-def choice_without_tools(q: PrefixMatchBody) -> str | dict | None:
-    """The tool choice of a chat whose ``tools: []`` is served: vLLM 0.34 takes
-    ``"auto"`` and ``"required"`` as ``"none"`` then."""
-    return "none" if q.tool_choice in ("auto", "required") else q.tool_choice
-
-
-def chat_options(q: PrefixMatchBody) -> ChatOptions:
+def chat_options(q: PrefixMatchBody, empty_tools_served: bool = False) -> ChatOptions:
     """A chat's flags, its tools and tool choice read as a chat request's."""
     try:
         tools = msgspec.convert(q.tools, list[ChatTool] | None)
@@ -280,6 +271,7 @@ def chat_options(q: PrefixMatchBody) -> ChatOptions:
         choice,
         q.documents,
         q.reasoning_effort,
+        empty_tools_served,
     )
 
 

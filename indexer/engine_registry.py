@@ -199,6 +199,11 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Whether the engine announced a release older than ``major.minor``."""
         return released_before(self.release, major, minor)
 
+    def serves_empty_tools(self) -> bool:
+        """Whether the engine's server serves a chat's ``tools: []`` as no tools."""
+        since = self.engine_adapter.empty_tools_since
+        return since is not None and not self.released_before(*since)
+
     @property
     def large_blocks(self) -> LargeBlocks | None:
         """The engine's shape when its groups' blocks span several hash blocks (None:

@@ -113,6 +113,9 @@ class EngineAdapter(Protocol):
     #: Whether a LoRA adapter's block hashes are learned from the events rather than
     #: computed: the engine's hashes name the adapter by something its events do not state.
     lora_learned: bool
+    #: The release (major, minor) since which the engine's server serves a chat's
+    #: ``tools: []`` as no tools; None: it refuses one, or takes no tools at all.
+    empty_tools_since: tuple[int, int] | None
     #: The adapter's compiled extension, None when it has none.
     compiled: CompiledPart | None
     #: How the engine's server renders a request's prompt, None when kvindex does not

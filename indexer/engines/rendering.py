@@ -92,6 +92,8 @@ class ChatOptions:
     tool_choice: ToolChoice | None = None
     documents: list[dict[str, str]] | None = None
     reasoning_effort: ReasoningEffort | None = None
+    #: Whether every engine asked about serves ``tools: []`` as no tools (else refused).
+    empty_tools_served: bool = False
 
 
 @dataclass(frozen=True, slots=True)

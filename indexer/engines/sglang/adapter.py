@@ -32,6 +32,7 @@ class SglangAdapter(ZmqFraming):
     name = "sglang"
     hash_algos = hashing.HASH_ALGOS
     lora_learned = True  # its hashes name the adapter by an internal id, its events by name
+    empty_tools_since = None  # its chats take no tools in kvindex (its renderer refuses them)
     compiled = None
     renderer = ModuleRenderer(render, "indexer.engines.sglang.template")
     load_path = metrics.PATH

@@ -83,6 +83,7 @@ class VllmAdapter(ZmqFraming):
 
     name = "vllm"
     lora_learned = False  # the adapter's name is one of each block's extra keys
+    empty_tools_since = (0, 34)  # 0.33 refuses tools: []
     compiled = VllmCompiled()
     renderer = ModuleRenderer(render, "indexer.engines.vllm.template", responses.responses_call)
     load_path = vllm_metrics.PATH

@@ -18,8 +18,8 @@ which tools the template sees, and in what shape, decides the tokens:
   one), any other field dropped.
 
 vLLM 0.34 treats ``tools: []`` as no tools (``"auto"``/``"required"`` then
-``"none"``); 0.33's refusal is kept here, and a query whose engines all run 0.34
-or later (``api.prefix.serve_empty_tools``) reaches it without the empty list.
+``"none"``); 0.33 refuses it. ``ChatOptions.empty_tools_served`` says which: true
+when every engine a query asks about serves it (``EngineSpec.serves_empty_tools``).
 """
 
 from __future__ import annotations
@@ -40,10 +40,13 @@ def chat_tool_dicts(options: ChatOptions, serving: ToolServing) -> list[dict[str
     and ``tool_choice`` against each other and against the server's tool flags."""
     tools, choice = options.tools, options.tool_choice
     if tools == []:
-        raise PromptRefused(
-            "tools",
-            "must not be an empty array: give at least one tool or leave the field out",
-        )
+        if not options.empty_tools_served:
+            raise PromptRefused(
+                "tools",
+                "must not be an empty array: give at least one tool or leave the field out",
+            )
+        tools = None  # no tools: "auto" and "required" are then "none"
+        choice = "none" if choice in ("auto", "required") else choice
     if choice is None and tools:
         choice = "auto"  # vLLM's default with tools (and "none" without)
     if isinstance(choice, NamedToolChoice):

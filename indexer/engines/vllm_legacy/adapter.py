@@ -110,6 +110,7 @@ class LegacyVllmAdapter(ZmqFraming):
     name = "vllm_legacy"
     hash_algos: tuple[str, ...] = ()
     lora_learned = False  # nothing is computed: every block is learned
+    empty_tools_since = None  # these releases' front end is not restated (``renderer``)
     compiled = None
     #: These releases' OpenAI front end is not restated here.
     renderer = None
