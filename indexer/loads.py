@@ -4,10 +4,11 @@ The pick (:mod:`indexer.core.load`) needs, per rank, what the engine itself
 says is running and waiting, and the requests routed to it that the engine
 cannot have counted yet. Engines with an HTTP ``url`` whose adapter reads a
 load page (vLLM's ``/metrics``) are scraped every ``scrape_interval`` seconds in
-the background, never on a query's path; a rank's report counts for
-``stale_after`` seconds. A pick counts as pending on its rank until a scrape that
-started after it (the engine counts it itself by then), or, on a rank without a
-fresh report, for ``pending_seconds``.
+the background, never on a query's path, each on its own (an engine that answers
+late delays no other's report); a rank's report counts for ``stale_after``
+seconds. A pick counts as pending on its rank until a scrape that started after it
+(the engine counts it itself by then), or, on a rank without a fresh report, for
+``pending_seconds``.
 
 Scraping starts with the first pick once an engine has a url
 (:meth:`LoadBoard.placements`), so a process that never routes never scrapes.
@@ -125,14 +126,31 @@ class LoadBoard:
 
     async def _run(self) -> None:
         interval = self.rules.scrape_interval
+        scraping: dict[str, asyncio.Task] = {}
         # a busy engine's server may answer late: a report is of use until it is stale
         async with httpx.AsyncClient(timeout=self.rules.stale_after) as client:
-            while True:
-                started, specs = self._clock(), self._registry.all()
-                scraped = [s for s in specs if s.url and s.engine_adapter.load_path]
-                await asyncio.gather(*(self._scrape(client, spec, started) for spec in scraped))
-                self._forget_others({s.name for s in specs})
-                await asyncio.sleep(max(0.0, started + interval - self._clock()))
+            try:
+                while True:
+                    started, specs = self._clock(), self._registry.all()
+                    for spec in specs:
+                        if self._due(spec, scraping.get(spec.name)):
+                            scrape = self._scrape(client, spec, started)
+                            scraping[spec.name] = asyncio.create_task(scrape)
+                    names = {s.name for s in specs}
+                    scraping = {n: t for n, t in scraping.items() if n in names or not t.done()}
+                    self._forget_others(names)
+                    await asyncio.sleep(max(0.0, started + interval - self._clock()))
+            finally:
+                for task in scraping.values():
+                    task.cancel()
+                await asyncio.gather(*scraping.values(), return_exceptions=True)
+
+    @staticmethod
+    def _due(spec: EngineSpec, scraping: asyncio.Task | None) -> bool:
+        """Whether to read ``spec``'s load page now: it has one, and its last read is over
+        (each engine is read on its own, so one that answers late delays no other's)."""
+        has_page = bool(spec.url and spec.engine_adapter.load_path)
+        return has_page and (scraping is None or scraping.done())
 
     async def _scrape(self, client: httpx.AsyncClient, spec: EngineSpec, started: float) -> None:
         adapter = spec.engine_adapter

@@ -62,11 +62,20 @@ class Metrics:
 
     def __init__(self) -> None:
         self.pages: dict[str, str | None] = {}
-        pages = self.pages
+        self.asked: dict[str, int] = {}  # requests by engine
+        self.hung = threading.Event()  # an engine in ``hanging`` was asked
+        self.release = threading.Event()  # ...and answers once this is set
+        self.hanging: set[str] = set()
+        pages, server = self.pages, self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                body = pages.get(self.path.removesuffix("/metrics").strip("/"))
+                name = self.path.removesuffix("/metrics").strip("/")
+                server.asked[name] = server.asked.get(name, 0) + 1
+                if name in server.hanging:
+                    server.hung.set()
+                    server.release.wait()
+                body = pages.get(name)
                 self.send_response(503 if body is None else 200)
                 self.end_headers()
                 self.wfile.write((body or "").encode())
@@ -79,6 +88,7 @@ class Metrics:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -177,6 +187,28 @@ async def test_stale_or_missing_load_falls_back_to_the_prefix(metrics: Metrics) 
         scrapes = (await api.client.get("/metrics")).text
         assert 'kvindex_load_scrapes_total{outcome="failed"}' in scrapes
     finally:
+        await api.close()
+
+
+async def test_an_engine_that_answers_late_delays_no_others_report(metrics: Metrics) -> None:
+    """e0's server takes its page's request and does not answer: e1 and e2 are read on
+    their own meanwhile, every interval, and their picks weigh fresh reports."""
+    metrics.hanging.add("e0")
+    metrics.pages["e1"] = page(running=5)
+    api = await fleet(metrics, LoadRules(scrape_interval=0.05, stale_after=60), held_by=None)
+    try:
+        await pick(api, short(0))  # starts the scraper
+        await asyncio.to_thread(metrics.hung.wait, 60)
+        since = metrics.asked.get("e1", 0)
+        for _ in range(6000):
+            if metrics.asked.get("e1", 0) >= since + 5:
+                break
+            await asyncio.sleep(0.01)
+        assert metrics.asked["e1"] >= since + 5 and metrics.asked["e0"] == 1, metrics.asked
+        costs = {c["engine"]: c for c in (await pick(api, short(1)))["route_costs"]}
+        assert costs["e1"]["running"] == 5 and costs["e0"]["load_age_ms"] is None, costs
+    finally:
+        metrics.release.set()
         await api.close()
 
 
