@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from api.metrics import STORE_ERRORS, STORE_SECONDS
@@ -208,9 +209,17 @@ async def _store_error(_: Request, exc: Exception) -> Response:
     return error_response(503, f"store unreachable: {cause}")
 
 
+async def _client_gone(request: Request, _: Exception) -> Response:
+    """The client hung up before its body arrived (its own timeout, usually because this
+    process answered late): nothing to read, no one to answer, nothing gone wrong here."""
+    log.debug("client disconnected before its request arrived", extra={"path": request.url.path})
+    return error_response(400, "client disconnected before its request arrived")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(QueryRefused, _refused)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(StoreUnavailable, _store_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)

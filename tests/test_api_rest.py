@@ -156,6 +156,27 @@ async def test_bodies_that_are_not_json_or_stream_past_the_limit_are_refused() -
     await api.close()
 
 
+@pytest.mark.parametrize("path", ["/prefix-match", "/engines/announce"])
+async def test_a_client_that_hangs_up_before_its_body_is_answered_not_raised(path) -> None:
+    """A client's own timeout closes its connection while its body is on the way: the
+    request ends with a 400 sent to no one, never an exception from the app."""
+    api = Api(LIMITS)
+    sent: list[dict] = []
+    body = iter([{"type": "http.request", "body": b"{", "more_body": True}])
+
+    async def receive() -> dict:
+        return next(body, {"type": "http.disconnect"})
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b""}
+    await api.app({**scope, "headers": headers, "asgi": {"version": "3.0"}}, receive, send)
+    assert sent[0]["status"] == 400, sent
+    await api.close()
+
+
 class BrokenStore(MemoryStore):
     def __init__(self, error: Exception) -> None:
         super().__init__()
