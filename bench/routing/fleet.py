@@ -27,7 +27,14 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.real_server.conftest import Process, environment, free_port, kv_events, serve_command
+from tests.real_server.conftest import (
+    NICER,
+    Process,
+    environment,
+    free_port,
+    kv_events,
+    serve_command,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_VENV = Path(
@@ -164,7 +171,9 @@ class Engine:
             TIMED_ENGINE_STATS=str(self.stats),
         )
         self.stats.unlink(missing_ok=True)
-        self.process.spawn(command, env)
+        # below the routers, kvindex and the client, as on a fleet where engines have
+        # hosts of their own: their real per-step work must not delay a router's answer
+        self.process.spawn(["nice", "-n", str(NICER), *command], env)
 
     def wait(self) -> None:
         self.process.wait_healthy(f"{self.url}/health", timeout=400)
