@@ -125,32 +125,34 @@ class LoadBoard:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="load scrape")
 
     async def _run(self) -> None:
-        interval = self.rules.scrape_interval
-        scraping: dict[str, asyncio.Task] = {}
+        scraping: dict[str, asyncio.Task] = {}  # each engine's read in flight, or its last
         # a busy engine's server may answer late: a report is of use until it is stale
         async with httpx.AsyncClient(timeout=self.rules.stale_after) as client:
             try:
                 while True:
-                    started, specs = self._clock(), self._registry.all()
-                    for spec in specs:
-                        if self._due(spec, scraping.get(spec.name)):
-                            scrape = self._scrape(client, spec, started)
-                            scraping[spec.name] = asyncio.create_task(scrape)
-                    names = {s.name for s in specs}
-                    scraping = {n: t for n, t in scraping.items() if n in names or not t.done()}
-                    self._forget_others(names)
-                    await asyncio.sleep(max(0.0, started + interval - self._clock()))
+                    started = self._clock()
+                    scraping = self._scrape_due(client, scraping, started)
+                    wake = started + self.rules.scrape_interval
+                    await asyncio.sleep(max(0.0, wake - self._clock()))
             finally:
                 for task in scraping.values():
                     task.cancel()
                 await asyncio.gather(*scraping.values(), return_exceptions=True)
 
-    @staticmethod
-    def _due(spec: EngineSpec, scraping: asyncio.Task | None) -> bool:
-        """Whether to read ``spec``'s load page now: it has one, and its last read is over
-        (each engine is read on its own, so one that answers late delays no other's)."""
-        has_page = bool(spec.url and spec.engine_adapter.load_path)
-        return has_page and (scraping is None or scraping.done())
+    def _scrape_due(
+        self, client: httpx.AsyncClient, scraping: dict[str, asyncio.Task], started: float
+    ) -> dict[str, asyncio.Task]:
+        """Start reading the load page of each engine that has one and whose last read is
+        over (each on its own, so one that answers late delays no other's), forget what is
+        kept of engines gone, and return the reads kept."""
+        specs = self._registry.all()
+        for spec in specs:
+            last = scraping.get(spec.name)
+            if spec.url and spec.engine_adapter.load_path and (last is None or last.done()):
+                scraping[spec.name] = asyncio.create_task(self._scrape(client, spec, started))
+        names = {spec.name for spec in specs}
+        self._forget_others(names)
+        return {n: task for n, task in scraping.items() if n in names or not task.done()}
 
     async def _scrape(self, client: httpx.AsyncClient, spec: EngineSpec, started: float) -> None:
         adapter = spec.engine_adapter
