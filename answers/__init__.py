@@ -59,16 +59,16 @@ class RouteCost(msgspec.Struct):
     """What ``route: "best"`` weighed for one candidate rank (the cost formula is in the
     prefix-match docs): its score, the requests ahead of the prompt there (``running``
     and ``waiting`` as the engine last reported them, ``pending`` routed since), the
-    prefill blocks those waiting and pending left to compute (``queued_blocks``),
-    ``fullness`` of its KV cache, and ``load_age_ms`` of the report (null: no fresh
-    report, so only ``pending`` counts)."""
+    prefill blocks routed there and not yet begun, the prompt's own aside
+    (``queued_blocks``), ``fullness`` of its KV cache, and ``load_age_ms`` of the
+    report (null: no fresh report, so only ``pending`` and the queue count)."""
 
     engine: str
     dp_rank: int
     cost: float
     score: float
     requests_ahead: float
-    queued_blocks: float
+    queued_blocks: int
     pending: int
     running: float | None
     waiting: float | None

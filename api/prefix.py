@@ -124,12 +124,13 @@ prefix against its load (configured in the `api.load` section:
 (vLLM's `/metrics`, scraped from the engine's `url` every `scrape_interval`
 seconds; a report older than `stale_after` seconds counts for nothing),
 `pending` the requests this process routed to the rank since that report (or
-within `pending_seconds` when there is none), `queued_blocks` the blocks this
-process's last `waiting + pending` picks of the rank left to compute (the
-prefill work ahead), and `fullness` (0..1) the larger
+within `pending_seconds` when there is none), `queued_blocks` the blocks routed
+to the rank that its events have not yet stored, less the prompt's own (the
+prefill work queued there; none for an engine without events), and `fullness`
+(0..1) the larger
 of the engine's `kv_cache_usage_perc` and kvindex's resident GPU blocks over
 the cache's capacity: a miss on a full cache evicts what others may want. An
-engine without a fresh report thus counts only its pending picks, and with no
+engine without a fresh report thus counts its pending picks and queue, and with no
 load known anywhere the pick is the best score. A `degraded` rank is weighed
 as holding nothing (after an engine restart its numbers are the old process's).
 Ties: the better score, then

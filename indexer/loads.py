@@ -13,12 +13,8 @@ seconds. A pick counts as pending on its rank until a scrape that started after 
 Scraping starts with the first pick once an engine has a url
 (:meth:`LoadBoard.placements`), so a process that never routes never scrapes.
 Picks are this process's: API replicas each see the others' picks only through
-the engines' reports, a scrape interval later.
-
-Each pick keeps the blocks it left to compute (the prompt's beyond its score there),
-so that the requests the engine reports waiting, and the pending ones, weigh as the
-prefill work they are (:func:`~indexer.core.load.waiting_picks`): the last picks of a
-rank are taken as its queue, the engine serving its requests in order.
+the engines' reports, a scrape interval later. The prefill queued on a rank is not
+read here: it is the rank's routed entries (:func:`~indexer.core.load.queued_blocks`).
 """
 
 from __future__ import annotations
@@ -30,12 +26,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import islice, takewhile
+from itertools import takewhile
 
 import httpx
 
 from indexer.core.events import GPU, RankId
-from indexer.core.load import EngineLoad, LoadRules, Placement, placement, waiting_picks
+from indexer.core.load import EngineLoad, LoadRules, Placement, placement
 from indexer.engine_registry import EngineSpec, Registry
 from indexer.errors import StoreUnavailable
 from indexer.metrics import LOAD_SCRAPES
@@ -72,7 +68,7 @@ class LoadBoard:
     ) -> None:
         self._registry, self._store, self.rules, self._clock = registry, store, rules, clock
         self._reports: dict[RankId, Report] = {}
-        self._picks: dict[RankId, deque[tuple[float, float]]] = {}  # (when, blocks to compute)
+        self._picks: dict[RankId, deque[float]] = {}  # when
         self._task: asyncio.Task | None = None
 
     def report(self, rank: RankId) -> Report | None:
@@ -91,31 +87,27 @@ class LoadBoard:
         since = self._clock() - self.rules.pending_seconds
         if report is not None:
             since = max(since, report.at - TRANSIT)
-        recent = takewhile(lambda pick: pick[0] > since, reversed(self._picks.get(rank, ())))
+        recent = takewhile(lambda when: when > since, reversed(self._picks.get(rank, ())))
         return sum(1 for _ in recent)
 
-    def queued(self, rank: RankId, picks: int) -> float:
-        """The blocks the last ``picks`` picks of ``rank`` left to compute."""
-        return sum(blocks for _, blocks in islice(reversed(self._picks.get(rank, ())), picks))
-
-    def placements(self, ranks: Sequence[RankId]) -> list[tuple[Placement, Report | None]]:
-        """Each rank's placement now, with the fresh report it is of (and the scraper
-        started, if it is not)."""
+    def placements(
+        self, ranks: Sequence[tuple[RankId, bool]]
+    ) -> list[tuple[Placement, Report | None]]:
+        """Each rank's placement now (``ranks``: each with whether its engine publishes
+        events), with the fresh report it is of (and the scraper started, if it is not)."""
         self._start()
         placed = []
-        for rank in ranks:
+        for rank, events in ranks:
             report = self.report(rank)
             load = None if report is None else report.load
             resident = None if report is None else report.resident
-            pending = self.pending(rank, report)
-            queued = self.queued(rank, waiting_picks(load, pending))
-            placed.append((placement(self.rules, load, pending, resident, queued), report))
+            where = placement(self.rules, load, self.pending(rank, report), resident, events)
+            placed.append((where, report))
         return placed
 
-    def picked(self, rank: RankId, blocks: float) -> None:
-        """A request was routed to ``rank`` now, with ``blocks`` there to compute."""
-        kept = self._picks.setdefault(rank, deque(maxlen=KEPT_PICKS))
-        kept.append((self._clock(), blocks))
+    def picked(self, rank: RankId) -> None:
+        """A request was routed to ``rank`` now."""
+        self._picks.setdefault(rank, deque(maxlen=KEPT_PICKS)).append(self._clock())
 
     def _start(self) -> None:
         """Scrape from now on, once some engine has a url to scrape."""

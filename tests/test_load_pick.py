@@ -21,7 +21,7 @@ from indexer.core.load import (
     cost,
     fullness,
     placement,
-    waiting_picks,
+    queued_blocks,
 )
 from indexer.core.matching import PrefixMatch
 from indexer.core.routed import Candidate, best
@@ -158,9 +158,11 @@ async def test_load_shifts_a_burst_away_from_a_busy_rank(metrics: Metrics) -> No
         assert costs["e0"]["cost"] == 1 + 4.0 * 10  # one block to compute, ten ahead
         assert costs["e1"]["cost"] == 17 and first["route_costs"][0]["engine"] == "e1"
         second = {c["engine"]: c for c in (await pick(api, tokens(1)))["route_costs"]}
-        # e1's first pick waits there with its 17 blocks to compute; its prompt is routed
-        assert (second["e1"]["pending"], second["e1"]["queued_blocks"]) == (1, 17)
-        assert second["e1"]["cost"] > second["e2"]["cost"] == 17
+        # e1's first pick waits there: its 16 shared blocks are the second prompt's own
+        # routed run (scored at 0.8), its last block is queued work ahead of it
+        assert (second["e1"]["pending"], second["e1"]["queued_blocks"]) == (1, 1)
+        assert second["e1"]["cost"] == pytest.approx(17 - 16 * 0.8 + 4.0 * 1 + 1)
+        assert second["e2"]["cost"] == 17
         burst = [first["routed_to"]["engine"], *await picks(api, [tokens(i) for i in range(2, 4)])]
         assert "e0" not in burst and {"e1", "e2"} <= set(burst), burst
         # the same burst by the prefix alone piles onto e0
@@ -248,12 +250,13 @@ async def test_the_queue_weighs_the_work_it_holds_not_its_requests(metrics: Metr
 
 def test_cost_and_best_follow_the_rules_written_in_the_docs() -> None:
     rules = LoadRules(per_block=1.0, per_request=4.0, pressure=0.5)
-    full = placement(rules, EngineLoad(running=2, waiting=1, kv_usage=0.5), pending=1, queued=7)
-    assert (full.requests_ahead, full.pending, full.fullness, full.queued_blocks) == (4, 1, 0.5, 7)
-    assert cost(score=6, num_blocks=10, where=full) == 4 * 1.25 + 4.0 * 4 + 7
-    assert waiting_picks(EngineLoad(running=5, waiting=2), pending=1) == 3  # running: started
-    assert waiting_picks(None, pending=2) == 2
-    assert placement(rules, None, pending=0) == Placement()  # nothing known: the prefix
+    full = placement(rules, EngineLoad(running=2, waiting=1, kv_usage=0.5), pending=1)
+    assert (full.requests_ahead, full.pending, full.fullness, full.per_block) == (4, 1, 0.5, 1)
+    assert cost(score=6, num_blocks=10, where=full, queued=7) == 4 * 1.25 + 4.0 * 4 + 7
+    assert queued_blocks(live=12, own=5) == 7 and queued_blocks(live=3, own=3) == 0
+    # nothing reported: the queue alone; no events: not even that; disabled: the prefix
+    assert placement(rules, None, pending=0) == Placement(per_block=1.0)
+    assert placement(rules, None, pending=0, events=False) == Placement()
     assert placement(LoadRules(enabled=False), EngineLoad(running=9), 3) == Placement()
     assert fullness(EngineLoad(kv_usage=0.1, capacity=100), resident=80) == 0.8
     assert fullness(EngineLoad(kv_usage=0.1), resident=80) == 0.1  # no capacity stated
@@ -263,10 +266,15 @@ def test_cost_and_best_follow_the_rules_written_in_the_docs() -> None:
 
     # equal cost: the better score; equal score too: fewer live entries, then the first
     a, b, c = candidate("a", 4), candidate("b", 0, Placement(load_cost=-4)), candidate("c", 4)
-    assert best([(b, 0, 0), (a, 4, 0)], 8) is a
-    assert best([(a, 4, 3), (c, 4, 1)], 8) is c
-    assert best([(a, 4, 1), (c, 4, 1)], 8) is a
+    assert best([(b, 0, 0, 0), (a, 4, 0, 0)], 8) is a
+    assert best([(a, 4, 3, 0), (c, 4, 1, 0)], 8) is c
+    assert best([(a, 4, 1, 0), (c, 4, 1, 0)], 8) is a
     assert best([], 8) is None
+    # a queue weighs per_block a block: a's 3 queued outweigh c's poorer prefix
+    queue = Placement(per_block=1.0)
+    a, c = candidate("a", 4, queue), candidate("c", 2, queue)
+    assert best([(a, 4, 3, 3), (c, 2, 0, 0)], 8) is c
+    assert best([(a, 4, 3, 1), (c, 2, 0, 0)], 8) is a
 
 
 def test_vllm_metrics_pages_are_read_per_rank_and_bad_pages_refused() -> None:

@@ -15,19 +15,21 @@ blocks of prefill a request must wait for:
   ``kv_cache_usage_perc`` and the resident blocks over its capacity). Each new
   block placed on a full cache evicts one someone may want back, so a miss there
   costs more than on a rank with room;
-- ``queued_blocks``: the prefill work queued ahead of the prompt there, in blocks:
-  the uncached blocks this process routed to the rank with its last picks, as many
-  of them as the engine reports waiting plus the ones routed since that report (the
-  engine cannot count them yet). The engine says how many requests wait, the picks
-  how much each must compute: a queue of two long misses weighs more than one of
-  ten cache hits, which a count of requests cannot tell;
+- ``queued_blocks``: the prefill work waiting on the rank, in blocks: the blocks
+  routed to it (:mod:`indexer.core.routed`) that its events have not yet stored,
+  less the prompt's own (waiting for them is its score's business). vLLM stores a
+  block when it schedules its computation, so these are the blocks of the requests
+  queued there and of the chunks of long prefills not yet begun: work any new
+  request there waits behind, whoever routed it. An engine that publishes no events
+  stores nothing kvindex sees, so its routed blocks are no queue and count nothing;
 - ``requests_ahead``: the requests the engine reports running and waiting, plus
   the pending ones: each stretches every step the prompt's prefill shares with it.
 
 The cheapest rank wins; a rank holding a popular prefix wins until the work queued
 there is worth more than the prefill of the prompt elsewhere, which is when a second
-copy pays. A rank whose report is stale or missing counts only the picks routed to it
-recently and no fullness: with no load known anywhere the pick is the prefix's.
+copy pays. A rank whose report is stale or missing counts the picks routed to it
+recently, its queue and no fullness: with no load known anywhere the pick is the
+prefix's.
 Ties go to the higher score, then to the rank holding fewer routed entries,
 then to the first candidate (engine name, then dp rank).
 
@@ -48,9 +50,9 @@ class LoadRules:
 
     #: False: the pick is the best score alone, load ignored.
     enabled: bool = True
-    #: Blocks of prefill each block queued ahead on a rank is worth (bench item 16's runs
-    #: on timed engines, docs/bench/routing.md): raise it to spread long misses sooner.
-    per_block: float = 0.25
+    #: Blocks of prefill each block queued on a rank is worth (bench item 16's runs on
+    #: timed engines, docs/bench/routing.md): raise it to spread long misses sooner.
+    per_block: float = 1.0
     #: Blocks of prefill one request queued on a rank is worth: raise it to spread
     #: bursts sooner (at the cost of the hits a burst sharing a prefix would have).
     per_request: float = 1.0
@@ -89,13 +91,13 @@ class EngineLoad:
 @dataclass(frozen=True, slots=True)
 class Placement:
     """What a pick of one rank costs beside its prefix: each uncached block counts
-    ``miss_factor``, and the work ahead ``load_cost`` blocks. Neutral (1, 0): the
-    prefix alone decides."""
+    ``miss_factor``, the requests ahead ``load_cost`` blocks, and each block queued
+    there ``per_block``. Neutral (1, 0, 0): the prefix alone decides."""
 
     miss_factor: float = 1.0
     load_cost: float = 0.0
-    requests_ahead: float = 0.0  # what load_cost is of: reported, plus pending,
-    queued_blocks: float = 0.0  # and the prefill blocks of those waiting
+    per_block: float = 0.0
+    requests_ahead: float = 0.0  # what load_cost is of: reported, plus pending
     pending: int = 0
     fullness: float = 0.0
 
@@ -120,27 +122,30 @@ def placement(
     report: EngineLoad | None,
     pending: int,
     resident: int | None = None,
-    queued: float = 0.0,
+    events: bool = True,
 ) -> Placement:
-    """A rank's placement from its fresh ``report`` (None: stale or missing), the
-    ``pending`` picks routed to it that the report does not count, and the ``queued``
-    prefill blocks of the requests waiting there (:func:`waiting_picks` says how many)."""
+    """A rank's placement from its fresh ``report`` (None: stale or missing) and the
+    ``pending`` picks routed to it that the report does not count; ``events`` false:
+    its engine publishes none, so its routed blocks are no queue."""
     if not rules.enabled:
         return NEUTRAL
     ahead = float(pending)
     if report is not None:
         ahead += report.running + report.waiting
     full = fullness(report, resident)
-    load = rules.per_request * ahead + rules.per_block * queued
-    return Placement(1.0 + rules.pressure * full, load, ahead, queued, pending, full)
+    per_block = rules.per_block if events else 0.0
+    return Placement(1.0 + rules.pressure * full, rules.per_request * ahead, per_block, ahead,
+                     pending, full)  # fmt: skip
 
 
-def waiting_picks(report: EngineLoad | None, pending: int) -> int:
-    """How many of a rank's last picks are still waiting for their prefill: the ones the
-    engine reports waiting, and the pending ones."""
-    return pending + (0 if report is None else round(report.waiting))
+def queued_blocks(live: int, own: int) -> int:
+    """The blocks queued on a rank holding ``live`` routed entries, ``own`` of them the
+    prompt's own chain's."""
+    return max(0, live - own)
 
 
-def cost(score: float, num_blocks: int, where: Placement) -> float:
-    """What routing a prompt of ``num_blocks`` blocks scoring ``score`` on a rank costs."""
-    return max(0.0, num_blocks - score) * where.miss_factor + where.load_cost
+def cost(score: float, num_blocks: int, where: Placement, queued: int = 0) -> float:
+    """What routing a prompt of ``num_blocks`` blocks scoring ``score`` on a rank with
+    ``queued`` blocks queued costs."""
+    uncached = max(0.0, num_blocks - score)
+    return uncached * where.miss_factor + where.load_cost + where.per_block * queued

@@ -128,16 +128,17 @@ class Candidate:
     placement: Placement = NEUTRAL
 
 
-def best(scored: Iterable[tuple[Candidate, float, int]], num_blocks: int) -> Candidate | None:
+def best(scored: Iterable[tuple[Candidate, float, int, int]], num_blocks: int) -> Candidate | None:
     """The rank to route a chain of ``num_blocks`` to among ``(candidate, score,
-    live_entries)``: the lowest :func:`indexer.core.load.cost` (to 6 decimals), then
-    the best score, then the rank holding the fewest live routed entries (the least
-    loaded by recent routing), then the first one given (the API gives them by engine
-    name, then dp rank). With neutral placements the lowest cost is the best score."""
+    live_entries, queued)`` (``queued``: :func:`indexer.core.load.queued_blocks`): the
+    lowest :func:`indexer.core.load.cost` (to 6 decimals), then the best score, then the
+    rank holding the fewest live routed entries (the least loaded by recent routing),
+    then the first one given (the API gives them by engine name, then dp rank). With
+    neutral placements the lowest cost is the best score."""
     ranked = min(
         (
-            (round(cost(s, num_blocks, c.placement), 6), -round(s, 6), live, i, c)
-            for i, (c, s, live) in enumerate(scored)
+            (round(cost(s, num_blocks, c.placement, queued), 6), -round(s, 6), live, i, c)
+            for i, (c, s, live, queued) in enumerate(scored)
         ),
         key=lambda r: r[:4],
         default=None,

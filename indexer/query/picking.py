@@ -45,7 +45,8 @@ class LoadAwarePicker:
         holding nothing: its numbers may be stale, and after an engine restart they are
         the old process's, a cache that is gone."""
         ids = [RankId(spec.name, dp_rank) for spec, dp_rank, _ in ranks]
-        placed = self._loads.placements(ids)
+        evented = [(rank, spec.events) for (spec, _, _), rank in zip(ranks, ids, strict=True)]
+        placed = self._loads.placements(evented)
         candidates = [
             Candidate(
                 rank.engine,
@@ -56,12 +57,12 @@ class LoadAwarePicker:
             )
             for (spec, _, degraded), rank, (where, _) in zip(ranks, ids, placed, strict=True)
         ]
-        pick, runs = await self._routed.route(chain, candidates, weights, ttl)
+        pick, runs, queues = await self._routed.route(chain, candidates, weights, ttl)
         reports = [report for _, report in placed]
-        costs = self._costs(candidates, reports, runs, weights, len(chain), pick)
+        costs = self._costs(candidates, reports, (runs, queues), weights, len(chain), pick)
         if pick is not None:
             rank = RankId(pick.engine, pick.dp_rank)
-            self._loads.picked(rank, max(0.0, len(chain) - costs[0].score))
+            self._loads.picked(rank)
             if pick.match.gpu_blocks < len(chain):
                 runs = {**runs, rank: len(chain)}
         return pick, runs, costs
@@ -70,33 +71,41 @@ class LoadAwarePicker:
         self,
         candidates: list[Candidate],
         reports: list[Report | None],
-        runs: dict[RankId, int],
+        weighed: tuple[dict[RankId, int], dict[RankId, int]],
         weights: TierWeights,
         num_blocks: int,
         pick: Candidate | None,
     ) -> list[RouteCost]:
-        """Each candidate's cost as it was weighed, with the report its load is of; the
-        pick first, then cheapest first."""
-        rows = [
-            self._cost(c, report, runs.get(RankId(c.engine, c.dp_rank), 0), weights, num_blocks)
-            for c, report in zip(candidates, reports, strict=True)
-        ]
+        """Each candidate's cost as it was weighed (``weighed``: the route's routed runs
+        and queues), with the report its load is of; the pick first, then cheapest first."""
+        runs, queues = weighed
+        rows = []
+        for c, report in zip(candidates, reports, strict=True):
+            rank = RankId(c.engine, c.dp_rank)
+            rows.append(self._cost(c, report, (runs.get(rank, 0), queues.get(rank, 0)), weights,
+                                   num_blocks))  # fmt: skip
         picked = None if pick is None else (pick.engine, pick.dp_rank)
         rows.sort(key=lambda row: ((row.engine, row.dp_rank) != picked, row.cost))
         return rows
 
     def _cost(
-        self, c: Candidate, report: Report | None, run: int, weights: TierWeights, num_blocks: int
+        self,
+        c: Candidate,
+        report: Report | None,
+        weighed: tuple[int, int],
+        weights: TierWeights,
+        num_blocks: int,
     ) -> RouteCost:
+        run, queued = weighed
         s = routed_score(c.match, run, weights)  # the exact score where routed adds nothing
         where = c.placement
         return RouteCost(
             c.engine,
             c.dp_rank,
-            round(cost(s, num_blocks, where), 6),
+            round(cost(s, num_blocks, where, queued), 6),
             round(s, 6),
             where.requests_ahead,
-            round(where.queued_blocks, 6),
+            queued,
             where.pending,
             None if report is None else report.load.running,
             None if report is None else report.load.waiting,

@@ -14,6 +14,11 @@ from indexer.core.routed import Candidate
 #: restart or a removal ended them) and ``live`` (held now).
 COUNTS = ("recorded", "confirmed", "expired", "evicted", "cleared", "live")
 
+#: What a route answers: the pick (None: no candidate), then, as each candidate was
+#: weighed (before the pick's record), its ``routed_blocks`` where routed entries
+#: extended its exact GPU run, and its queued blocks where it had any.
+Routing = tuple[Candidate | None, dict[RankId, int], dict[RankId, int]]
+
 
 class RoutedEntries(Protocol):
     async def record(self, rank: RankId, chain: Sequence[BlockHash], ttl: float, bound: int) -> int:
@@ -32,11 +37,10 @@ class RoutedEntries(Protocol):
         candidates: Sequence[Candidate],
         weights: TierWeights,
         ttl: float,
-    ) -> tuple[Candidate | None, dict[RankId, int]]:
-        """Pick the best candidate (:func:`indexer.core.routed.best`) and record the
-        chain beyond its exact GPU run for it, in one atomic step; the pick, and
-        ``routed_blocks`` of every candidate routed entries extended when it was
-        weighed (before the record: the pick's is the whole chain after it)."""
+    ) -> Routing:
+        """Pick the best candidate (:func:`indexer.core.routed.best`), each weighing its
+        rank's other live entries as its queue (:func:`indexer.core.load.queued_blocks`),
+        and record the chain beyond its exact GPU run for it, in one atomic step."""
 
     async def confirm(self, rank: RankId, hashes: Sequence[BlockHash]) -> None:
         """End the rank's entries for blocks its events stored on GPU."""

@@ -113,15 +113,15 @@ async def clears_restarts_and_removals_end_entries(entries: RoutedEntries) -> No
 
 
 async def route_prefers_held_then_least_loaded(entries: RoutedEntries) -> None:
-    pick, runs = await entries.route(CHAIN, [_candidate(A), _candidate(B)], WEIGHTS, TTL)
+    pick, runs, _ = await entries.route(CHAIN, [_candidate(A), _candidate(B)], WEIGHTS, TTL)
     assert pick is not None and (pick.engine, pick.dp_rank) == A  # a tie: the first
     assert runs == {}  # as weighed: nothing was routed yet
-    pick, runs = await entries.route(CHAIN, [_candidate(A), _candidate(B)], WEIGHTS, TTL)
+    pick, runs, _ = await entries.route(CHAIN, [_candidate(A), _candidate(B)], WEIGHTS, TTL)
     assert (pick.engine, pick.dp_rank) == A and runs == {A: 6}  # routed there already
-    pick, runs = await entries.route(OTHER, [_candidate(A), _candidate(B)], WEIGHTS, TTL)
+    pick, runs, _ = await entries.route(OTHER, [_candidate(A), _candidate(B)], WEIGHTS, TTL)
     assert (pick.engine, pick.dp_rank) == B  # a tie again: B holds fewer entries
     # An exact GPU run outscores routed entries: B records only the blocks beyond it.
-    pick, runs = await entries.route(CHAIN, [_candidate(A), _candidate(B, 5)], WEIGHTS, TTL)
+    pick, runs, _ = await entries.route(CHAIN, [_candidate(A), _candidate(B, 5)], WEIGHTS, TTL)
     assert (pick.engine, pick.dp_rank) == B and runs == {A: 6}
     assert await entries.lookup(CHAIN, {B: 5}, ["e"]) == {A: 6, B: 6}
     assert await entries.lookup(CHAIN, {B: 4}, ["e"]) == {A: 6}
@@ -133,28 +133,45 @@ async def concurrent_routes_agree(entries: RoutedEntries) -> None:
     routes = await asyncio.gather(
         *(entries.route(CHAIN, candidates, WEIGHTS, TTL) for _ in range(8))
     )
-    assert {(pick.engine, pick.dp_rank) for pick, _ in routes} == {B}
+    assert {(pick.engine, pick.dp_rank) for pick, _, _ in routes} == {B}
 
 
 async def route_weighs_load_against_the_prefix(entries: RoutedEntries) -> None:
     """The lowest cost wins (indexer.core.load.cost): A holds the whole chain, B none."""
     busy = Placement(load_cost=len(CHAIN) + 0.5)  # the queue is worth more than the prefill
-    pick, _ = await entries.route(CHAIN, [_candidate(A, 6, busy), _candidate(B)], WEIGHTS, TTL)
+    pick, _, _ = await entries.route(CHAIN, [_candidate(A, 6, busy), _candidate(B)], WEIGHTS, TTL)
     assert (pick.engine, pick.dp_rank) == B  # a second copy of the prefix pays
     queued = Placement(load_cost=len(CHAIN) - 0.5)
-    pick, _ = await entries.route(CHAIN, [_candidate(A, 6, queued), _candidate(C)], WEIGHTS, TTL)
+    pick, _, _ = await entries.route(CHAIN, [_candidate(A, 6, queued), _candidate(C)], WEIGHTS, TTL)
     assert (pick.engine, pick.dp_rank) == A  # (not B: the first pick routed CHAIN there)
     # A cost tie goes to the better score; a fuller cache makes a miss cost more.
     even = Placement(load_cost=len(CHAIN))
-    pick, _ = await entries.route(CHAIN, [_candidate(C), _candidate(A, 6, even)], WEIGHTS, TTL)
+    pick, _, _ = await entries.route(CHAIN, [_candidate(C), _candidate(A, 6, even)], WEIGHTS, TTL)
     assert (pick.engine, pick.dp_rank) == A
     full = Placement(miss_factor=1.5)
-    pick, _ = await entries.route(OTHER, [_candidate(C, 0, full), _candidate(B)], WEIGHTS, TTL)
+    pick, _, _ = await entries.route(OTHER, [_candidate(C, 0, full), _candidate(B)], WEIGHTS, TTL)
     assert (pick.engine, pick.dp_rank) == B
 
 
+async def route_weighs_other_routed_entries_as_queued_work(entries: RoutedEntries) -> None:
+    """A rank's live entries are blocks routed there and not yet stored: prefill queued
+    ahead of the prompt, at ``per_block`` each, but for those of the prompt's own chain."""
+    per_block = Placement(per_block=1.0)
+    await entries.record(A, OTHER, TTL, BOUND)  # 4 blocks of another prompt wait on A
+    await entries.record(B, CHAIN[:2], TTL, BOUND)  # 2 of this one's own on B
+    candidates = [_candidate(A, 3, per_block), _candidate(B, 0, per_block)]
+    # A: 3 uncached + 4 queued = 7; B: 6 - 2 * 0.8 uncached + 0 queued = 4.4
+    pick, runs, queues = await entries.route(CHAIN, candidates, WEIGHTS, TTL)
+    assert (pick.engine, pick.dp_rank) == B
+    assert (runs, queues) == ({B: 2}, {A: 4})
+    await entries.confirm(A, OTHER[:3])  # A's engine stored 3 of them: 1 left
+    pick, _, queues = await entries.route(OTHER[:1] + CHAIN[1:], [*candidates[:1], _candidate(C)],
+                                          WEIGHTS, TTL)  # fmt: skip
+    assert (pick.engine, pick.dp_rank) == A and queues == {A: 1}  # 3 uncached + 1 < 6
+
+
 async def route_with_no_candidates(entries: RoutedEntries) -> None:
-    assert await entries.route(CHAIN, [], WEIGHTS, TTL) == (None, {})
+    assert await entries.route(CHAIN, [], WEIGHTS, TTL) == (None, {}, {})
 
 
 CHECKS: dict[str, Callable[[RoutedEntries], Awaitable[None]]] = {
@@ -170,6 +187,7 @@ CHECKS: dict[str, Callable[[RoutedEntries], Awaitable[None]]] = {
         route_prefers_held_then_least_loaded,
         concurrent_routes_agree,
         route_weighs_load_against_the_prefix,
+        route_weighs_other_routed_entries_as_queued_work,
         route_with_no_candidates,
     )
 }

@@ -30,9 +30,10 @@ from itertools import groupby, islice, repeat, takewhile
 from operator import or_
 
 from indexer.core.events import BlockHash, EventBatch, RankId
+from indexer.core.load import queued_blocks
 from indexer.core.matching import TierWeights
 from indexer.core.routed import Candidate, best, confirmations, deadlines, routed_run, score
-from indexer.routed.base import COUNTS
+from indexer.routed.base import COUNTS, Routing
 
 
 class _RankEntries:
@@ -246,9 +247,10 @@ class MemoryRouted:
         candidates: Sequence[Candidate],
         weights: TierWeights,
         ttl: float,
-    ) -> tuple[Candidate | None, dict[RankId, int]]:
+    ) -> Routing:
         held = dict(self._live_ranks({c.engine for c in candidates}, self._clock()))
         runs: dict[RankId, int] = {}
+        queues: dict[RankId, int] = {}
         scored = []
         for c in candidates:
             rank, start = RankId(c.engine, c.dp_rank), c.match.gpu_blocks
@@ -256,12 +258,15 @@ class MemoryRouted:
             end = routed_run(chain, start, entries.__contains__)
             if end > start:
                 runs[rank] = end
-            scored.append((c, score(c.match, end, weights), len(entries)))
+            queued = queued_blocks(len(entries), end - start)
+            if queued:
+                queues[rank] = queued
+            scored.append((c, score(c.match, end, weights), len(entries), queued))
         pick = best(scored, len(chain))
         if pick is not None and pick.match.gpu_blocks < len(chain):
             rank = RankId(pick.engine, pick.dp_rank)
             self._record(rank, chain[pick.match.gpu_blocks :], ttl, pick.bound)
-        return pick, runs
+        return pick, runs, queues
 
     def _confirm(self, rank: RankId, hashes: Sequence[BlockHash]) -> None:
         held = self._ranks.get(rank)

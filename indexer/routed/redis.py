@@ -25,7 +25,7 @@ from indexer.core.matching import TierWeights
 from indexer.core.routed import Candidate, confirmations
 from indexer.errors import StoreUnavailable
 from indexer.routed import scripts
-from indexer.routed.base import COUNTS
+from indexer.routed.base import COUNTS, Routing
 from indexer.stores.redis import RedisClient, RedisConfig, Script
 
 log = logging.getLogger("kvindex.routed")
@@ -48,7 +48,7 @@ def _rank_of(name: bytes) -> RankId:
     return RankId(engine, int(dp_rank))
 
 
-def _runs(flat: list) -> dict[RankId, int]:
+def _by_rank(flat: list) -> dict[RankId, int]:
     return {_rank_of(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
@@ -98,7 +98,7 @@ class RedisRouted:
         await self._observed()
         answer = await self._call("LOOKUP", args)
         self._expired(answer)
-        return _runs(answer[1])
+        return _by_rank(answer[1])
 
     async def route(
         self,
@@ -106,9 +106,9 @@ class RedisRouted:
         candidates: Sequence[Candidate],
         weights: TierWeights,
         ttl: float,
-    ) -> tuple[Candidate | None, dict[RankId, int]]:
+    ) -> Routing:
         if not candidates:
-            return None, {}
+            return None, {}, {}
         fields = [
             x
             for c in candidates
@@ -120,6 +120,7 @@ class RedisRouted:
                 c.bound,
                 repr(c.placement.miss_factor),
                 repr(c.placement.load_cost),
+                repr(c.placement.per_block),
             )
         ]
         args = [repr(weights.routed), round(ttl * 1000, 3), len(candidates), *fields]
@@ -129,7 +130,7 @@ class RedisRouted:
         self._local["recorded"] += int(answer[2])
         self._local["evicted"] += int(answer[3])
         pick = int(answer[1])
-        return (candidates[pick] if pick >= 0 else None), _runs(answer[4])
+        return (candidates[pick] if pick >= 0 else None), _by_rank(answer[4]), _by_rank(answer[5])
 
     async def _settle(self, settles: Mapping[RankId, tuple[bool, Sequence[BlockHash]]]) -> None:
         args: list = []

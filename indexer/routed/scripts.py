@@ -100,29 +100,33 @@ return {expired, out}
 )
 
 #: ARGV[3..]: routed weight, ttl_ms, n candidates, per candidate (rank, gpu_blocks,
-#: prefix_blocks, exact score, bound, miss factor, load cost), then the chain. The pick is
-#: indexer.core.routed.best's: lowest cost (indexer.core.load.cost), then best score, then
-#: fewest live entries, then the first candidate.
-#: Returns {expired, pick (0-based, -1: none), new, evicted, {rank, routed_blocks, ...}}, the
-#: routed_blocks as they were before the pick's record.
+#: prefix_blocks, exact score, bound, miss factor, load cost, per_block), then the chain. The
+#: pick is indexer.core.routed.best's: lowest cost (indexer.core.load.cost, the queue the
+#: rank's live entries not of the chain's routed run), then best score, then fewest live
+#: entries, then the first candidate.
+#: Returns {expired, pick (0-based, -1: none), new, evicted, {rank, routed_blocks, ...},
+#: {rank, queued, ...}}, as they were before the pick's record.
 ROUTE = (
     _PRELUDE
     + """
 local w, ttl, nc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local first = 6 + 7 * nc
-local n, runs, expired = #ARGV - first + 1, {}, 0
+local first = 6 + 8 * nc
+local n, runs, queues, expired = #ARGV - first + 1, {}, {}, 0
 local pick, pc, ps, pl = -1, 0, 0, 0
 local function micro(x) return math.floor(x * 1e6 + 0.5) end
 for k = 0, nc - 1 do
-  local b = 6 + 7 * k
+  local b = 6 + 8 * k
   local rank, start, prefix = ARGV[b], tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
   expired = expired + expire(rank)
   local e = run(rank, start, first, n)
   if e > start then runs[rank] = e end
-  local score = tonumber(ARGV[b + 3]) + math.max(0, e - prefix) * w
-  local c = micro(math.max(0, n - score) * tonumber(ARGV[b + 5]) + tonumber(ARGV[b + 6]))
-  local s = micro(score)
   local live = redis.call('ZCARD', zp .. rank)
+  local queued = math.max(0, live - (e - start))
+  if queued > 0 then queues[rank] = queued end
+  local score = tonumber(ARGV[b + 3]) + math.max(0, e - prefix) * w
+  local c = micro(math.max(0, n - score) * tonumber(ARGV[b + 5]) + tonumber(ARGV[b + 6])
+    + tonumber(ARGV[b + 7]) * queued)
+  local s = micro(score)
   if pick < 0 or c < pc or (c == pc and (s > ps or (s == ps and live < pl))) then
     pick, pc, ps, pl = k, c, s, live
   end
@@ -130,18 +134,21 @@ end
 count('expired', expired)
 local new, evicted = 0, 0
 if pick >= 0 then
-  local b = 6 + 7 * pick
+  local b = 6 + 8 * pick
   local rank, start = ARGV[b], tonumber(ARGV[b + 1])
   if start < n then
     new, evicted = record(rank, ttl, tonumber(ARGV[b + 4]), first + start, first + n - 1)
   end
 end
-local out = {}
-for rank, e in pairs(runs) do
-  out[#out + 1] = rank
-  out[#out + 1] = e
+local function flat(by_rank)
+  local out = {}
+  for rank, x in pairs(by_rank) do
+    out[#out + 1] = rank
+    out[#out + 1] = x
+  end
+  return out
 end
-return {expired, pick, new, evicted, out}
+return {expired, pick, new, evicted, flat(runs), flat(queues)}
 """
 )
 
