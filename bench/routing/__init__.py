@@ -116,7 +116,7 @@ class Bench:
         proxy = Proxy(self.logs, f"proxy-{slug}", index, self.fleet)
         try:
             row = self.measure(proxy, lambda: self.launch(index, proxy), workload)
-            return row | {"proxy": proxy.stats()}
+            return row | {"proxy": proxy.stats(), "routed": index.routed()}
         finally:
             proxy.stop()
             index.stop()

@@ -363,6 +363,20 @@ class Kvindex(Server):
     def engine(self, name: str) -> dict:
         return httpx.get(f"{self.url}/engines/{name}", headers=self.auth, timeout=10).json()
 
+    def routed(self) -> dict[str, int]:
+        """How the run's routed entries ended (``confirmed`` by the engines' events,
+        ``expired`` unconfirmed) and how many are ``live``: an entry no event confirms
+        weighs as queued work until it expires."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        outcomes = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "kvindex_routed_entries_total":
+                    outcomes[sample.labels["outcome"]] = int(sample.value)
+                elif sample.name == "kvindex_routed_live_entries":
+                    outcomes["live"] = int(sample.value)
+        return outcomes
+
     def prefix_match(self, messages: list[dict]) -> dict:
         body = {"model": "tiny", "messages": messages}
         answer = httpx.post(f"{self.url}/prefix-match", json=body, headers=self.auth, timeout=10)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -44,14 +44,24 @@ BESIDE = 1000
 SNAPSHOTS = 2 * BESIDE
 
 
+#: The ports this process has handed out: each is free when chosen and bound later
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(*beside: int) -> int:
-    """A free port; with ``beside``, one whose port + each offset is free too."""
+    """A free port below the kernel's ephemeral range; with ``beside``, one whose port +
+    each offset is free too. vLLM's processes bind sockets of their own on ephemeral
+    ports while they start, and one took a port chosen for another engine before that
+    engine bound it (``Address already in use``): ports below the range are never
+    handed to anyone else."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    top = int(ephemeral[0]) - max(beside, default=0)
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            if all(port_free(port + offset) for offset in beside):
-                return port
+        port = random.randrange(10_000, top)
+        group = {port + offset for offset in (0, *beside)}
+        if not group & _HANDED_OUT and all(map(port_free, group)):
+            _HANDED_OUT.update(group)
+            return port
 
 
 def environment(**extra: str) -> dict[str, str]:
