@@ -25,6 +25,7 @@ from indexer.core.load import (
 )
 from indexer.core.matching import PrefixMatch
 from indexer.core.routed import Candidate, best
+from indexer.engine_registry import EngineSpec
 from indexer.engines.vllm.hashing import HashSpec, block_hashes
 from indexer.engines.vllm_metrics import read_load
 from indexer.stores.base import apply_events
@@ -246,6 +247,34 @@ async def test_the_queue_weighs_the_work_it_holds_not_its_requests(metrics: Metr
     finally:
         await by_work.close()
         await by_count.close()
+
+
+async def test_the_queue_is_the_blocks_routed_and_not_yet_stored(metrics: Metrics) -> None:
+    """A long miss routed to e0 is queued work there until e0's events store its blocks;
+    an engine without events has no queue: nothing it holds is ever stored."""
+    rules = LoadRules(per_block=1.0, per_request=0, scrape_interval=30, stale_after=60)
+    api = await fleet(metrics, rules, held_by=None)
+    try:
+        await scraped(api)
+        assert (await pick(api, fresh(0)))["routed_to"]["engine"] == "e0"
+        second = await pick(api, fresh(1))
+        costs = {c["engine"]: c for c in second["route_costs"]}
+        assert second["routed_to"]["engine"] == "e1" and costs["e0"]["queued_blocks"] == 17
+        chain = block_hashes(HashSpec("sha256", None, BLOCK), fresh(0))
+        await api.consumers.apply(RankId("e0", 0), 1, EventBatch(1.0, [BlockStored(chain)]))
+        third = await pick(api, fresh(2))
+        costs = {c["engine"]: c for c in third["route_costs"]}
+        assert (costs["e0"]["queued_blocks"], costs["e1"]["queued_blocks"]) == (0, 17)
+        assert third["routed_to"]["engine"] == "e0"  # e0's queue is gone: e0 and e2 tie
+        url = f"{metrics.url}/e3"
+        spec = EngineSpec("e3", model="m", events=False, gpu_blocks=64, block_size=BLOCK, url=url)
+        await api.add(spec)
+        assert await picks(api, [fresh(3), fresh(4)]) == ["e2", "e3"]
+        last = await pick(api, fresh(5))  # e3 holds fresh(4)'s 17 routed blocks, unweighed
+        assert last["routed_to"]["engine"] == "e3", last["route_costs"]
+        assert (last["route_costs"][0]["queued_blocks"], last["route_costs"][0]["cost"]) == (17, 17)
+    finally:
+        await api.close()
 
 
 def test_cost_and_best_follow_the_rules_written_in_the_docs() -> None:
