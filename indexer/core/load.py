@@ -134,8 +134,8 @@ def placement(
         ahead += report.running + report.waiting
     full = fullness(report, resident)
     per_block = rules.per_block if events else 0.0
-    return Placement(1.0 + rules.pressure * full, rules.per_request * ahead, per_block, ahead,
-                     pending, full)  # fmt: skip
+    load = rules.per_request * ahead
+    return Placement(1.0 + rules.pressure * full, load, per_block, ahead, pending, full)
 
 
 def queued_blocks(live: int, own: int) -> int:

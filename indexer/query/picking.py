@@ -82,8 +82,8 @@ class LoadAwarePicker:
         rows = []
         for c, report in zip(candidates, reports, strict=True):
             rank = RankId(c.engine, c.dp_rank)
-            rows.append(self._cost(c, report, (runs.get(rank, 0), queues.get(rank, 0)), weights,
-                                   num_blocks))  # fmt: skip
+            here = (runs.get(rank, 0), queues.get(rank, 0))
+            rows.append(self._cost(c, report, here, weights, num_blocks))
         picked = None if pick is None else (pick.engine, pick.dp_rank)
         rows.sort(key=lambda row: ((row.engine, row.dp_rank) != picked, row.cost))
         return rows

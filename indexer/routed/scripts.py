@@ -12,7 +12,8 @@ touched.
 The rules restated here are :mod:`indexer.core.routed`'s: deadlines a
 microsecond apart along a chain (later blocks first to go), the entries
 whose deadline comes first evicted past the bound, routed blocks extending
-the exact GPU run, scored with the routed weight beyond the exact prefix,
+the exact GPU run, scored with the routed weight beyond the exact prefix, a
+rank's other live entries weighed as its queue (indexer.core.load.queued_blocks),
 ties to the rank with the fewest live entries, then to the first candidate.
 """
 
