@@ -60,7 +60,8 @@ class RouteCost(msgspec.Struct):
     prefix-match docs): its score, the requests ahead of the prompt there (``running``
     and ``waiting`` as the engine last reported them, ``pending`` routed since), the
     prefill blocks routed there and not yet begun, the prompt's own aside
-    (``queued_blocks``), ``fullness`` of its KV cache, and ``load_age_ms`` of the
+    (``queued_blocks``; shown but not weighed for an engine that publishes no events,
+    which never confirms them), ``fullness`` of its KV cache, and ``load_age_ms`` of the
     report (null: no fresh report, so only ``pending`` and the queue count)."""
 
     engine: str

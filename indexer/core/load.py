@@ -144,7 +144,7 @@ def queued_blocks(live: int, own: int) -> int:
     return max(0, live - own)
 
 
-def cost(score: float, num_blocks: int, where: Placement, queued: int = 0) -> float:
+def cost(score: float, num_blocks: int, where: Placement, queued: int) -> float:
     """What routing a prompt of ``num_blocks`` blocks scoring ``score`` on a rank with
     ``queued`` blocks queued costs."""
     uncached = max(0.0, num_blocks - score)
